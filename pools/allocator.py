@@ -1,0 +1,162 @@
+"""Page allocator shared by every pool (device full, device SWA, host full, host SWA).
+
+Bookkeeping only: plain CPU data, no stream, no device tensor. Pages are handed out lowest
+id first, so a fresh or lightly used pool gives long runs of consecutive pages (long copies
+for the copy engine). Page 0 is reserved for padding and is never handed out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import IndexSpace, Indices, check_indices, check_page_multiple
+
+CPU = torch.device("cpu")
+
+
+class PageAllocator:
+    """Hands out whole pages of slots of one pool.
+
+    Args:
+        num_pages: usable pages (page 0 comes on top of these and is reserved).
+        page_size: slots per page.
+        space: the index space of the slots it hands out.
+        name: pool name used in error messages.
+
+    Slot indices are ``page * page_size + offset``; valid slots are ``[0, num_slots)`` with
+    ``num_slots = (num_pages + 1) * page_size``.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, space: IndexSpace, name: str) -> None:
+        if num_pages < 1:
+            raise ValueError(f"pool '{name}': needs at least one usable page, got {num_pages}")
+        if page_size < 1:
+            raise ValueError(f"pool '{name}': page_size must be >= 1, got {page_size}")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.space = space
+        self.name = name
+        # is_free[p] for p in [0, num_pages]; page 0 is reserved and never free.
+        self._is_free = np.ones(num_pages + 1, dtype=bool)
+        self._is_free[0] = False
+        self._num_free_pages = num_pages
+        self._page_offsets = np.arange(page_size, dtype=np.int64)
+
+    @property
+    def num_slots(self) -> int:
+        """Slots in the pool including the reserved page."""
+        return (self.num_pages + 1) * self.page_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    @property
+    def num_free_tokens(self) -> int:
+        return self._num_free_pages * self.page_size
+
+    @property
+    def num_used_tokens(self) -> int:
+        return self.capacity_tokens - self.num_free_tokens
+
+    def can_alloc(self, num_tokens: int) -> bool:
+        return num_tokens <= self.num_free_tokens
+
+    def try_alloc(self, num_tokens: int) -> Indices | None:
+        """Allocate ``num_tokens`` slots (a page multiple), lowest free pages first.
+
+        Returns:
+            int64 CPU :class:`Indices` of shape ``[num_tokens]`` in page order, or ``None``
+            when fewer than ``num_tokens`` slots are free (nothing is allocated then).
+        """
+        check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
+        num_pages = num_tokens // self.page_size
+        if num_pages > self._num_free_pages:
+            return None
+        pages = np.flatnonzero(self._is_free)[:num_pages]
+        self._is_free[pages] = False
+        self._num_free_pages -= num_pages
+        return Indices(torch.from_numpy(self._slots_of(pages)), self.space)
+
+    def free(self, indices: Indices) -> None:
+        """Return whole pages to the pool.
+
+        Raises:
+            ValueError: the indices are not whole pages, name the reserved page, are out of
+                range, repeat a page, or name a page that is not allocated (a double free or
+                a slot this allocator never handed out). Nothing is freed then.
+        """
+        pages = self.pages_of(indices, op=f"free to pool '{self.name}'")
+        if pages.size == 0:
+            return
+        not_allocated = pages[self._is_free[pages]]
+        if not_allocated.size:
+            slot = int(not_allocated[0]) * self.page_size
+            raise ValueError(
+                f"free to pool '{self.name}': slot {slot} (page {int(not_allocated[0])}) is not "
+                f"allocated: a double free, or an index from another pool"
+            )
+        self._is_free[pages] = True
+        self._num_free_pages += int(pages.size)
+
+    def pages_of(self, indices: Indices, *, op: str) -> np.ndarray:
+        """Page ids of slot ``indices`` that must be whole pages in order; raises otherwise."""
+        tensor = check_indices(
+            indices, space=self.space, pool_name=self.name, num_slots=self.num_slots,
+            device=CPU, op=op,
+        )
+        slots = tensor.numpy().astype(np.int64, copy=False)
+        if slots.size % self.page_size != 0:
+            raise ValueError(
+                f"{op}: {slots.size} slots is not a whole number of pages of {self.page_size}"
+            )
+        if slots.size == 0:
+            return np.empty(0, dtype=np.int64)
+        if slots.min() < 0 or slots.max() >= self.num_slots:
+            bad = int(slots.min()) if slots.min() < 0 else int(slots.max())
+            raise ValueError(
+                f"{op}: slot {bad} is out of range for pool '{self.name}' "
+                f"(valid slots are 0..{self.num_slots - 1})"
+            )
+        by_page = slots.reshape(-1, self.page_size)
+        pages = by_page[:, 0] // self.page_size
+        if not np.array_equal(by_page, self._slots_of(pages).reshape(-1, self.page_size)):
+            raise ValueError(
+                f"{op}: slots must come in whole, ordered pages of {self.page_size}"
+            )
+        if (pages == 0).any():
+            raise ValueError(f"{op}: page 0 of pool '{self.name}' is reserved for padding")
+        if np.unique(pages).size != pages.size:
+            raise ValueError(f"{op}: the same page appears twice")
+        return pages
+
+    def is_allocated(self, indices: Indices) -> bool:
+        """True when every page of ``indices`` is currently allocated."""
+        pages = self.pages_of(indices, op=f"is_allocated on pool '{self.name}'")
+        return not bool(self._is_free[pages].any())
+
+    def used_pages(self) -> np.ndarray:
+        """Ids of allocated pages (for integrity checks of the owners)."""
+        used = np.flatnonzero(~self._is_free)
+        return used[used != 0]
+
+    def check_integrity(self) -> None:
+        """Raise ``RuntimeError`` unless free + used == capacity and page 0 is reserved."""
+        num_free = int(self._is_free.sum())
+        if self._is_free[0]:
+            raise RuntimeError(f"pool '{self.name}': reserved page 0 is marked free")
+        if num_free != self._num_free_pages:
+            raise RuntimeError(
+                f"pool '{self.name}': free count {self._num_free_pages} pages != "
+                f"{num_free} pages marked free"
+            )
+        num_used = int(self.used_pages().size)
+        if num_free + num_used != self.num_pages:
+            raise RuntimeError(
+                f"pool '{self.name}': free {num_free} + used {num_used} pages != "
+                f"capacity {self.num_pages} pages"
+            )
+
+    def _slots_of(self, pages: np.ndarray) -> np.ndarray:
+        return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)

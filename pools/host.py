@@ -1,0 +1,142 @@
+"""Host KV pool: the same rows as a device pool, in pinned host memory, in one of two layouts.
+
+``layer_first`` stores ``[components, layers, slots, row_elems]``; ``page_first`` stores
+``[slots, components, layers, row_elems]``. Both are allocated once; ``layer_rows`` gives the
+``[slots, row_elems]`` view of one component of one layer (contiguous for ``layer_first``,
+strided for ``page_first``), so every transfer backend can address either layout.
+
+When CUDA is available the buffer is page-locked with ``cudaHostRegister`` (no power-of-two
+rounding as with PyTorch's pinned allocator) and unregistered by :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .allocator import PageAllocator
+from .base import HostLayout, IndexSpace, Indices, check_indices
+from .device import RowGeometry
+
+logger = logging.getLogger(__name__)
+CPU = torch.device("cpu")
+
+
+class HostKVPool:
+    """Pinned host copy of a device pool's rows, with its own page allocator.
+
+    Args:
+        name: pool name (``full``, ``swa``) for errors and metrics.
+        space: ``HOST_FULL`` or ``HOST_SWA``.
+        num_layers: layers stored (same as the device pool it mirrors).
+        num_pages: usable pages (page 0 is reserved on top).
+        page_size: slots per page.
+        geometry: row shape and dtype (same as the device pool).
+        layout: storage order.
+        pin: page-lock the buffer (defaults to ``torch.cuda.is_available()``).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        space: IndexSpace,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        geometry: RowGeometry,
+        layout: HostLayout,
+        pin: bool | None = None,
+    ) -> None:
+        if not space.is_host:
+            raise ValueError(f"host pool '{name}' cannot use device space {space.name}")
+        self.name = name
+        self.space = space
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.geometry = geometry
+        self.layout = layout
+        self.allocator = PageAllocator(num_pages, page_size, space, name)
+        self.num_slots = self.allocator.num_slots
+        c, n, s, r = geometry.num_components, num_layers, self.num_slots, geometry.row_elems
+        shape = (c, n, s, r) if layout is HostLayout.LAYER_FIRST else (s, c, n, r)
+        self._data: torch.Tensor | None = torch.zeros(shape, dtype=geometry.dtype)
+        self.is_pinned = False
+        if pin if pin is not None else torch.cuda.is_available():
+            self._pin()
+        logger.info(
+            "host pool '%s': %d tokens, %.3f GiB, layout %s, pinned=%s",
+            name, self.allocator.capacity_tokens, self.size_bytes / 2**30, layout.value,
+            self.is_pinned,
+        )
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The whole buffer in storage order (see the module docstring)."""
+        if self._data is None:
+            raise RuntimeError(f"host pool '{self.name}' is closed")
+        return self._data
+
+    @property
+    def size_bytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer_rows(self, component: int, layer: int) -> torch.Tensor:
+        """``[num_slots, row_elems]`` view of one component of one layer."""
+        if self.layout is HostLayout.LAYER_FIRST:
+            return self.data[component, layer]
+        return self.data[:, component, layer]
+
+    def check(self, indices: Indices, op: str, device: torch.device | None = CPU) -> torch.Tensor:
+        """Validate host indices (space, dtype, device, debug bounds)."""
+        return check_indices(
+            indices, space=self.space, pool_name=self.name, num_slots=self.num_slots,
+            device=device, op=op,
+        )
+
+    def read_rows(self, indices: Indices) -> torch.Tensor:
+        """Copy of the rows at ``indices`` as ``[n, components, layers, row_elems]``."""
+        index = self.check(indices, "read_rows").to(torch.int64)
+        if self.layout is HostLayout.LAYER_FIRST:
+            return self.data[:, :, index].permute(2, 0, 1, 3).contiguous()
+        return self.data[index].clone()
+
+    def write_rows(self, indices: Indices, rows: torch.Tensor) -> None:
+        """Write ``[n, components, layers, row_elems]`` rows at ``indices`` (shared-store reads
+        and tests)."""
+        index = self.check(indices, "write_rows").to(torch.int64)
+        expected = (index.numel(), self.geometry.num_components, self.num_layers,
+                    self.geometry.row_elems)
+        if tuple(rows.shape) != expected or rows.dtype != self.geometry.dtype:
+            raise ValueError(
+                f"write_rows on host pool '{self.name}': expected {self.geometry.dtype} rows of "
+                f"shape {expected}, got {rows.dtype} {tuple(rows.shape)}"
+            )
+        if self.layout is HostLayout.LAYER_FIRST:
+            self.data[:, :, index] = rows.permute(1, 2, 0, 3)
+        else:
+            self.data[index] = rows
+
+    def close(self) -> None:
+        """Unpin and release the buffer; any later access raises. Idempotent."""
+        if self._data is None:
+            return
+        if self.is_pinned:
+            result = torch.cuda.cudart().cudaHostUnregister(self._data.data_ptr())
+            if int(result) != 0:
+                logger.warning("cudaHostUnregister of pool '%s' returned %s", self.name, result)
+            self.is_pinned = False
+        self._data = None
+
+    def _pin(self) -> None:
+        data = self.data
+        result = torch.cuda.cudart().cudaHostRegister(
+            data.data_ptr(), data.numel() * data.element_size(), 0
+        )
+        if int(result) != 0:
+            raise RuntimeError(
+                f"cudaHostRegister failed for host pool '{self.name}' ({self.size_bytes} bytes): "
+                f"{result}; transfers from unpinned memory would be synchronous or stale"
+            )
+        self.is_pinned = True

@@ -1,0 +1,316 @@
+"""Hybrid sliding-window pool: full-attention layers and SWA layers in two sub-pools.
+
+A token always has a slot in the full sub-pool (``DEVICE_FULL``); while it is inside the
+sliding window it also has a slot in the smaller SWA sub-pool (``DEVICE_SWA``). The int64
+map ``full_to_swa[full_slot]`` joins them; 0 means "no SWA slot" and points at the reserved
+padding slot of the SWA sub-pool. Mapping is page-aligned: page ``p`` of the full pool maps
+to a whole page ``q`` of the SWA pool, slot by slot.
+
+This class is the only place that makes ``DEVICE_SWA`` indices. Attention kernels get int32
+SWA indices (:meth:`translate_full_to_swa`, :meth:`translate_page_table`,
+:meth:`fill_decode_buffer`); the transfer path asks for int64 in ``move_indices``.
+
+Bookkeeping (which full page owns which SWA page) is a CPU mirror of the device map, so
+freeing never synchronises the GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .allocator import PageAllocator
+from .base import IndexSpace, Indices, check_indices
+from .device import DeviceKVPool, LayerWaiter, RowGeometry
+
+CPU = torch.device("cpu")
+
+
+class HybridSWAPool:
+    """Full + SWA device pools with their allocators and the full-to-SWA map.
+
+    Args:
+        num_layers: model layers.
+        swa_layers: model layer ids that use sliding-window attention.
+        full_pages / swa_pages: usable pages of each sub-pool (page 0 reserved on top).
+        page_size: slots per page (both sub-pools).
+        geometry: row shape and dtype (same for both sub-pools).
+        device: where rows and the map live.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        swa_layers: Sequence[int],
+        full_pages: int,
+        swa_pages: int,
+        page_size: int,
+        geometry: RowGeometry,
+        device: torch.device | str,
+    ) -> None:
+        swa_set = set(swa_layers)
+        if not swa_set or not swa_set <= set(range(num_layers)):
+            raise ValueError(
+                f"swa_layers {sorted(swa_set)} must be a non-empty subset of 0..{num_layers - 1}"
+            )
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.device = torch.device(device)
+        full_ids = [i for i in range(num_layers) if i not in swa_set]
+        swa_ids = sorted(swa_set)
+        # layer_mapping[model_layer] = (is_swa, local layer id in its sub-pool)
+        self.layer_mapping: list[tuple[bool, int]] = [
+            (True, swa_ids.index(i)) if i in swa_set else (False, full_ids.index(i))
+            for i in range(num_layers)
+        ]
+        self.full_allocator = PageAllocator(full_pages, page_size, IndexSpace.DEVICE_FULL, "full")
+        self.swa_allocator = PageAllocator(swa_pages, page_size, IndexSpace.DEVICE_SWA, "swa")
+        self.full = DeviceKVPool(
+            name="full", space=IndexSpace.DEVICE_FULL, num_layers=len(full_ids),
+            num_slots=self.full_allocator.num_slots, geometry=geometry, device=self.device,
+        )
+        self.swa = DeviceKVPool(
+            name="swa", space=IndexSpace.DEVICE_SWA, num_layers=len(swa_ids),
+            num_slots=self.swa_allocator.num_slots, geometry=geometry, device=self.device,
+        )
+        self.full_to_swa = torch.zeros(self.full.num_slots, dtype=torch.int64, device=self.device)
+        self._full_to_swa_host = np.zeros(self.full.num_slots, dtype=np.int64)
+        self._forward_locs: Indices | None = None
+        self._forward_swa_locs: Indices | None = None
+        self._layer_waiter: LayerWaiter | None = None
+
+    # ---- allocation -------------------------------------------------------------------
+
+    def try_alloc(self, num_tokens: int) -> Indices | None:
+        """Full slots with an SWA slot each; ``None`` (nothing allocated) if either is short.
+
+        Returns:
+            int64 CPU ``DEVICE_FULL`` indices of shape ``[num_tokens]``.
+        """
+        full = self.full_allocator.try_alloc(num_tokens)
+        if full is None:
+            return None
+        if self.try_alloc_swa(full) is None:
+            self.full_allocator.free(full)
+            return None
+        return full
+
+    def try_alloc_swa(self, full: Indices) -> Indices | None:
+        """Give SWA slots to full slots that have none (whole pages); ``None`` if out of room.
+
+        Returns:
+            int64 CPU ``DEVICE_SWA`` indices aligned with ``full``.
+        """
+        full_slots = self._host_full(full, "try_alloc_swa")
+        if (self._full_to_swa_host[full_slots] != 0).any():
+            raise ValueError("try_alloc_swa: some full slots already have an SWA slot")
+        swa = self.swa_allocator.try_alloc(full_slots.size)
+        if swa is None:
+            return None
+        self._set_map(full_slots, swa.tensor.numpy())
+        return swa
+
+    def free(self, full: Indices) -> None:
+        """Free full slots and any SWA slots they still hold."""
+        self.free_swa(full)
+        self.full_allocator.free(full)
+
+    def free_swa(self, full: Indices) -> None:
+        """Release the SWA slots of full slots whose tokens left the window.
+
+        Full pages without an SWA page are skipped, so calling it twice is harmless.
+        """
+        full_slots = self._host_full(full, "free_swa")
+        swa_slots = self._full_to_swa_host[full_slots]
+        mapped = swa_slots != 0
+        if not mapped.any():
+            return
+        self.swa_allocator.free(Indices(torch.from_numpy(swa_slots[mapped]), IndexSpace.DEVICE_SWA))
+        self._set_map(full_slots[mapped], np.zeros(int(mapped.sum()), dtype=np.int64))
+
+    def swa_slots_of(self, full: Indices) -> Indices:
+        """CPU int64 ``DEVICE_SWA`` slots of ``full`` (0 where a token has none); no GPU sync."""
+        full_slots = self._host_full(full, "swa_slots_of", whole_pages=False)
+        return Indices(torch.from_numpy(self._full_to_swa_host[full_slots].copy()),
+                       IndexSpace.DEVICE_SWA)
+
+    def check_integrity(self) -> None:
+        """Both allocators are consistent and the map points only at allocated pages, each
+        SWA page owned by exactly one full page; raises ``RuntimeError`` otherwise."""
+        self.full_allocator.check_integrity()
+        self.swa_allocator.check_integrity()
+        mapped = np.flatnonzero(self._full_to_swa_host)
+        swa_pages = np.unique(self._full_to_swa_host[mapped] // self.page_size)
+        used_swa = self.swa_allocator.used_pages()
+        if not np.array_equal(swa_pages, used_swa):
+            raise RuntimeError(
+                f"swa pool: {used_swa.size} pages allocated but {swa_pages.size} mapped"
+            )
+        if mapped.size != swa_pages.size * self.page_size:
+            raise RuntimeError("swa pool: an SWA page is mapped from more than one full page")
+        full_pages = np.unique(mapped // self.page_size)
+        if not np.isin(full_pages, self.full_allocator.used_pages()).all():
+            raise RuntimeError("swa pool: a free full page still maps to an SWA page")
+        if not np.array_equal(self.full_to_swa.cpu().numpy(), self._full_to_swa_host):
+            raise RuntimeError("swa pool: device map differs from its host mirror")
+
+    # ---- translation --------------------------------------------------------------------
+
+    def translate_full_to_swa(self, full: Indices) -> Indices:
+        """SWA slots of ``full`` slots for attention kernels.
+
+        Args:
+            full: ``[n]`` ``DEVICE_FULL`` indices on the pool's device.
+        Returns:
+            ``[n]`` int32 ``DEVICE_SWA`` indices on the same device; 0 where a token has no
+            SWA slot (the padding slot). Empty in, empty out.
+        """
+        index = self.full.check(full, "translate_full_to_swa")
+        swa = self.full_to_swa[index.to(torch.int64)].to(torch.int32)
+        return Indices(swa, IndexSpace.DEVICE_SWA)
+
+    def begin_forward(self, out_cache_loc: Indices) -> Indices:
+        """Translate this forward's new-token locations once and cache them until
+        :meth:`end_forward` or any change of the map. ``set_kv`` on SWA layers reuses the
+        cache when handed the same ``Indices`` object."""
+        self._forward_locs = out_cache_loc
+        self._forward_swa_locs = self.translate_full_to_swa(out_cache_loc)
+        return self._forward_swa_locs
+
+    @property
+    def forward_swa_locs(self) -> Indices:
+        """The cached SWA translation of the current forward's locations."""
+        if self._forward_swa_locs is None:
+            raise RuntimeError(
+                "no cached SWA locations: call begin_forward(out_cache_loc) first (the cache "
+                "is dropped by end_forward and by every change of the full-to-SWA map)"
+            )
+        return self._forward_swa_locs
+
+    def end_forward(self) -> None:
+        """Drop the cached translation."""
+        self._forward_locs = None
+        self._forward_swa_locs = None
+
+    def translate_page_table(self, page_table: torch.Tensor) -> torch.Tensor:
+        """Translate a page table of full page ids to SWA page ids (always bounds-checked).
+
+        Args:
+            page_table: ``[batch, max_pages]`` int32/int64 full-pool page ids on the pool's
+                device; 0 is the padding page.
+        Returns:
+            ``[batch, max_pages]`` int32 SWA page ids; 0 for padding and for pages whose
+            tokens left the window.
+        Raises:
+            ValueError: wrong dtype/device, or a page id outside the full pool.
+        """
+        if page_table.dtype not in (torch.int32, torch.int64) or page_table.device != self.device:
+            raise ValueError(
+                f"translate_page_table: page table must be int32/int64 on {self.device}, got "
+                f"{page_table.dtype} on {page_table.device}"
+            )
+        if page_table.numel() == 0:
+            return torch.empty(page_table.shape, dtype=torch.int32, device=self.device)
+        num_pages = self.full.num_slots // self.page_size
+        low, high = int(page_table.min().item()), int(page_table.max().item())
+        if low < 0 or high >= num_pages:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"translate_page_table: page id {bad} is outside the full pool "
+                f"(valid pages are 0..{num_pages - 1}); is this table already in SWA space?"
+            )
+        first_slots = page_table.to(torch.int64) * self.page_size
+        return (self.full_to_swa[first_slots] // self.page_size).to(torch.int32)
+
+    def fill_decode_buffer(self, buffer: torch.Tensor, full: Indices) -> Indices:
+        """Fill a preallocated (CUDA-graph) buffer with SWA locations and zero the tail.
+
+        Args:
+            buffer: ``[max_batch]`` int32 on the pool's device; may hold stale values.
+            full: ``[n]`` ``DEVICE_FULL`` locations, ``n <= max_batch``.
+        Returns:
+            ``Indices`` over the whole buffer (``DEVICE_SWA``); rows ``n:`` are 0 (padding).
+        """
+        if buffer.dtype != torch.int32 or buffer.device != self.device or buffer.dim() != 1:
+            raise ValueError(
+                f"fill_decode_buffer: buffer must be 1-D int32 on {self.device}, got "
+                f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
+            )
+        if len(full) > buffer.numel():
+            raise ValueError(
+                f"fill_decode_buffer: {len(full)} locations do not fit a buffer of "
+                f"{buffer.numel()}"
+            )
+        n = len(full)
+        buffer[:n].copy_(self.translate_full_to_swa(full).tensor)
+        buffer[n:].zero_()
+        return Indices(buffer, IndexSpace.DEVICE_SWA)
+
+    # ---- KV access ----------------------------------------------------------------------
+
+    def register_layer_waiter(self, waiter: LayerWaiter | None) -> None:
+        """Accessors wait once here, on the model layer id; the sub-pools never wait."""
+        self._layer_waiter = waiter
+
+    def is_swa_layer(self, layer: int) -> bool:
+        return self.layer_mapping[layer][0]
+
+    def pool_of(self, layer: int) -> tuple[DeviceKVPool, int]:
+        """The sub-pool holding model ``layer`` and its local layer id."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range (0..{self.num_layers - 1})")
+        is_swa, local = self.layer_mapping[layer]
+        return (self.swa if is_swa else self.full), local
+
+    def key_buffer(self, layer: int) -> torch.Tensor:
+        pool, local = self._waited(layer)
+        return pool.key_buffer(local)
+
+    def value_buffer(self, layer: int) -> torch.Tensor:
+        pool, local = self._waited(layer)
+        return pool.value_buffer(local)
+
+    def latent_buffer(self, layer: int) -> torch.Tensor:
+        pool, local = self._waited(layer)
+        return pool.latent_buffer(local)
+
+    def set_kv(
+        self, layer: int, locs: Indices, k: torch.Tensor, v: torch.Tensor | None = None
+    ) -> None:
+        """Write new tokens of model ``layer``; ``locs`` are ``DEVICE_FULL``. SWA layers write
+        the translated SWA rows (never the full row index)."""
+        pool, local = self._waited(layer)
+        if pool is self.swa:
+            self.full.check(locs, f"set_kv(layer={layer})")
+            cached = locs is self._forward_locs and self._forward_swa_locs is not None
+            locs = self.forward_swa_locs if cached else self.translate_full_to_swa(locs)
+        pool.set_kv(local, locs, k, v)
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _waited(self, layer: int) -> tuple[DeviceKVPool, int]:
+        pool, local = self.pool_of(layer)
+        if self._layer_waiter is not None:
+            self._layer_waiter(layer)
+        return pool, local
+
+    def _host_full(self, full: Indices, op: str, whole_pages: bool = True) -> np.ndarray:
+        if whole_pages:
+            pages = self.full_allocator.pages_of(full, op=op)
+            offsets = np.arange(self.page_size, dtype=np.int64)
+            return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
+        tensor = check_indices(
+            full, space=IndexSpace.DEVICE_FULL, pool_name="full",
+            num_slots=self.full.num_slots, device=CPU, op=op,
+        )
+        return tensor.numpy().astype(np.int64, copy=False)
+
+    def _set_map(self, full_slots: np.ndarray, swa_slots: np.ndarray) -> None:
+        self._full_to_swa_host[full_slots] = swa_slots
+        full_t = torch.from_numpy(full_slots.copy()).to(self.device, non_blocking=True)
+        swa_t = torch.from_numpy(swa_slots.astype(np.int64)).to(self.device, non_blocking=True)
+        self.full_to_swa[full_t] = swa_t
+        self.end_forward()
