@@ -1,0 +1,181 @@
+"""Transfer backends: ``torch`` (index ops, the reference), ``kernel`` (Triton over unified
+addressing) and the ``auto`` choice between them.
+
+Every backend is called with the op's side stream current and with indices that
+``move_indices`` already placed where :meth:`TransferBackend.index_devices` asked.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Sequence
+
+import torch
+from hicache.pools import DeviceKVPool, HostKVPool
+
+from .base import Direction, MovedTransfer, TransferBackend
+
+logger = logging.getLogger(__name__)
+CPU = torch.device("cpu")
+
+
+class BackendName(enum.Enum):
+    TORCH = "torch"
+    KERNEL = "kernel"
+    STAGED = "staged"
+    AUTO = "auto"
+
+
+class TorchBackend(TransferBackend):
+    """Index ops in plain torch. Runs anywhere; every other backend is tested against it.
+
+    On a CPU device pool both sides are indexed directly. On a GPU, writes gather rows on
+    the GPU, copy them to pinned memory and scatter them on the CPU, which needs the side
+    stream synchronised: this backend blocks the caller on GPU writes (a reference, not a
+    fast path). Loads gather on the CPU into pinned memory and copy asynchronously.
+    """
+
+    name = "torch"
+
+    def index_devices(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool
+    ) -> tuple[torch.device, torch.device]:
+        return CPU, device_pool.device
+
+    def copy(
+        self,
+        moved: MovedTransfer,
+        local_layers: Sequence[int],
+        direction: Direction,
+        keep_alive: list[torch.Tensor],
+    ) -> None:
+        device = moved.source.device_pool
+        if moved.host_index.numel() == 0 or not local_layers:
+            return
+        components = range(device.geometry.num_components)
+        pairs = [(c, layer) for layer in local_layers for c in components]
+        if device.device.type == "cpu":
+            self._copy_cpu(moved, pairs, direction)
+        elif direction is Direction.DEVICE_TO_HOST:
+            self._write_gpu(moved, pairs)
+        else:
+            self._load_gpu(moved, pairs, keep_alive)
+
+    @staticmethod
+    def _copy_cpu(
+        moved: MovedTransfer, pairs: list[tuple[int, int]], direction: Direction
+    ) -> None:
+        host, device = moved.source.host_pool, moved.source.device_pool
+        for c, layer in pairs:
+            host_rows, device_rows = host.layer_rows(c, layer), device.layer_rows(c, layer)
+            if direction is Direction.DEVICE_TO_HOST:
+                host_rows.index_copy_(0, moved.host_index,
+                                      device_rows.index_select(0, moved.device_index))
+            else:
+                device_rows.index_copy_(0, moved.device_index,
+                                        host_rows.index_select(0, moved.host_index))
+
+    @staticmethod
+    def _write_gpu(moved: MovedTransfer, pairs: list[tuple[int, int]]) -> None:
+        host, device = moved.source.host_pool, moved.source.device_pool
+        gathered = torch.stack(
+            [device.layer_rows(c, layer).index_select(0, moved.device_index) for c, layer in pairs]
+        )
+        staging = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+        staging.copy_(gathered, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        for i, (c, layer) in enumerate(pairs):
+            host.layer_rows(c, layer).index_copy_(0, moved.host_index, staging[i])
+
+    @staticmethod
+    def _load_gpu(
+        moved: MovedTransfer, pairs: list[tuple[int, int]], keep_alive: list[torch.Tensor]
+    ) -> None:
+        host, device = moved.source.host_pool, moved.source.device_pool
+        staging = torch.stack(
+            [host.layer_rows(c, layer).index_select(0, moved.host_index) for c, layer in pairs]
+        ).pin_memory()
+        on_device = staging.to(device.device, non_blocking=True)
+        keep_alive.extend((staging, on_device))
+        for i, (c, layer) in enumerate(pairs):
+            device.layer_rows(c, layer).index_copy_(0, moved.device_index, on_device[i])
+
+
+class KernelBackend(TransferBackend):
+    """Triton kernel that reads and writes pinned host rows directly (unified addressing),
+    with a bounded persistent grid of ``num_programs`` programs. Layers move as one launch
+    per contiguous range of local layers."""
+
+    name = "kernel"
+
+    def __init__(self, num_programs: int = 16) -> None:
+        if num_programs < 1:
+            raise ValueError(f"kernel backend: num_programs must be >= 1, got {num_programs}")
+        self.num_programs = num_programs
+
+    def index_devices(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool
+    ) -> tuple[torch.device, torch.device]:
+        return device_pool.device, device_pool.device
+
+    def copy(
+        self,
+        moved: MovedTransfer,
+        local_layers: Sequence[int],
+        direction: Direction,
+        keep_alive: list[torch.Tensor],
+    ) -> None:
+        from .kernel import transfer_rows
+
+        if moved.host_index.numel() == 0:
+            return
+        for begin, end in _contiguous_ranges(local_layers):
+            transfer_rows(
+                device_data=moved.source.device_pool.data,
+                host_data=moved.source.host_pool.data,
+                host_layout=moved.source.host_pool.layout,
+                host_indices=moved.host_index,
+                device_indices=moved.device_index,
+                layer_begin=begin,
+                layer_end=end,
+                to_host=direction is Direction.DEVICE_TO_HOST,
+                num_programs=self.num_programs,
+            )
+
+
+def _contiguous_ranges(layers: Sequence[int]) -> list[tuple[int, int]]:
+    ranges: list[tuple[int, int]] = []
+    for layer in layers:
+        if ranges and ranges[-1][1] == layer:
+            ranges[-1] = (ranges[-1][0], layer + 1)
+        else:
+            ranges.append((layer, layer + 1))
+    return ranges
+
+
+def make_backend(name: BackendName | str, device: torch.device, num_programs: int = 16
+                 ) -> TransferBackend:
+    """Build the backend called ``name`` for pools on ``device``.
+
+    ``auto`` picks ``kernel`` on a CUDA device when Triton is usable, else ``torch``.
+    """
+    from .kernel import kernel_available
+
+    choice = BackendName(name) if isinstance(name, str) else name
+    if choice is BackendName.AUTO:
+        use_kernel = device.type == "cuda" and kernel_available()
+        choice = BackendName.KERNEL if use_kernel else BackendName.TORCH
+        logger.debug("auto backend on %s: %s", device, choice.value)
+    if choice is BackendName.TORCH:
+        return TorchBackend()
+    if choice is BackendName.KERNEL:
+        if not kernel_available():
+            raise ValueError(
+                "io_backend 'kernel' needs Triton with a CUDA device (or TRITON_INTERPRET=1 on "
+                "a CPU); install triton or choose io_backend: torch"
+            )
+        return KernelBackend(num_programs)
+    raise ValueError(
+        f"io_backend '{choice.value}' is not available yet; choose torch, kernel or auto"
+    )

@@ -1,0 +1,166 @@
+"""Transfer ops, acknowledgements and the backend interface of the cache controller.
+
+A :class:`TransferOp` is one asynchronous move between host and device pools. It carries a
+list of :class:`PoolTransfer` (the primary full-attention transfer first, then side pools
+such as SWA) and owns every tensor a side stream reads for it (``keep_alive``) until its
+finish event has fired and :meth:`CacheController.poll` has acknowledged it.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from hicache.pools import DeviceKVPool, HostKVPool, Indices
+
+from .events import Event
+
+
+class Direction(enum.Enum):
+    """``DEVICE_TO_HOST`` backs pages up (write); ``HOST_TO_DEVICE`` loads them back."""
+
+    DEVICE_TO_HOST = "device_to_host"
+    HOST_TO_DEVICE = "host_to_device"
+
+
+@dataclass(eq=False)
+class PoolTransfer:
+    """The part of an op that moves rows of one pool pair.
+
+    Args:
+        name: pool name (``full``, ``swa``): labels metrics and errors.
+        host_pool, device_pool: the two pools; their index spaces must match the indices.
+        host_indices, device_indices: aligned ``[n]`` CPU slot indices (bookkeeping form).
+        layers: model layer ids this pool stores, in its local layer order
+            (``layers[i]`` is the model id of local layer ``i``).
+    """
+
+    name: str
+    host_pool: HostKVPool
+    device_pool: DeviceKVPool
+    host_indices: Indices
+    device_indices: Indices
+    layers: tuple[int, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.host_indices)
+
+    @property
+    def size_bytes(self) -> int:
+        geometry = self.device_pool.geometry
+        return self.num_tokens * geometry.token_bytes(len(self.layers))
+
+
+@dataclass(eq=False)
+class MovedTransfer:
+    """A :class:`PoolTransfer` with its indices where the backend reads them.
+
+    ``host_index`` / ``device_index`` are raw int64 tensors on the devices the backend asked
+    for, with padding pairs removed. They are recorded on the stream that reads them.
+    """
+
+    source: PoolTransfer
+    host_index: torch.Tensor
+    device_index: torch.Tensor
+
+    def local_layers_of(self, model_layer: int) -> list[int]:
+        """Local layer ids of this pool that hold ``model_layer`` (empty when none)."""
+        layers = self.source.layers
+        return [layers.index(model_layer)] if model_layer in layers else []
+
+
+@dataclass(eq=False)
+class TransferOp:
+    """One submitted move. Owns its tensors until acknowledged.
+
+    ``layer_events`` (loads only) has one event per model layer; ``finish_event`` is the
+    last one for loads and a dedicated event for writes.
+    """
+
+    op_id: int
+    direction: Direction
+    transfers: list[PoolTransfer]
+    tags: list[object]
+    backend: str = ""
+    moved: list[MovedTransfer] = field(default_factory=list)
+    keep_alive: list[torch.Tensor] = field(default_factory=list)
+    start_event: Event | None = None
+    finish_event: Event | None = None
+    layer_events: list[Event] = field(default_factory=list)
+    event_set: int | None = None
+
+    @property
+    def primary(self) -> PoolTransfer:
+        return self.transfers[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.primary.num_tokens
+
+    def is_done(self) -> bool:
+        """Non-blocking: has the finish event fired? (``query()`` only)."""
+        assert self.finish_event is not None, f"op {self.op_id} was never submitted"
+        return self.finish_event.query()
+
+
+class Ack(NamedTuple):
+    """A finished op as :meth:`CacheController.poll` reports it.
+
+    ``duration_s`` is the transfer time measured between the op's start and finish events
+    (``None`` on CPU, where moves are synchronous).
+    """
+
+    op_id: int
+    direction: Direction
+    tags: list[object]
+    tokens_by_pool: dict[str, int]
+    bytes_by_pool: dict[str, int]
+    duration_s: float | None
+    backend: str
+
+
+class HybridSlots(NamedTuple):
+    """Slots of a hybrid (full + SWA) op, aligned token by token.
+
+    ``full``: ``[n]`` full-pool slots. ``swa``: ``[n]`` SWA-pool slots of the same space
+    family (host or device), 0 where a token has no SWA slot (outside the window).
+    """
+
+    full: Indices
+    swa: Indices
+
+
+class TransferBackend(ABC):
+    """How rows cross between a host pool and a device pool.
+
+    A backend is stateless apart from configuration. It is called on the side stream that
+    the op runs on (the caller has made that stream current) and must not synchronise
+    except where documented (the ``torch`` backend on a GPU).
+    """
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def index_devices(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool
+    ) -> tuple[torch.device, torch.device]:
+        """Where this backend wants (host indices, device indices)."""
+
+    @abstractmethod
+    def copy(
+        self,
+        moved: MovedTransfer,
+        local_layers: Sequence[int],
+        direction: Direction,
+        keep_alive: list[torch.Tensor],
+    ) -> None:
+        """Move rows of ``local_layers`` for every index pair of ``moved``.
+
+        Temporaries that a stream reads after this returns go into ``keep_alive``; the op
+        records them on the stream and keeps them until acknowledged.
+        """

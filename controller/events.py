@@ -1,0 +1,91 @@
+"""Completion events and the ring of per-layer event sets.
+
+On CUDA an :class:`Event` wraps ``torch.cuda.Event``. Without CUDA every move is synchronous,
+so events are complete the moment they are recorded: the same protocol (record, query,
+wait, FIFO polling, ring reuse) runs and is tested on a CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Event:
+    """A completion marker on a stream; ``query()`` never blocks."""
+
+    def __init__(self, device: torch.device, timing: bool = False) -> None:
+        self._cuda = (
+            torch.cuda.Event(enable_timing=timing) if device.type == "cuda" else None
+        )
+        self.is_recorded = False
+
+    def record(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Mark the current point of ``stream`` (the current stream if ``None``)."""
+        if self._cuda is not None:
+            self._cuda.record(stream)
+        self.is_recorded = True
+
+    def query(self) -> bool:
+        """True once all work before the record point has finished (or never recorded)."""
+        return self._cuda.query() if self._cuda is not None else True
+
+    def wait(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: current) wait for this event on the GPU; no CPU block."""
+        if self._cuda is not None and self.is_recorded:
+            self._cuda.wait(stream)
+
+    def synchronize(self) -> None:
+        """Block the CPU until the event fires. Shutdown and tests only."""
+        if self._cuda is not None and self.is_recorded:
+            self._cuda.synchronize()
+
+    def elapsed_s(self, end: Event) -> float | None:
+        """Seconds from this event to ``end`` (both timing events, both fired)."""
+        if self._cuda is None or end._cuda is None:
+            return None
+        return float(self._cuda.elapsed_time(end._cuda)) / 1e3
+
+
+class LayerEventRing:
+    """A few sets of per-layer events, rotated per load batch.
+
+    The next batch's load may start while the forward pass still consumes the previous
+    one. Rotating onto a set whose last event has not fired is an error (the consumer might
+    still wait on it), never a hang.
+    """
+
+    def __init__(self, num_sets: int, num_layers: int, device: torch.device) -> None:
+        if num_sets < 2:
+            raise ValueError(f"event ring needs at least 2 sets, got {num_sets}")
+        self.num_layers = num_layers
+        self._sets = [
+            [Event(device, timing=(layer in (0, num_layers - 1))) for layer in range(num_layers)]
+            for _ in range(num_sets)
+        ]
+        self._in_use = [False] * num_sets
+        self._next = 0
+        self.consumer: int | None = None
+
+    def acquire(self) -> tuple[int, list[Event]]:
+        """Take the next set for a new load; raises if its previous load has not finished."""
+        index = self._next
+        events = self._sets[index]
+        if self._in_use[index] and not events[-1].query():
+            raise RuntimeError(
+                f"layer event set {index} is still in flight: {len(self._sets)} load batches "
+                f"are outstanding; poll() the controller before starting another load"
+            )
+        self._in_use[index] = True
+        self._next = (index + 1) % len(self._sets)
+        return index, events
+
+    def release(self, index: int) -> None:
+        self._in_use[index] = False
+
+    def wait_until(self, layer: int) -> None:
+        """Make the current stream wait for ``layer`` of the consumer set (GPU-side)."""
+        if self.consumer is None:
+            return
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"wait_until: layer {layer} out of range (0..{self.num_layers - 1})")
+        self._sets[self.consumer][layer].wait()

@@ -1,0 +1,187 @@
+"""Hybrid controller for sliding-window + full-attention caches.
+
+Each op carries the full-attention transfer (every full layer) plus an SWA pool transfer
+(every SWA layer) whose device slots come from the full-to-SWA map and whose host slots come
+from the SWA host pool. Slots are exchanged as :class:`HybridSlots`, aligned token by token
+with 0 meaning "no SWA slot", so a tree node can split its slots at any page boundary.
+
+Loads give SWA device slots only to the window tail (the last ``swa_tail_tokens`` tokens,
+rounded up to pages); if any allocation of an op fails, every allocation of that op is
+rolled back and ``None`` is returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
+
+from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
+from .controller import CacheController
+
+
+class HybridCacheController(CacheController):
+    """Moves full and SWA rows of a :class:`HybridSWAPool` in one op.
+
+    Args:
+        hybrid_pool: the device pools, allocators and full-to-SWA map.
+        host_full: host pool of the full layers (``HOST_FULL``).
+        host_swa: host pool of the SWA layers (``HOST_SWA``).
+        backend, producer_streams, event_ring_size: as for :class:`CacheController`.
+    """
+
+    def __init__(
+        self,
+        *,
+        hybrid_pool: HybridSWAPool,
+        host_full: HostKVPool,
+        host_swa: HostKVPool,
+        backend: TransferBackend,
+        producer_streams: Sequence[torch.cuda.Stream] = (),
+        event_ring_size: int = 3,
+    ) -> None:
+        self.hybrid_pool = hybrid_pool
+        self.host_swa = host_swa
+        mapping = hybrid_pool.layer_mapping
+        self.swa_layers = tuple(i for i, (is_swa, _) in enumerate(mapping) if is_swa)
+        super().__init__(
+            device_pool=hybrid_pool.full,
+            device_allocator=hybrid_pool.full_allocator,
+            host_pool=host_full,
+            backend=backend,
+            producer_streams=producer_streams,
+            event_ring_size=event_ring_size,
+            full_layers=tuple(i for i, (is_swa, _) in enumerate(mapping) if not is_swa),
+            num_model_layers=hybrid_pool.num_layers,
+        )
+
+    def write(self, device_indices: Indices, tag: object = None) -> HybridSlots | None:  # type: ignore[override]
+        """Back up full rows of ``device_indices`` and SWA rows of those tokens that still
+        have SWA slots.
+
+        Args:
+            device_indices: ``[n]`` CPU ``DEVICE_FULL`` slots (whole pages).
+        Returns:
+            host :class:`HybridSlots` (``HOST_FULL``, ``HOST_SWA`` with 0 for tokens without
+            an SWA slot), or ``None`` when either host pool is full (nothing allocated).
+        """
+        self._check_cpu(device_indices, self.device_pool, "write")
+        device_swa = self.hybrid_pool.swa_slots_of(device_indices)
+        mapped = device_swa.tensor != 0
+        host_full = self.host_pool.allocator.try_alloc(len(device_indices))
+        if host_full is None:
+            return None
+        host_swa_part = self.host_swa.allocator.try_alloc(int(mapped.sum()))
+        if host_swa_part is None:
+            self.host_pool.allocator.free(host_full)
+            return None
+        host_swa = _scatter_aligned(host_swa_part, mapped, IndexSpace.HOST_SWA)
+        if len(host_full):
+            transfers = [
+                self._full_transfer(host_full, device_indices),
+                self._swa_transfer(host_swa_part, Indices(device_swa.tensor[mapped],
+                                                          IndexSpace.DEVICE_SWA)),
+            ]
+            self._queue(Direction.DEVICE_TO_HOST, transfers, tag)
+        return HybridSlots(host_full, host_swa)
+
+    def load(  # type: ignore[override]
+        self, host_indices: Indices, host_swa: Indices, swa_tail_tokens: int, tag: object = None
+    ) -> HybridSlots | None:
+        """Bring back full rows of every token and SWA rows of the window tail.
+
+        Args:
+            host_indices: ``[n]`` CPU ``HOST_FULL`` slots (whole pages).
+            host_swa: ``[n]`` CPU ``HOST_SWA`` slots aligned with ``host_indices`` (0 = none);
+                every token of the tail must have one.
+            swa_tail_tokens: tokens at the end that need SWA rows (the window), rounded up
+                to whole pages and capped at ``n``.
+        Returns:
+            device :class:`HybridSlots` (``DEVICE_FULL``, ``DEVICE_SWA`` aligned, 0 outside
+            the tail), or ``None`` when either device pool is short; then nothing stays
+            allocated.
+        """
+        self._check_cpu(host_indices, self.host_pool, "load")
+        swa_host = self._check_cpu(host_swa, self.host_swa, "load")
+        if swa_host.numel() != len(host_indices):
+            raise ValueError(
+                f"load: host_swa has {swa_host.numel()} slots for {len(host_indices)} tokens; "
+                f"pass them aligned (0 where a token has no SWA slot)"
+            )
+        tail = self._tail_mask(len(host_indices), swa_tail_tokens)
+        if bool((swa_host[tail] == 0).any()):
+            raise ValueError(
+                "load: a token of the window tail has no SWA host slot; its SWA rows were "
+                "never backed up, so it cannot be restored (recompute it instead)"
+            )
+        device_full = self.device_allocator.try_alloc(len(host_indices))
+        if device_full is None:
+            return None
+        tail_full = Indices(device_full.tensor[tail], IndexSpace.DEVICE_FULL)
+        device_swa_part = self.hybrid_pool.try_alloc_swa(tail_full)
+        if device_swa_part is None:
+            self.device_allocator.free(device_full)
+            return None
+        if len(device_full):
+            transfers = [
+                self._full_transfer(host_indices, device_full),
+                self._swa_transfer(Indices(swa_host[tail], IndexSpace.HOST_SWA), device_swa_part),
+            ]
+            self._queue(Direction.HOST_TO_DEVICE, transfers, tag)
+        return HybridSlots(
+            device_full, _scatter_aligned(device_swa_part, tail, IndexSpace.DEVICE_SWA)
+        )
+
+    def move_hybrid_indices(self, op: TransferOp) -> list[MovedTransfer]:
+        """Normalise the primary and every pool transfer's indices of ``op``."""
+        return self.move_op_indices(op)
+
+    def evict_device(self, device_indices: Indices) -> None:
+        """Free full slots and their SWA slots; raises if any is in flight."""
+        self._check_not_busy(device_indices, "evict_device")
+        self._check_not_busy(self._mapped_swa(device_indices), "evict_device")
+        self.hybrid_pool.free(device_indices)
+
+    def evict_host(self, host_indices: Indices, host_swa: Indices | None = None) -> None:
+        """Free host full slots and the aligned SWA host slots (0 entries skipped)."""
+        self._check_not_busy(host_indices, "evict_host")
+        swa = None
+        if host_swa is not None:
+            swa_slots = self._check_cpu(host_swa, self.host_swa, "evict_host")
+            swa = Indices(swa_slots[swa_slots != 0], IndexSpace.HOST_SWA)
+            self._check_not_busy(swa, "evict_host")
+        self.host_pool.allocator.free(host_indices)
+        if swa is not None:
+            self.host_swa.allocator.free(swa)
+
+    def _pools(self) -> list[DeviceKVPool | HostKVPool]:
+        return [self.device_pool, self.hybrid_pool.swa, self.host_pool, self.host_swa]
+
+    def _swa_transfer(self, host: Indices, device: Indices) -> PoolTransfer:
+        return PoolTransfer(
+            name=self.hybrid_pool.swa.name, host_pool=self.host_swa,
+            device_pool=self.hybrid_pool.swa, host_indices=host, device_indices=device,
+            layers=self.swa_layers,
+        )
+
+    def _mapped_swa(self, device_indices: Indices) -> Indices:
+        swa = self.hybrid_pool.swa_slots_of(device_indices).tensor
+        return Indices(swa[swa != 0], IndexSpace.DEVICE_SWA)
+
+    def _tail_mask(self, num_tokens: int, swa_tail_tokens: int) -> torch.Tensor:
+        if swa_tail_tokens < 0:
+            raise ValueError(f"load: swa_tail_tokens must be >= 0, got {swa_tail_tokens}")
+        page = self.hybrid_pool.page_size
+        tail = min(num_tokens, -(-swa_tail_tokens // page) * page)
+        mask = torch.zeros(num_tokens, dtype=torch.bool)
+        mask[num_tokens - tail:] = True
+        return mask
+
+
+def _scatter_aligned(part: Indices, mask: torch.Tensor, space: IndexSpace) -> Indices:
+    """``[len(mask)]`` int64 CPU indices: ``part`` where ``mask``, 0 elsewhere."""
+    aligned = torch.zeros(mask.numel(), dtype=torch.int64)
+    aligned[mask] = part.tensor
+    return Indices(aligned, space)
+
