@@ -15,6 +15,7 @@ import torch
 from hicache.pools import DeviceKVPool, HostKVPool
 
 from .base import Direction, MovedTransfer, TransferBackend
+from .staged import StagedBackend
 
 logger = logging.getLogger(__name__)
 CPU = torch.device("cpu")
@@ -154,8 +155,8 @@ def _contiguous_ranges(layers: Sequence[int]) -> list[tuple[int, int]]:
     return ranges
 
 
-def make_backend(name: BackendName | str, device: torch.device, num_programs: int = 16
-                 ) -> TransferBackend:
+def make_backend(name: BackendName | str, device: torch.device, num_programs: int = 16,
+                 staging_tokens: int = 1024) -> TransferBackend:
     """Build the backend called ``name`` for pools on ``device``.
 
     ``auto`` picks ``kernel`` on a CUDA device when Triton is usable, else ``torch``.
@@ -176,6 +177,4 @@ def make_backend(name: BackendName | str, device: torch.device, num_programs: in
                 "a CPU); install triton or choose io_backend: torch"
             )
         return KernelBackend(num_programs)
-    raise ValueError(
-        f"io_backend '{choice.value}' is not available yet; choose torch, kernel or auto"
-    )
+    return StagedBackend(staging_tokens)

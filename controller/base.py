@@ -151,6 +151,13 @@ class TransferBackend(ABC):
     ) -> tuple[torch.device, torch.device]:
         """Where this backend wants (host indices, device indices)."""
 
+    def order_pairs(
+        self, host_index: torch.Tensor, device_index: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reorder aligned CPU int64 index pairs before they are moved (default: as given).
+        Called by ``move_indices``; a backend that copies host runs sorts here."""
+        return host_index, device_index
+
     @abstractmethod
     def copy(
         self,

@@ -286,6 +286,7 @@ class CacheController:
             )
         keep = (host != 0) & (device != 0)
         host, device = host[keep].to(torch.int64), device[keep].to(torch.int64)
+        host, device = self.backend.order_pairs(host, device)
         host_target, device_target = self.backend.index_devices(host_pool, device_pool)
         return _to_device(host, host_target), _to_device(device, device_target)
 

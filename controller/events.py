@@ -63,6 +63,7 @@ class LayerEventRing:
             for _ in range(num_sets)
         ]
         self._in_use = [False] * num_sets
+        self.num_sets = num_sets
         self._next = 0
         self.consumer: int | None = None
 

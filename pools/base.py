@@ -164,7 +164,10 @@ def check_bounds(tensor: torch.Tensor, *, pool_name: str, num_slots: int, op: st
     low = int(tensor.min().item())
     high = int(tensor.max().item())
     if low < 0:
-        raise ValueError(f"{op}: index {low} is negative for pool '{pool_name}'")
+        raise ValueError(
+            f"{op}: index {low} is negative for pool '{pool_name}' "
+            f"(valid slots are 0..{num_slots - 1})"
+        )
     if high >= num_slots:
         raise ValueError(
             f"{op}: index {high} is out of range for pool '{pool_name}' "

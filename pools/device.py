@@ -83,12 +83,14 @@ class DeviceKVPool:
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.geometry = geometry
-        self.device = torch.device(device)
         self.data = torch.zeros(
             (geometry.num_components, num_layers, num_slots, geometry.row_elems),
             dtype=geometry.dtype,
-            device=self.device,
+            device=torch.device(device),
         )
+        # The tensor's device carries the index ("cuda" -> "cuda:0"), as every tensor's does;
+        # comparing against a bare "cuda" would reject every index on the GPU.
+        self.device = self.data.device
         self._layer_waiter: LayerWaiter | None = None
 
     @property
@@ -145,21 +147,25 @@ class DeviceKVPool:
         """
         index = self.check(locs, f"set_kv(layer={layer})")
         self._check_layer(layer)
-        rows = [k] if self.geometry.kind is AttentionKind.MLA else [k, v]
         if self.geometry.kind is AttentionKind.MLA and v is not None:
             raise ValueError(f"set_kv on MLA pool '{self.name}': pass only k (the latent row)")
+        if self.geometry.kind is AttentionKind.MHA and v is None:
+            raise ValueError(f"set_kv on MHA pool '{self.name}': v is required")
+        rows = [k] if v is None else [k, v]
+        # Check every component before writing any, so a bad v leaves K untouched.
+        flats = [self._check_rows(value, index.numel(), c) for c, value in enumerate(rows)]
         self._wait(layer)
-        for component, value in enumerate(rows):
-            if value is None:
-                raise ValueError(f"set_kv on MHA pool '{self.name}': v is required")
-            flat = self._check_rows(value, index.numel(), component)
+        if index.numel() == 0:
+            return
+        for component, flat in enumerate(flats):
             self.data[component, layer].index_copy_(0, index.to(torch.int64), flat)
             self.data[component, layer, PADDING_SLOT].zero_()
 
     def _check_rows(self, value: torch.Tensor, num_rows: int, component: int) -> torch.Tensor:
         expected = self.geometry.row_elems
-        flat = value.reshape(value.shape[0], -1) if value.dim() > 0 else value
-        if value.dim() == 0 or flat.shape != (num_rows, expected):
+        # flatten, not reshape(n, -1): the latter fails on an empty batch
+        flat = value.flatten(1) if value.dim() > 1 else value
+        if flat.shape != (num_rows, expected):
             raise ValueError(
                 f"set_kv on pool '{self.name}': component {component} must hold {num_rows} "
                 f"rows of {expected} elements, got shape {tuple(value.shape)}"
@@ -185,6 +191,7 @@ class DeviceKVPool:
             )
 
     def _wait(self, layer: int) -> None:
+        self._check_layer(layer)  # a negative layer would silently alias the last one
         if self._layer_waiter is not None:
             self._layer_waiter(layer)
 

@@ -12,6 +12,9 @@ rounding as with PyTorch's pinned allocator) and unregistered by :meth:`close`.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import weakref
 
 import torch
 
@@ -61,10 +64,13 @@ class HostKVPool:
         self.num_slots = self.allocator.num_slots
         c, n, s, r = geometry.num_components, num_layers, self.num_slots, geometry.row_elems
         shape = (c, n, s, r) if layout is HostLayout.LAYER_FIRST else (s, c, n, r)
-        self._data: torch.Tensor | None = torch.zeros(shape, dtype=geometry.dtype)
         self.is_pinned = False
+        self._unpin: weakref.finalize | None = None
         if pin if pin is not None else torch.cuda.is_available():
+            self._data: torch.Tensor | None = _page_aligned_zeros(shape, geometry.dtype)
             self._pin()
+        else:
+            self._data = torch.zeros(shape, dtype=geometry.dtype)
         logger.info(
             "host pool '%s': %d tokens, %.3f GiB, layout %s, pinned=%s",
             name, self.allocator.capacity_tokens, self.size_bytes / 2**30, layout.value,
@@ -119,24 +125,43 @@ class HostKVPool:
             self.data[index] = rows
 
     def close(self) -> None:
-        """Unpin and release the buffer; any later access raises. Idempotent."""
+        """Unpin and release the buffer; any later access raises. Idempotent. A pool that is
+        garbage collected without ``close()`` is unpinned then, before its memory goes back."""
         if self._data is None:
             return
-        if self.is_pinned:
-            result = torch.cuda.cudart().cudaHostUnregister(self._data.data_ptr())
-            if int(result) != 0:
-                logger.warning("cudaHostUnregister of pool '%s' returned %s", self.name, result)
-            self.is_pinned = False
+        if self._unpin is not None:
+            self._unpin()
+            self._unpin = None
+        self.is_pinned = False
         self._data = None
 
     def _pin(self) -> None:
         data = self.data
-        result = torch.cuda.cudart().cudaHostRegister(
-            data.data_ptr(), data.numel() * data.element_size(), 0
-        )
+        cudart = torch.cuda.cudart()
+        result = cudart.cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), 0)
         if int(result) != 0:
+            cudart.cudaGetLastError()  # clear it, or the next CUDA call would report it
             raise RuntimeError(
                 f"cudaHostRegister failed for host pool '{self.name}' ({self.size_bytes} bytes): "
                 f"{result}; transfers from unpinned memory would be synchronous or stale"
             )
         self.is_pinned = True
+        # Holds the tensor (not the pool): the memory stays mapped until it is unregistered.
+        self._unpin = weakref.finalize(self, _unregister, data, self.name)
+
+
+def _unregister(data: torch.Tensor, name: str) -> None:
+    result = torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
+    if int(result) != 0:
+        torch.cuda.cudart().cudaGetLastError()
+        logger.warning("cudaHostUnregister of host pool '%s' returned %s", name, result)
+
+
+def _page_aligned_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Zeroed host tensor in its own anonymous mapping: page aligned and sharing no page with
+    any other allocation, as ``cudaHostRegister`` needs (a small tensor from the general
+    allocator may share a page with another pool's registered range and fail to register)."""
+    numel = math.prod(shape)
+    size_bytes = numel * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, max(size_bytes, 1))
+    return torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)

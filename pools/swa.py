@@ -76,6 +76,7 @@ class HybridSWAPool:
             name="swa", space=IndexSpace.DEVICE_SWA, num_layers=len(swa_ids),
             num_slots=self.swa_allocator.num_slots, geometry=geometry, device=self.device,
         )
+        self.device = self.full.device  # with its index ("cuda" -> "cuda:0")
         self.full_to_swa = torch.zeros(self.full.num_slots, dtype=torch.int64, device=self.device)
         self._full_to_swa_host = np.zeros(self.full.num_slots, dtype=np.int64)
         self._forward_locs: Indices | None = None
@@ -105,6 +106,8 @@ class HybridSWAPool:
             int64 CPU ``DEVICE_SWA`` indices aligned with ``full``.
         """
         full_slots = self._host_full(full, "try_alloc_swa")
+        if not self.full_allocator.is_allocated(full):
+            raise ValueError("try_alloc_swa: some full slots are not allocated in pool 'full'")
         if (self._full_to_swa_host[full_slots] != 0).any():
             raise ValueError("try_alloc_swa: some full slots already have an SWA slot")
         swa = self.swa_allocator.try_alloc(full_slots.size)

@@ -1,0 +1,110 @@
+"""Builders shared by the controller tests: small pools, recognisable rows, sentinel checks."""
+
+from __future__ import annotations
+
+import torch
+from hicache.controller import CacheController, HybridCacheController, TransferBackend
+from hicache.pools import (
+    AttentionKind,
+    DeviceKVPool,
+    HostKVPool,
+    HostLayout,
+    HybridSWAPool,
+    IndexSpace,
+    PageAllocator,
+    RowGeometry,
+)
+
+SENTINEL = -7.0
+
+
+def geometry(kind: AttentionKind = AttentionKind.MHA, dtype: torch.dtype = torch.float32
+             ) -> RowGeometry:
+    """2 heads x 4 dims (MHA) or a 12-wide latent row (MLA)."""
+    return RowGeometry(kind, 2, 4, 12, dtype)
+
+
+def make_controller(
+    backend: TransferBackend,
+    *,
+    device: str = "cpu",
+    page_size: int = 1,
+    device_pages: int = 80,
+    host_pages: int = 160,
+    num_layers: int = 3,
+    kind: AttentionKind = AttentionKind.MHA,
+    layout: HostLayout = HostLayout.LAYER_FIRST,
+    dtype: torch.dtype = torch.float32,
+) -> CacheController:
+    """A controller over fresh pools; device rows hold unique values, host rows the sentinel."""
+    geo = geometry(kind, dtype)
+    allocator = PageAllocator(device_pages, page_size, IndexSpace.DEVICE_FULL, "full")
+    device_pool = DeviceKVPool(
+        name="full", space=IndexSpace.DEVICE_FULL, num_layers=num_layers,
+        num_slots=allocator.num_slots, geometry=geo, device=device,
+    )
+    host_pool = HostKVPool(
+        name="full", space=IndexSpace.HOST_FULL, num_layers=num_layers, num_pages=host_pages,
+        page_size=page_size, geometry=geo, layout=layout,
+    )
+    fill_unique(device_pool.data)
+    host_pool.data.fill_(SENTINEL)
+    return CacheController(
+        device_pool=device_pool, device_allocator=allocator, host_pool=host_pool,
+        backend=backend,
+    )
+
+
+def make_hybrid(
+    backend: TransferBackend,
+    *,
+    device: str = "cpu",
+    page_size: int = 2,
+    full_pages: int = 16,
+    swa_pages: int = 10,
+    host_pages: int = 40,
+    layout: HostLayout = HostLayout.LAYER_FIRST,
+) -> HybridCacheController:
+    """4 model layers, layers 1 and 3 sliding-window."""
+    geo = geometry()
+    pool = HybridSWAPool(
+        num_layers=4, swa_layers=[1, 3], full_pages=full_pages, swa_pages=swa_pages,
+        page_size=page_size, geometry=geo, device=device,
+    )
+    hosts = [
+        HostKVPool(name=name, space=space, num_layers=2, num_pages=host_pages,
+                   page_size=page_size, geometry=geo, layout=layout)
+        for name, space in (("full", IndexSpace.HOST_FULL), ("swa", IndexSpace.HOST_SWA))
+    ]
+    fill_unique(pool.full.data)
+    fill_unique(pool.swa.data, offset=0.5)
+    for host in hosts:
+        host.data.fill_(SENTINEL)
+    return HybridCacheController(
+        hybrid_pool=pool, host_full=hosts[0], host_swa=hosts[1], backend=backend,
+    )
+
+
+def fill_unique(data: torch.Tensor, offset: float = 0.0) -> None:
+    """Give every element a distinct value (exact in float32 for small pools)."""
+    values = torch.arange(data.numel(), dtype=torch.float64) + offset + 1
+    data.copy_(values.view(data.shape).to(data.dtype))
+
+
+def host_rows(host: HostKVPool) -> torch.Tensor:
+    """All rows as ``[slots, components, layers, row]`` regardless of layout."""
+    if host.layout is HostLayout.LAYER_FIRST:
+        return host.data.permute(2, 0, 1, 3).cpu().clone()
+    return host.data.cpu().clone()
+
+
+def device_rows(pool: DeviceKVPool) -> torch.Tensor:
+    """All rows as ``[slots, components, layers, row]``."""
+    return pool.data.permute(2, 0, 1, 3).cpu().clone()
+
+
+def untouched(rows: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
+    """Rows whose slot is not in ``touched``."""
+    mask = torch.ones(rows.shape[0], dtype=torch.bool)
+    mask[touched.cpu()] = False
+    return rows[mask]

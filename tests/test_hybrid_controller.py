@@ -1,0 +1,157 @@
+"""HybridCacheController on a CPU: full + SWA rows in one op, window tails and rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from controller_helpers import SENTINEL, device_rows, host_rows, make_hybrid, untouched
+from hicache.controller import HybridCacheController, TorchBackend
+from hicache.pools import IndexSpace, Indices
+
+
+def alloc_sequence(ctrl: HybridCacheController, num_tokens: int, window_tokens: int) -> Indices:
+    """Full + SWA slots for a sequence whose tokens before the window lost their SWA slots."""
+    full = ctrl.hybrid_pool.try_alloc(num_tokens)
+    assert full is not None
+    left = num_tokens - window_tokens
+    if left > 0:
+        ctrl.hybrid_pool.free_swa(Indices(full.tensor[:left], IndexSpace.DEVICE_FULL))
+    return full
+
+
+def test_write_evict_load_restores_full_and_swa_rows() -> None:
+    """Write, evict, load back: every full row and every SWA row of the tail, bit for bit."""
+    ctrl = make_hybrid(TorchBackend())
+    ctrl.hybrid_pool.try_alloc(4)  # offset slot ids so spaces cannot be confused
+    full = alloc_sequence(ctrl, 10, window_tokens=4)
+    swa_before = ctrl.hybrid_pool.swa_slots_of(full).tensor
+    full_rows = device_rows(ctrl.hybrid_pool.full)[full.tensor]
+    swa_rows = device_rows(ctrl.hybrid_pool.swa)
+    host = ctrl.write(full, tag="node")
+    assert host is not None
+    assert host.swa.tensor.tolist()[:6] == [0] * 6 and (host.swa.tensor[6:] != 0).all()
+    ctrl.start_writing()
+    assert [a.tokens_by_pool for a in ctrl.poll()] == [{"full": 10, "swa": 4}]
+    ctrl.evict_device(full)
+    ctrl.hybrid_pool.full.data.fill_(SENTINEL)
+    ctrl.hybrid_pool.swa.data.fill_(SENTINEL)
+    back = ctrl.load(host.full, host.swa, swa_tail_tokens=4, tag="load")
+    assert back is not None
+    ctrl.start_loading()
+    assert len(ctrl.poll()) == 1
+    after_full = device_rows(ctrl.hybrid_pool.full)
+    assert torch.equal(after_full[back.full.tensor], full_rows)
+    tail = back.swa.tensor != 0
+    assert tail.tolist() == [False] * 6 + [True] * 4
+    after_swa = device_rows(ctrl.hybrid_pool.swa)
+    assert torch.equal(after_swa[back.swa.tensor[tail]], swa_rows[swa_before[tail]])
+    assert (untouched(after_swa, back.swa.tensor[tail]) == SENTINEL).all()
+    ctrl.hybrid_pool.check_integrity()
+
+
+def test_load_tail_rounds_up_to_pages_and_updates_map() -> None:
+    """A 3-token tail with 2-token pages gets two pages of SWA slots, mapped from full."""
+    ctrl = make_hybrid(TorchBackend())
+    full = alloc_sequence(ctrl, 8, window_tokens=8)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    back = ctrl.load(host.full, host.swa, swa_tail_tokens=3)
+    assert back is not None
+    assert (back.swa.tensor != 0).tolist() == [False] * 4 + [True] * 4
+    mapped = ctrl.hybrid_pool.swa_slots_of(back.full)
+    assert torch.equal(mapped.tensor, back.swa.tensor)
+    ctrl.drain()
+    ctrl.hybrid_pool.check_integrity()
+
+
+def test_load_rolls_back_when_swa_pool_is_full() -> None:
+    """SWA device pool exhausted: load returns None and the full allocation is undone."""
+    ctrl = make_hybrid(TorchBackend(), swa_pages=3)
+    full = alloc_sequence(ctrl, 6, window_tokens=6)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    hog = ctrl.hybrid_pool.try_alloc(4)  # leaves one free SWA page
+    assert hog is not None
+    free_full = ctrl.device_allocator.num_free_tokens
+    free_swa = ctrl.hybrid_pool.swa_allocator.num_free_tokens
+    assert ctrl.load(host.full, host.swa, swa_tail_tokens=6) is None
+    assert ctrl.device_allocator.num_free_tokens == free_full
+    assert ctrl.hybrid_pool.swa_allocator.num_free_tokens == free_swa
+    assert ctrl.num_in_flight == 0
+    ctrl.hybrid_pool.check_integrity()
+
+
+def test_write_rolls_back_when_swa_host_is_full() -> None:
+    """SWA host pool exhausted: write returns None and frees the full host slots it took."""
+    ctrl = make_hybrid(TorchBackend(), host_pages=3)
+    full = alloc_sequence(ctrl, 4, window_tokens=4)
+    assert ctrl.host_swa.allocator.try_alloc(4) is not None  # 1 free SWA host page left
+    assert ctrl.write(full) is None
+    assert ctrl.host_pool.allocator.num_used_tokens == 0
+    assert ctrl.num_in_flight == 0
+
+
+def test_load_refuses_tail_without_swa_backup() -> None:
+    """A window tail whose SWA rows were never backed up cannot be restored."""
+    ctrl = make_hybrid(TorchBackend())
+    full = alloc_sequence(ctrl, 6, window_tokens=2)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    with pytest.raises(ValueError, match="no SWA host slot"):
+        ctrl.load(host.full, host.swa, swa_tail_tokens=4)
+
+
+def test_load_rejects_misaligned_swa_slots() -> None:
+    """host_swa must be aligned with host_full."""
+    ctrl = make_hybrid(TorchBackend())
+    host_full = Indices(torch.tensor([2, 3]), IndexSpace.HOST_FULL)
+    with pytest.raises(ValueError, match="aligned"):
+        ctrl.load(host_full, Indices(torch.tensor([2]), IndexSpace.HOST_SWA), 2)
+
+
+def test_move_hybrid_indices_covers_every_pool() -> None:
+    """Every pool transfer of an op gets moved indices, in the op's own order."""
+    ctrl = make_hybrid(TorchBackend())
+    full = alloc_sequence(ctrl, 4, window_tokens=2)
+    assert ctrl.write(full) is not None
+    op = ctrl._merge(next(iter(ctrl._queued)))
+    assert op is not None
+    moved = ctrl.move_hybrid_indices(op)
+    assert [m.source.name for m in moved] == ["full", "swa"]
+    assert [m.host_index.numel() for m in moved] == [4, 2]
+    assert all(m.device_index.dtype == torch.int64 for m in moved)
+
+
+def test_per_layer_load_routes_layers_to_their_pools() -> None:
+    """Model layers 0 and 2 load from the full pools, 1 and 3 from the SWA pools."""
+    ctrl = make_hybrid(TorchBackend())
+    full = alloc_sequence(ctrl, 2, window_tokens=2)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    assert ctrl.load(host.full, host.swa, 2) is not None
+    op = ctrl._merge(next(d for d, q in ctrl._queued.items() if q))
+    assert op is not None
+    layers = [[m.local_layers_of(layer) for m in op.moved] for layer in range(4)]
+    assert layers == [[[0], []], [[], [0]], [[1], []], [[], [1]]]
+    assert ctrl.num_layers == 4
+
+
+def test_evict_host_frees_both_pools() -> None:
+    """evict_host frees the full and the non-zero SWA host slots."""
+    ctrl = make_hybrid(TorchBackend())
+    full = alloc_sequence(ctrl, 6, window_tokens=2)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_host(host.full, host.swa)
+    assert ctrl.host_pool.allocator.num_used_tokens == 0
+    assert ctrl.host_swa.allocator.num_used_tokens == 0
+    rows = host_rows(ctrl.host_swa)
+    assert rows.shape[1:] == (2, 2, 8)

@@ -1,0 +1,184 @@
+"""Index spaces: check_indices refuses the wrong space, dtype, shape and device (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hicache.pools import (
+    DEBUG_CHECKS_ENV,
+    IndexSpace,
+    Indices,
+    check_indices,
+    debug_checks_enabled,
+)
+
+NUM_SLOTS = 16
+CPU = torch.device("cpu")
+
+
+def _check(
+    indices: object,
+    space: IndexSpace = IndexSpace.DEVICE_FULL,
+    device: torch.device | None = CPU,
+) -> torch.Tensor:
+    """check_indices for a 16-slot pool named 'full' on the CPU, op 'read'."""
+    return check_indices(
+        indices, space=space, pool_name="full", num_slots=NUM_SLOTS, device=device, op="read"
+    )
+
+
+def _full(values: list[int], dtype: torch.dtype = torch.int64) -> Indices:
+    """DEVICE_FULL indices of ``values``."""
+    return Indices(torch.tensor(values, dtype=dtype), IndexSpace.DEVICE_FULL)
+
+
+@pytest.fixture
+def debug_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HICACHE_DEBUG_CHECKS=1 for one test."""
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
+
+
+@pytest.fixture
+def debug_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HICACHE_DEBUG_CHECKS unset for one test."""
+    monkeypatch.delenv(DEBUG_CHECKS_ENV, raising=False)
+
+
+# ---- always-on checks ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_valid_indices_return_the_same_tensor(dtype: torch.dtype) -> None:
+    """Well-formed int32 and int64 indices pass and the raw tensor comes back unchanged."""
+    indices = _full([1, 15, 0], dtype)
+    assert _check(indices) is indices.tensor
+
+
+def test_wrong_space_names_expected_and_got() -> None:
+    """DEVICE_SWA indices for a DEVICE_FULL pool name both spaces, the op and the pool."""
+    swa = Indices(torch.tensor([1, 2]), IndexSpace.DEVICE_SWA)
+    with pytest.raises(ValueError, match=r"^read: pool 'full' takes indices in space "
+                                         r"DEVICE_FULL, got DEVICE_SWA$"):
+        _check(swa)
+
+
+def test_full_indices_for_swa_pool_hint_at_translation() -> None:
+    """DEVICE_FULL indices where DEVICE_SWA is expected point at translate_full_to_swa."""
+    with pytest.raises(ValueError, match=r"takes indices in space DEVICE_SWA, got DEVICE_FULL; "
+                                         r"translate full slots with "
+                                         r"HybridSWAPool\.translate_full_to_swa first"):
+        _check(_full([1, 2]), space=IndexSpace.DEVICE_SWA)
+
+
+def test_host_indices_for_device_pool_raise() -> None:
+    """HOST_FULL indices are refused by a DEVICE_FULL pool, without the SWA hint."""
+    host = Indices(torch.tensor([1, 2]), IndexSpace.HOST_FULL)
+    with pytest.raises(ValueError, match=r"space DEVICE_FULL, got HOST_FULL$"):
+        _check(host)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16])
+def test_wrong_dtype_raises(dtype: torch.dtype) -> None:
+    """Float and int16 indices are refused, naming the accepted dtypes and the one given."""
+    indices = Indices(torch.tensor([1, 2], dtype=dtype), IndexSpace.DEVICE_FULL)
+    with pytest.raises(ValueError, match=rf"indices for pool 'full' must be int32 or int64, "
+                                         rf"got {dtype}"):
+        _check(indices)
+
+
+def test_two_dimensional_indices_raise() -> None:
+    """A 2-D index tensor is refused, naming its shape."""
+    indices = Indices(torch.zeros(2, 3, dtype=torch.int64), IndexSpace.DEVICE_FULL)
+    with pytest.raises(ValueError, match=r"pool 'full' must be 1-D, got shape \(2, 3\)"):
+        _check(indices)
+
+
+def test_wrong_device_raises() -> None:
+    """Indices on another device ('meta' stands in for a GPU) name both devices and the fix."""
+    indices = Indices(torch.empty(3, dtype=torch.int64, device="meta"), IndexSpace.DEVICE_FULL)
+    with pytest.raises(ValueError, match=r"pool 'full' must be on cpu, got meta; move them "
+                                         r"with Indices\.to\('cpu'\)"):
+        _check(indices)
+
+
+@pytest.mark.usefixtures("debug_off")  # a bounds check cannot read values of a meta tensor
+def test_device_none_skips_the_device_check() -> None:
+    """device=None accepts indices on any device."""
+    indices = Indices(torch.empty(3, dtype=torch.int64, device="meta"), IndexSpace.DEVICE_FULL)
+    assert _check(indices, device=None) is indices.tensor
+
+
+def test_bare_tensor_raises_type_error() -> None:
+    """A bare tensor has no space and is refused with TypeError naming the expected space."""
+    with pytest.raises(TypeError, match=r"read: expected hicache\.pools\.Indices in space "
+                                        r"DEVICE_FULL for pool 'full', got Tensor"):
+        _check(torch.tensor([1, 2]))
+
+
+def test_indices_refuse_a_non_tensor() -> None:
+    """Indices must wrap a tensor."""
+    with pytest.raises(TypeError, match=r"Indices\.tensor must be a torch\.Tensor, got list"):
+        Indices([1, 2], IndexSpace.DEVICE_FULL)  # type: ignore[arg-type]
+
+
+def test_indices_refuse_a_non_space() -> None:
+    """Indices must carry an IndexSpace, not a string."""
+    with pytest.raises(TypeError, match=r"Indices\.space must be an IndexSpace, got str"):
+        Indices(torch.tensor([1]), "device_full")  # type: ignore[arg-type]
+
+
+def test_indices_to_keeps_the_space() -> None:
+    """Indices.to changes dtype and keeps the values and the space."""
+    moved = _full([3, 4]).to("cpu", torch.int32)
+    assert moved.tensor.dtype == torch.int32
+    assert moved.tensor.tolist() == [3, 4]
+    assert moved.space is IndexSpace.DEVICE_FULL
+    assert len(moved) == 2
+
+
+def test_host_spaces_are_host() -> None:
+    """Only the HOST_* spaces report is_host."""
+    assert [s.is_host for s in IndexSpace] == [False, False, True, True]
+
+
+# ---- debug bounds checks -------------------------------------------------------------------
+
+
+def test_debug_flag_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """debug_checks_enabled is true only for HICACHE_DEBUG_CHECKS=1."""
+    monkeypatch.delenv(DEBUG_CHECKS_ENV, raising=False)
+    assert not debug_checks_enabled()
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "0")
+    assert not debug_checks_enabled()
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
+    assert debug_checks_enabled()
+
+
+@pytest.mark.usefixtures("debug_on")
+def test_debug_out_of_range_index_raises() -> None:
+    """With debug checks a slot past the pool names the op, the pool, the value and the bound."""
+    with pytest.raises(ValueError, match=r"^read: index 16 is out of range for pool 'full' "
+                                         r"\(valid slots are 0\.\.15\)$"):
+        _check(_full([3, 16, 2]))
+
+
+@pytest.mark.usefixtures("debug_on")
+def test_debug_negative_index_raises() -> None:
+    """With debug checks a negative slot names the pool, the value and the bound."""
+    with pytest.raises(ValueError, match=r"^read: index -1 is negative for pool 'full' "
+                                         r"\(valid slots are 0\.\.15\)$"):
+        _check(_full([3, -1]))
+
+
+@pytest.mark.usefixtures("debug_on")
+def test_debug_checks_accept_the_last_slot_and_empty_input() -> None:
+    """Slot num_slots - 1 and an empty tensor pass the bounds check."""
+    assert _check(_full([0, 15])).tolist() == [0, 15]
+    assert _check(_full([])).numel() == 0
+
+
+@pytest.mark.usefixtures("debug_off")
+def test_cheap_path_does_not_check_bounds() -> None:
+    """Without HICACHE_DEBUG_CHECKS the out-of-range slot passes check_indices: bounds checks
+    cost a device sync, so only debug runs pay for them (allocators check their own ranges)."""
+    assert _check(_full([3, 16, -1])).tolist() == [3, 16, -1]

@@ -1,0 +1,105 @@
+"""The staged backend's chunking and run logic on a CPU (plain copies stand in for the copy
+engine): chunk edges, host runs, layouts, per-layer moves and sentinels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
+from hicache.controller import TorchBackend
+from hicache.controller.staged import StagedBackend, host_runs
+from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices
+from test_controller import round_trip
+
+CHUNK = 8
+
+
+@pytest.mark.parametrize("num_tokens", [1, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 1])
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_chunk_edges(num_tokens: int, layout: HostLayout) -> None:
+    """Token counts around the chunk size move exactly; untouched rows keep the sentinel."""
+    ctrl = make_controller(StagedBackend(CHUNK), page_size=1, layout=layout)
+    ctrl.device_allocator.try_alloc(5)
+    device = ctrl.device_allocator.try_alloc(num_tokens)
+    assert device is not None
+    order = torch.randperm(num_tokens, generator=torch.Generator().manual_seed(num_tokens))
+    round_trip(ctrl, Indices(device.tensor[order], IndexSpace.DEVICE_FULL))
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_fragmented_host_slots(layout: HostLayout) -> None:
+    """Host slots in many short runs (a fragmented free list) still move exactly."""
+    ctrl = make_controller(StagedBackend(CHUNK), page_size=2, layout=layout,
+                           kind=AttentionKind.MLA)
+    host = ctrl.host_pool.allocator
+    held = [host.try_alloc(2) for _ in range(12)]
+    for part in held[::2]:
+        assert part is not None
+        host.free(part)
+    device = ctrl.device_allocator.try_alloc(12)
+    assert device is not None
+    round_trip(ctrl, device)
+
+
+def test_matches_torch_backend_per_layer() -> None:
+    """Single-layer loads from a page_first host (the strided path) equal the torch backend."""
+    results = []
+    for backend in (TorchBackend(), StagedBackend(CHUNK)):
+        ctrl = make_controller(backend, page_size=1, layout=HostLayout.PAGE_FIRST, num_layers=3)
+        device = ctrl.device_allocator.try_alloc(13)
+        assert device is not None
+        host = ctrl.write(device)
+        assert host is not None
+        ctrl.drain()
+        ctrl.evict_device(device)
+        ctrl.device_pool.data.fill_(SENTINEL)
+        loaded = ctrl.load(host)
+        assert loaded is not None
+        ctrl.start_loading()
+        ctrl.poll()
+        results.append((device_rows(ctrl.device_pool), host_rows(ctrl.host_pool)))
+    assert torch.equal(results[0][0], results[1][0])
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_pairs_sorted_by_host_slot() -> None:
+    """order_pairs sorts by host slot and permutes device slots alike."""
+    host, device = StagedBackend().order_pairs(torch.tensor([9, 3, 5]), torch.tensor([1, 2, 3]))
+    assert host.tolist() == [3, 5, 9] and device.tolist() == [2, 3, 1]
+
+
+def test_host_runs() -> None:
+    """Consecutive host slots form one run; gaps start new runs."""
+    assert host_runs(np.array([4, 5, 6, 9, 10, 20])) == [(0, 3), (3, 2), (5, 1)]
+    assert host_runs(np.array([], dtype=np.int64)) == []
+
+
+def test_staging_is_bounded() -> None:
+    """Staging memory is two chunks of token rows, whatever the op size."""
+    backend = StagedBackend(CHUNK)
+    ctrl = make_controller(backend, page_size=1, num_layers=3)
+    device = ctrl.device_allocator.try_alloc(3 * CHUNK + 1)
+    assert device is not None
+    ctrl.write(device)
+    ctrl.drain()
+    token_bytes = ctrl.device_pool.geometry.token_bytes(3)
+    staged = sum(b.numel() * b.element_size() for b in backend._buffers.values())
+    assert staged == backend.staging_bytes(token_bytes) == 2 * CHUNK * token_bytes
+
+
+def test_rejects_bad_chunk() -> None:
+    """A staging size below one token is refused."""
+    with pytest.raises(ValueError, match="staging_tokens must be >= 1"):
+        StagedBackend(0)
+
+
+def test_write_leaves_other_host_rows() -> None:
+    """A staged write touches only the host slots it was given."""
+    ctrl = make_controller(StagedBackend(CHUNK))
+    device = ctrl.device_allocator.try_alloc(4)
+    assert device is not None
+    host = ctrl.write(device)
+    ctrl.drain()
+    assert host is not None
+    assert (untouched(host_rows(ctrl.host_pool), host.tensor) == SENTINEL).all()
