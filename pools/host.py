@@ -140,20 +140,20 @@ class HostKVPool:
         cudart = torch.cuda.cudart()
         result = cudart.cudaHostRegister(data.data_ptr(), data.numel() * data.element_size(), 0)
         if int(result) != 0:
-            cudart.cudaGetLastError()  # clear it, or the next CUDA call would report it
             raise RuntimeError(
                 f"cudaHostRegister failed for host pool '{self.name}' ({self.size_bytes} bytes): "
                 f"{result}; transfers from unpinned memory would be synchronous or stale"
             )
         self.is_pinned = True
         # Holds the tensor (not the pool): the memory stays mapped until it is unregistered.
+        # Not at interpreter exit: the CUDA context may be gone, and the OS reclaims it all.
         self._unpin = weakref.finalize(self, _unregister, data, self.name)
+        self._unpin.atexit = False
 
 
 def _unregister(data: torch.Tensor, name: str) -> None:
     result = torch.cuda.cudart().cudaHostUnregister(data.data_ptr())
     if int(result) != 0:
-        torch.cuda.cudart().cudaGetLastError()
         logger.warning("cudaHostUnregister of host pool '%s' returned %s", name, result)
 
 

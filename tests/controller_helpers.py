@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from hicache.controller import CacheController, HybridCacheController, TransferBackend
 from hicache.pools import (
     AttentionKind,

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from hicache.pools import IndexSpace, Indices, PageAllocator
 
 PAGE_SIZE = 4

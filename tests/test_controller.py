@@ -14,6 +14,7 @@ from controller_helpers import (
     make_controller,
     untouched,
 )
+
 from hicache.controller import (
     CacheController,
     Direction,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, make_hybrid
+
 from hicache.controller import CacheController, KernelBackend, TorchBackend, TransferBackend
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend

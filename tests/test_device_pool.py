@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hicache.pools import AttentionKind, DeviceKVPool, IndexSpace, Indices, RowGeometry
 
 HEADS, HEAD_DIM, LATENT = 2, 4, 6

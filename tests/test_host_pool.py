@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from hicache.pools import AttentionKind, HostKVPool, HostLayout, IndexSpace, Indices, RowGeometry
 
 HEADS, HEAD_DIM, LATENT = 2, 2, 6

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_hybrid, untouched
+
 from hicache.controller import HybridCacheController, TorchBackend
 from hicache.pools import IndexSpace, Indices
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from hicache.pools import (
     DEBUG_CHECKS_ENV,
     IndexSpace,

@@ -3,14 +3,6 @@
 from __future__ import annotations
 
 import torch
-from hicache.pools import (
-    AttentionKind,
-    HybridSWAPool,
-    IndexSpace,
-    Indices,
-    PageAllocator,
-    RowGeometry,
-)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -18,6 +10,15 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+)
+
+from hicache.pools import (
+    AttentionKind,
+    HybridSWAPool,
+    IndexSpace,
+    Indices,
+    PageAllocator,
+    RowGeometry,
 )
 
 PAGE_SIZE = 2

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
+from test_controller import round_trip
+
 from hicache.controller import TorchBackend
 from hicache.controller.staged import StagedBackend, host_runs
 from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices
-from test_controller import round_trip
 
 CHUNK = 8
 

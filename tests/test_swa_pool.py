@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+
 from hicache.pools import (
     DEBUG_CHECKS_ENV,
     AttentionKind,

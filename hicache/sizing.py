@@ -1,0 +1,144 @@
+"""Sizes of every pool a config asks for, computed without allocating anything.
+
+Bytes per token per layer per component are ``row_elems * dtype size``: ``row_elems`` is
+``num_kv_heads * head_dim`` with two components (K and V) for MHA, ``latent_dim`` with one
+for MLA. The ``full`` pools hold the full-attention layers (every layer without SWA), the
+``swa`` pools the sliding-window layers.
+
+Every pool allocates its usable pages plus the reserved padding page 0::
+
+    slots = (num_pages + 1) * page_size_tokens
+    size_bytes = slots * token_bytes            # token_bytes: all components, all its layers
+
+Host pools get ``host.ratio`` x the device pool's tokens, rounded down to whole pages, or a
+share of ``host.size_gib`` proportional to the device pool's bytes (usable tokens x
+token_bytes), whose whole allocation, reserved page included, fits in that share. The
+full-to-SWA slot map of a hybrid device pool (8 bytes per full slot) is not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, NamedTuple
+
+from .config import GIB, ConfigError, HiCacheConfig
+
+Tier = Literal["device", "host"]
+PoolName = Literal["full", "swa"]
+
+# ratio x pages is rounded down; this keeps 0.1 x 160 tokens from landing just under 1 page
+_RATIO_SLACK = 1e-9
+
+
+class PoolSize(NamedTuple):
+    """One pool's capacity and allocation.
+
+    ``num_tokens`` and ``num_pages`` are usable capacity (the reserved page excluded);
+    ``size_bytes`` is the whole allocation (reserved page included).
+    """
+
+    tier: Tier
+    pool: PoolName
+    num_tokens: int
+    num_pages: int
+    size_bytes: int
+
+
+def pool_names(config: HiCacheConfig) -> tuple[PoolName, ...]:
+    """``("full", "swa")`` for a hybrid model, ``("full",)`` otherwise."""
+    return ("full", "swa") if config.is_hybrid else ("full",)
+
+
+def pool_layers(config: HiCacheConfig, pool_name: PoolName) -> tuple[int, ...]:
+    """Model layer ids stored in ``pool_name`` pools, in their local layer order."""
+    _check_pool_name(config, pool_name)
+    model = config.model
+    return model.swa_layer_ids if pool_name == "swa" else model.full_layer_ids
+
+
+def token_bytes(config: HiCacheConfig, pool_name: PoolName) -> int:
+    """Bytes of one token (all components, all layers) in a ``pool_name`` pool."""
+    return config.model.row_geometry.token_bytes(len(pool_layers(config, pool_name)))
+
+
+def device_num_pages(config: HiCacheConfig, pool_name: PoolName) -> int:
+    """Usable pages of the device pool ``pool_name`` (the reserved page excluded)."""
+    _check_pool_name(config, pool_name)
+    pool = config.device_pool
+    num_tokens = pool.swa_num_tokens if pool_name == "swa" else pool.num_tokens
+    assert num_tokens is not None, "HiCacheConfig requires swa_num_tokens for hybrid models"
+    return num_tokens // config.page_size_tokens
+
+
+def host_num_pages(config: HiCacheConfig, pool_name: PoolName) -> int:
+    """Usable pages of the host pool ``pool_name``: pass it as ``HostKVPool(num_pages=...)``.
+
+    Raises:
+        ConfigError: the host share of this pool is smaller than one usable page (naming
+            ``host.ratio`` or ``host.size_gib`` and the smallest value that works).
+        ValueError: ``pool_name`` is not a pool of this config.
+    """
+    device_pages = device_num_pages(config, pool_name)
+    host = config.host
+    if host.ratio is not None:
+        num_pages = math.floor(host.ratio * device_pages + _RATIO_SLACK)
+        if num_pages < 1:
+            raise _too_small(config, pool_name, f"{host.ratio} x {device_pages} device pages "
+                             f"is {host.ratio * device_pages:.3g} pages",
+                             math.ceil(1e4 / device_pages) / 1e4)
+        return num_pages
+    assert host.size_gib is not None, "HostTierConfig requires ratio or size_gib"
+    share_bytes, total_bytes = _device_bytes(config, pool_name), sum(
+        _device_bytes(config, name) for name in pool_names(config)
+    )
+    budget_bytes = int(host.size_gib * GIB) * share_bytes // total_bytes
+    page_bytes = config.page_size_tokens * token_bytes(config, pool_name)
+    # the whole allocation, reserved padding page included, stays inside the budget
+    num_pages = budget_bytes // page_bytes - 1
+    if num_pages < 1:
+        min_gib = 2 * page_bytes * total_bytes / share_bytes / GIB
+        raise _too_small(config, pool_name, f"its share is {budget_bytes} bytes but one page "
+                         f"plus the reserved page take {2 * page_bytes} bytes",
+                         math.ceil(min_gib * 1e6) / 1e6)
+    return num_pages
+
+
+def pool_sizes(config: HiCacheConfig) -> list[PoolSize]:
+    """Every pool of ``config``: device pools first, then host pools; ``full`` before ``swa``.
+
+    Raises:
+        ConfigError: a host pool would be smaller than one page.
+    """
+    names = pool_names(config)
+    device = [_size(config, "device", name, device_num_pages(config, name)) for name in names]
+    host = [_size(config, "host", name, host_num_pages(config, name)) for name in names]
+    return device + host
+
+
+def _size(config: HiCacheConfig, tier: Tier, pool_name: PoolName, num_pages: int) -> PoolSize:
+    page = config.page_size_tokens
+    size_bytes = (num_pages + 1) * page * token_bytes(config, pool_name)
+    return PoolSize(tier, pool_name, num_pages * page, num_pages, size_bytes)
+
+
+def _device_bytes(config: HiCacheConfig, pool_name: PoolName) -> int:
+    """Usable bytes of a device pool: the weight of its share of ``host.size_gib``."""
+    num_tokens = device_num_pages(config, pool_name) * config.page_size_tokens
+    return num_tokens * token_bytes(config, pool_name)
+
+
+def _check_pool_name(config: HiCacheConfig, pool_name: str) -> None:
+    if pool_name not in pool_names(config):
+        raise ValueError(
+            f"pool {pool_name!r} is not a pool of this config; its pools are "
+            f"{', '.join(pool_names(config))}"
+        )
+
+
+def _too_small(config: HiCacheConfig, pool_name: str, detail: str, least: float) -> ConfigError:
+    key, value = config.host.size_key
+    return ConfigError(
+        f"{key} = {value!r}: host smaller than one page for pool '{pool_name}' ({detail}, "
+        f"page_size_tokens = {config.page_size_tokens}); raise {key} to at least {least}",
+        key=key,
+    )

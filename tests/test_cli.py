@@ -1,0 +1,129 @@
+"""The ``hicache`` command line (hicache.cli)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from hicache import config as config_module
+from hicache.cli import main
+
+
+@pytest.fixture
+def in_repo(repo_root: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run from the repository root, where ``config.yaml`` lives."""
+    monkeypatch.chdir(repo_root)
+    return repo_root
+
+
+def test_check_config_prints_pools(in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """check-config on the default file prints every pool and the totals, in GiB."""
+    assert main(["check-config", "config.yaml"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("config.yaml: 4 layers (sliding-window 1, 3, window 64 tokens), "
+                             "mha 2 KV heads x 32 dims, float32")
+    assert out[1].split() == ["tier", "pool", "layers", "tokens", "pages", "bytes", "GiB"]
+    assert [line.split() for line in out[2:8]] == [
+        ["device", "full", "2", "1024", "64", "1064960", "0.0010"],
+        ["device", "swa", "2", "256", "16", "278528", "0.0003"],
+        ["device", "total", "1280", "80", "1343488", "0.0013"],
+        ["host", "full", "2", "4096", "256", "4210688", "0.0039"],
+        ["host", "swa", "2", "1024", "64", "1064960", "0.0010"],
+        ["host", "total", "5120", "320", "5275648", "0.0049"],
+    ]
+    assert out[8].startswith("host RAM: pools take 0.0049 GiB, ")
+    assert out[8].endswith("GiB kept in reserve: fits")
+
+
+def test_table_columns_align(in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Numbers are right-aligned: every table row ends at the same column."""
+    main(["check-config", "config.yaml"])
+    table = capsys.readouterr().out.splitlines()[1:8]
+    assert len({len(line) for line in table}) == 1
+
+
+def test_missing_file_is_one_line(
+    in_repo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A missing config file returns 2 with one line on stderr."""
+    assert main(["check-config", "absent.yaml"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == "hicache: error: absent.yaml: no such config file\n"
+
+
+def test_unknown_key_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An unknown key returns 2 and names the dotted key and the closest valid one."""
+    text = (Path(__file__).resolve().parents[1] / "config.yaml").read_text()
+    path = tmp_path / "typo.yaml"
+    path.write_text(text.replace("num_kv_heads:", "num_kv_head:"))
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"hicache: error: {path}: model.num_kv_head: unknown key; "
+                   f"did you mean 'num_kv_heads'?\n")
+
+
+def test_ram_check_can_be_skipped(
+    in_repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--skip-ram-check accepts host pools larger than this machine's free RAM."""
+    monkeypatch.setattr(config_module, "available_ram_bytes", lambda: 0)
+    assert main(["check-config", "config.yaml"]) == 2
+    assert "host.ratio = 4.0: host pools need" in capsys.readouterr().err
+    assert main(["check-config", "--skip-ram-check", "config.yaml"]) == 0
+    assert "not checked against this machine" in capsys.readouterr().out
+
+
+def test_help_mentions_check_config(capsys: pytest.CaptureFixture[str]) -> None:
+    """--help exits 0 and lists check-config."""
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "check-config" in capsys.readouterr().out
+
+
+def test_check_config_help_explains_options(capsys: pytest.CaptureFixture[str]) -> None:
+    """check-config --help explains PATH and --skip-ram-check."""
+    with pytest.raises(SystemExit) as info:
+        main(["check-config", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "the YAML config file" in out
+    assert "--skip-ram-check" in out
+
+
+def test_no_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a subcommand argparse exits 2 with its usage."""
+    with pytest.raises(SystemExit) as info:
+        main([])
+    assert info.value.code == 2
+    assert "usage: hicache" in capsys.readouterr().err
+
+
+def test_console_script(in_repo: Path) -> None:
+    """The installed ``hicache`` script runs check-config on the default file."""
+    scripts = Path(sysconfig.get_path("scripts"))
+    script = shutil.which("hicache") or shutil.which("hicache", path=str(scripts))
+    assert script is not None, f"no hicache console script on PATH or in {scripts}"
+    result = subprocess.run(
+        [script, "check-config", "config.yaml"], capture_output=True, text=True, timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "device  full" in result.stdout
+    assert result.stdout.splitlines()[-2].split()[:2] == ["host", "total"]
+
+
+def test_module_entry_point(in_repo: Path) -> None:
+    """``python -m hicache.cli`` reports errors with exit code 2."""
+    result = subprocess.run(
+        [sys.executable, "-m", "hicache.cli", "check-config", "absent.yaml"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr == "hicache: error: absent.yaml: no such config file\n"
