@@ -12,6 +12,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
+
 from hicache.pools import DeviceKVPool, HostKVPool
 
 from .base import Direction, MovedTransfer, TransferBackend

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+
 from hicache.pools import DeviceKVPool, HostKVPool, Indices
 
 from .events import Event

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+
 from hicache.pools import (
     DeviceKVPool,
     HostKVPool,

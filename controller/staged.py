@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
 from .base import Direction, MovedTransfer, TransferBackend
