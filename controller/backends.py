@@ -15,6 +15,7 @@ import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool
 
+from .auto import AutoBackend, load_table
 from .base import Direction, MovedTransfer, TransferBackend
 from .staged import StagedBackend
 
@@ -160,15 +161,22 @@ def make_backend(name: BackendName | str, device: torch.device, num_programs: in
                  staging_tokens: int = 1024) -> TransferBackend:
     """Build the backend called ``name`` for pools on ``device``.
 
-    ``auto`` picks ``kernel`` on a CUDA device when Triton is usable, else ``torch``.
+    ``auto`` is ``torch`` on a CPU; on a GPU it chooses per op from the measured table
+    (``controller/auto_table.json``), falling back to ``kernel`` (or ``staged`` without
+    Triton).
     """
     from .kernel import kernel_available
 
     choice = BackendName(name) if isinstance(name, str) else name
     if choice is BackendName.AUTO:
-        use_kernel = device.type == "cuda" and kernel_available()
-        choice = BackendName.KERNEL if use_kernel else BackendName.TORCH
-        logger.debug("auto backend on %s: %s", device, choice.value)
+        if device.type != "cuda":
+            return TorchBackend()
+        found: dict[str, TransferBackend] = {
+            "torch": TorchBackend(), "staged": StagedBackend(staging_tokens)}
+        if kernel_available():
+            found["kernel"] = KernelBackend(num_programs)
+        fallback = "kernel" if "kernel" in found else "staged"
+        return AutoBackend(found, load_table(), fallback)
     if choice is BackendName.TORCH:
         return TorchBackend()
     if choice is BackendName.KERNEL:

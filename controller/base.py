@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from hicache.pools import DeviceKVPool, HostKVPool, Indices
+from hicache.pools import DeviceKVPool, HostKVPool, HostLayout, Indices
 
 from .events import Event
 
@@ -88,6 +88,7 @@ class TransferOp:
     transfers: list[PoolTransfer]
     tags: list[object]
     backend: str = ""
+    executor: TransferBackend | None = None
     moved: list[MovedTransfer] = field(default_factory=list)
     keep_alive: list[torch.Tensor] = field(default_factory=list)
     start_event: Event | None = None
@@ -151,6 +152,11 @@ class TransferBackend(ABC):
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
     ) -> tuple[torch.device, torch.device]:
         """Where this backend wants (host indices, device indices)."""
+
+    def select(self, direction: Direction, layout: HostLayout, num_tokens: int,
+               layer_wise: bool) -> TransferBackend:
+        """The backend that executes one op (``auto`` chooses per op; others are themselves)."""
+        return self
 
     def order_pairs(
         self, host_index: torch.Tensor, device_index: torch.Tensor

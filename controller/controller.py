@@ -136,7 +136,7 @@ class CacheController:
             self._begin(op, self.write_stream)
             for moved in op.moved:
                 local = list(range(len(moved.source.layers)))
-                self.backend.copy(moved, local, op.direction, op.keep_alive)
+                self._executor(op).copy(moved, local, op.direction, op.keep_alive)
             op.finish_event = Event(self.device, timing=True)
             op.finish_event.record(self.write_stream)
         self._finish_submit(op, self.write_stream)
@@ -184,7 +184,7 @@ class CacheController:
                 for moved in op.moved:
                     local = moved.local_layers_of(layer)
                     if local:
-                        self.backend.copy(moved, local, op.direction, op.keep_alive)
+                        self._executor(op).copy(moved, local, op.direction, op.keep_alive)
                 events[layer].record(self.load_stream)
         op.finish_event = events[-1]
         self.layer_events.consumer = set_id
@@ -258,7 +258,8 @@ class CacheController:
     # ---- index movement -----------------------------------------------------------------
 
     def move_indices(
-        self, host_indices: Indices, device_indices: Indices
+        self, host_indices: Indices, device_indices: Indices,
+        backend: TransferBackend | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Put a transfer's indices where the backend reads them.
 
@@ -270,6 +271,7 @@ class CacheController:
         Args:
             host_indices: ``[n]`` CPU host-space indices.
             device_indices: ``[n]`` CPU device-space indices.
+            backend: the backend that will read them (default: the controller's).
         Returns:
             (host index, device index) raw int64 tensors of equal length.
         """
@@ -287,15 +289,16 @@ class CacheController:
             )
         keep = (host != 0) & (device != 0)
         host, device = host[keep].to(torch.int64), device[keep].to(torch.int64)
-        host, device = self.backend.order_pairs(host, device)
-        host_target, device_target = self.backend.index_devices(host_pool, device_pool)
+        backend = backend or self.backend
+        host, device = backend.order_pairs(host, device)
+        host_target, device_target = backend.index_devices(host_pool, device_pool)
         return _to_device(host, host_target), _to_device(device, device_target)
 
     def move_op_indices(self, op: TransferOp) -> list[MovedTransfer]:
         """Move the indices of every pool transfer of ``op`` (its own list, so a pool kind
         added later is covered without touching call sites)."""
         return [
-            MovedTransfer(t, *self.move_indices(t.host_indices, t.device_indices))
+            MovedTransfer(t, *self.move_indices(t.host_indices, t.device_indices, op.executor))
             for t in op.transfers
         ]
 
@@ -345,9 +348,17 @@ class CacheController:
                 layers=first.layers,
             ))
         tags = [tag for op in queued for tag in op.tags]
-        op = TransferOp(next(self._op_ids), direction, merged, tags, backend=self.backend.name)
+        executor = self.backend.select(direction, self.host_pool.layout, merged[0].num_tokens,
+                                       layer_wise=direction is Direction.HOST_TO_DEVICE)
+        op = TransferOp(next(self._op_ids), direction, merged, tags, backend=executor.name,
+                        executor=executor)
         op.moved = self.move_op_indices(op)
         return op
+
+    @staticmethod
+    def _executor(op: TransferOp) -> TransferBackend:
+        assert op.executor is not None, f"op {op.op_id} has no backend"
+        return op.executor
 
     def _begin(self, op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
         """Order the side stream after every producer and after the index copies."""
