@@ -64,17 +64,21 @@ class PageAllocator:
         return num_tokens <= self.num_free_tokens
 
     def try_alloc(self, num_tokens: int) -> Indices | None:
-        """Allocate ``num_tokens`` slots (a page multiple), lowest free pages first.
+        """Allocate ``num_tokens`` slots (a page multiple), in runs of consecutive pages.
+
+        Run-friendly: the smallest free run that holds the whole request is used (lowest
+        first among equals); if no run is long enough, the longest runs are taken first, so
+        a copy of the result needs as few contiguous pieces as the free list allows.
 
         Returns:
-            int64 CPU :class:`Indices` of shape ``[num_tokens]`` in page order, or ``None``
-            when fewer than ``num_tokens`` slots are free (nothing is allocated then).
+            int64 CPU :class:`Indices` of shape ``[num_tokens]`` in ascending slot order, or
+            ``None`` when fewer than ``num_tokens`` slots are free (nothing allocated then).
         """
         check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size
         if num_pages > self._num_free_pages:
             return None
-        pages = np.flatnonzero(self._is_free)[:num_pages]
+        pages = self._pick_pages(num_pages)
         self._is_free[pages] = False
         self._num_free_pages -= num_pages
         return Indices(torch.from_numpy(self._slots_of(pages)), self.space)
@@ -140,6 +144,27 @@ class PageAllocator:
         """Ids of allocated pages (for integrity checks of the owners)."""
         used = np.flatnonzero(~self._is_free)
         return used[used != 0]
+
+    def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(first page, length)`` of every run of consecutive free pages, lowest first."""
+        padded = np.concatenate(([False], self._is_free, [False]))
+        edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
+        starts, ends = edges[0::2], edges[1::2]
+        return starts, ends - starts
+
+    def _pick_pages(self, num_pages: int) -> np.ndarray:
+        if num_pages == 0:
+            return np.empty(0, dtype=np.int64)
+        starts, lengths = self.free_runs()
+        fitting = np.flatnonzero(lengths >= num_pages)
+        if fitting.size:
+            best = fitting[np.argmin(lengths[fitting])]  # argmin takes the lowest among ties
+            return np.arange(starts[best], starts[best] + num_pages, dtype=np.int64)
+        order = np.argsort(-lengths, kind="stable")
+        taken = np.cumsum(lengths[order])
+        used = order[: int(np.searchsorted(taken, num_pages)) + 1]
+        pages = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in used])
+        return np.sort(pages)[:num_pages] if pages.size > num_pages else np.sort(pages)
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` unless free + used == capacity and page 0 is reserved."""

@@ -47,10 +47,30 @@ _ALLOC_OPS = st.lists(
 )
 
 
+def _model_pick(free_pages: set[int], num_pages: int) -> list[int]:
+    """The allocator's run-friendly rule, written plainly: the smallest free run that holds
+    the request (lowest first among equals), else the longest runs first."""
+    runs: list[list[int]] = []
+    for page in sorted(free_pages):
+        if runs and runs[-1][-1] == page - 1:
+            runs[-1].append(page)
+        else:
+            runs.append([page])
+    fitting = [run for run in runs if len(run) >= num_pages]
+    if fitting:
+        return min(fitting, key=len)[:num_pages]
+    taken: list[int] = []
+    for run in sorted(runs, key=len, reverse=True):
+        if len(taken) >= num_pages:
+            break
+        taken += run
+    return sorted(taken)[:num_pages]
+
+
 @settings(max_examples=100, deadline=None)
 @given(ops=_ALLOC_OPS)
 def test_page_allocator_matches_a_set_model(ops: list[tuple[str, int]]) -> None:
-    """Allocations take the lowest free pages or return None exactly when the model is short."""
+    """Allocations follow the run-friendly rule or return None exactly when the model is short."""
     allocator = PageAllocator(8, PAGE_SIZE, IndexSpace.DEVICE_FULL, "full")
     free_pages = set(range(1, 9))
     chunks: list[list[int]] = []
@@ -60,7 +80,7 @@ def test_page_allocator_matches_a_set_model(ops: list[tuple[str, int]]) -> None:
             if arg > len(free_pages):
                 assert got is None
                 continue
-            pages = sorted(free_pages)[:arg]
+            pages = _model_pick(free_pages, arg)
             assert got is not None and got.tensor.tolist() == _slots(pages)
             free_pages -= set(pages)
             chunks.append(pages)
@@ -102,8 +122,8 @@ class HybridSWAMachine(RuleBasedStateMachine):
             assert got is None
             return
         assert got is not None
-        full_pages = sorted(self.free_full)[:num_pages]
-        swa_pages = sorted(self.free_swa_pages)[:num_pages]
+        full_pages = _model_pick(self.free_full, num_pages)
+        swa_pages = _model_pick(self.free_swa_pages, num_pages)
         assert got.tensor.tolist() == _slots(full_pages)
         self.free_full -= set(full_pages)
         self.free_swa_pages -= set(swa_pages)

@@ -1,0 +1,61 @@
+"""Run-friendly allocation: requests land in consecutive pages whenever the free list allows."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hicache.pools import IndexSpace, Indices, PageAllocator
+
+
+def pages(allocator: PageAllocator, ids: list[int]) -> Indices:
+    slots = [p * allocator.page_size + o for p in ids for o in range(allocator.page_size)]
+    return Indices(torch.tensor(slots), allocator.space)
+
+
+def holey() -> PageAllocator:
+    """Pages 1..12 with free runs [2..3] (2 pages), [5..8] (4 pages), [10] (1 page)."""
+    allocator = PageAllocator(12, 2, IndexSpace.HOST_FULL, "host")
+    assert allocator.try_alloc(24) is not None
+    allocator.free(pages(allocator, [2, 3]))
+    allocator.free(pages(allocator, [5, 6, 7, 8]))
+    allocator.free(pages(allocator, [10]))
+    return allocator
+
+
+def test_free_runs() -> None:
+    """free_runs lists (first page, length) lowest first."""
+    starts, lengths = holey().free_runs()
+    assert starts.tolist() == [2, 5, 10] and lengths.tolist() == [2, 4, 1]
+
+
+def test_smallest_fitting_run_is_used() -> None:
+    """A 2-page request takes the 2-page hole, leaving the 4-page run whole."""
+    allocator = holey()
+    got = allocator.try_alloc(4)
+    assert got is not None and got.tensor.tolist() == [4, 5, 6, 7]
+    allocator.check_integrity()
+
+
+def test_fitting_run_beats_lower_fragments() -> None:
+    """A 3-page request skips the lower 2-page hole for the 4-page run: one copy, not two."""
+    allocator = holey()
+    got = allocator.try_alloc(6)
+    assert got is not None and got.tensor.tolist() == list(range(10, 16))
+
+
+def test_longest_runs_first_when_nothing_fits() -> None:
+    """A 5-page request takes the 4-page run and then the next longest (2-page) run."""
+    allocator = holey()
+    got = allocator.try_alloc(10)
+    assert got is not None
+    assert got.tensor.tolist() == [4, 5, 10, 11, 12, 13, 14, 15, 16, 17]
+    assert allocator.free_runs()[1].tolist() == [1, 1]
+    allocator.check_integrity()
+
+
+def test_fresh_pool_gives_one_run() -> None:
+    """A fresh pool hands out consecutive pages from the bottom."""
+    allocator = PageAllocator(16, 4, IndexSpace.DEVICE_FULL, "full")
+    got = allocator.try_alloc(20)
+    assert got is not None and np.array_equal(got.tensor.numpy(), np.arange(4, 24))
