@@ -45,12 +45,14 @@ def test_fitting_run_beats_lower_fragments() -> None:
 
 
 def test_longest_runs_first_when_nothing_fits() -> None:
-    """A 5-page request takes the 4-page run and then the next longest (2-page) run."""
+    """A 5-page request draws on the 4-page and the 2-page runs (two pieces), lowest pages
+    of those first; the 1-page hole is untouched."""
     allocator = holey()
     got = allocator.try_alloc(10)
     assert got is not None
-    assert got.tensor.tolist() == [4, 5, 10, 11, 12, 13, 14, 15, 16, 17]
-    assert allocator.free_runs()[1].tolist() == [1, 1]
+    assert got.tensor.tolist() == [4, 5, 6, 7, 10, 11, 12, 13, 14, 15]
+    starts, lengths = allocator.free_runs()
+    assert starts.tolist() == [8, 10] and lengths.tolist() == [1, 1]
     allocator.check_integrity()
 
 
