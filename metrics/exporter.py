@@ -1,0 +1,157 @@
+"""MetricsExporter: a per-instance Prometheus registry over hicache's plain counters, and an
+optional HTTP endpoint that serves it.
+
+Usage (the service wires this; core code never imports ``prometheus_client``)::
+
+    exporter = MetricsExporter(controller.stats, cache=tree.stats,
+                               pool_usage=controller_pool_usage(controller),
+                               service=service_stats, source_lock=service_lock)
+    port = exporter.start_http(config.service.metrics_host, config.service.metrics_port)
+    ...
+    exporter.stop()
+
+Each exporter owns a ``CollectorRegistry`` (never the global one), so two services in one
+process export independently. Constructing one opens no socket and starts no thread; only
+:meth:`MetricsExporter.start_http` does.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from socketserver import ThreadingMixIn
+from types import TracebackType
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+
+from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
+
+from .collector import HiCacheCollector
+from .names import DURATION_BUCKETS_S
+from .sources import CacheSource, PoolUsageFn, ServiceSource, TransferSource
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HOST = "127.0.0.1"
+_SHUTDOWN_POLL_S = 0.1
+
+
+class MetricsExporter:
+    """Prometheus export of one hicache instance (arguments as for :class:`HiCacheCollector`).
+
+    ``registry`` holds only this instance's metrics. :meth:`render` returns the text
+    exposition; :meth:`start_http` serves it at ``/metrics`` (any path, in fact).
+    """
+
+    def __init__(
+        self,
+        transfers: TransferSource,
+        *,
+        cache: CacheSource | None = None,
+        pool_usage: PoolUsageFn | None = None,
+        service: ServiceSource | None = None,
+        source_lock: AbstractContextManager[object] | None = None,
+        duration_buckets_s: Sequence[float] = DURATION_BUCKETS_S,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.collector = HiCacheCollector(
+            transfers, cache=cache, pool_usage=pool_usage, service=service,
+            source_lock=source_lock, duration_buckets_s=duration_buckets_s,
+        )
+        self.registry.register(self.collector)
+        self._server: _MetricsServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> int:
+        """Drain measured transfer durations into the histogram (see
+        :meth:`HiCacheCollector.refresh`); returns how many were drained."""
+        return self.collector.refresh()
+
+    def render(self) -> bytes:
+        """The current metrics in the Prometheus text format (UTF-8)."""
+        return generate_latest(self.registry)
+
+    # ---- HTTP endpoint ------------------------------------------------------------------
+
+    def start_http(self, host: str = DEFAULT_HOST, port: int = 0) -> int:
+        """Serve the metrics over HTTP from a daemon thread.
+
+        Args:
+            host: address to bind; the default serves this machine only.
+            port: TCP port; 0 picks a free one.
+        Returns:
+            the bound port.
+        Raises:
+            RuntimeError: already serving (call :meth:`stop` first).
+            ValueError: ``port`` outside 0..65535.
+            OSError: the address cannot be bound (e.g. the port is taken).
+        """
+        if self._server is not None:
+            raise RuntimeError(f"metrics endpoint already serving on port {self.port}; "
+                               f"call stop() before starting it again")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"metrics port {port} is not a TCP port; use 0..65535 "
+                             f"(0 picks a free port)")
+        server = _MetricsServer(host, port)
+        server.set_app(make_wsgi_app(self.registry))
+        thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": _SHUTDOWN_POLL_S},
+            name="hicache-metrics-http", daemon=True,
+        )
+        thread.start()
+        self._server, self._thread = server, thread
+        logger.info("serving metrics on http://%s:%d/metrics", host, server.server_port)
+        return server.server_port
+
+    @property
+    def port(self) -> int | None:
+        """The bound port while serving, else ``None``."""
+        return None if self._server is None else self._server.server_port
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """The bound ``(host, port)`` while serving, else ``None``."""
+        if self._server is None:
+            return None
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def stop(self) -> None:
+        """Stop serving and close the socket (no-op when not serving)."""
+        server, thread = self._server, self._thread
+        if server is None or thread is None:
+            return
+        self._server = self._thread = None
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+    def __enter__(self) -> MetricsExporter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Logs each request at DEBUG instead of writing it to stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("metrics request from %s: " + format, self.address_string(), *args)
+
+
+class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """A threaded WSGI server bound to ``(host, port)``, IPv4 or IPv6 as ``host`` resolves."""
+
+    daemon_threads = True
+
+    def __init__(self, host: str, port: int) -> None:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        self.address_family = infos[0][0]
+        super().__init__((host, port), _QuietHandler)

@@ -1,0 +1,142 @@
+"""The metrics hicache exports: one table that the collector, the docs and the tests share.
+
+Every name has the ``hicache_`` prefix and ends in its base unit (``_tokens``, ``_bytes``,
+``_seconds``, ``_ops``); counters end in ``_total`` as they appear in the exposition. Label
+values that are known in advance (directions, tiers, reasons) are exported as zeros before
+their first increment, so dashboards and alerts see every series from the first scrape.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+MetricType = Literal["counter", "gauge", "histogram"]
+
+# Label values known in advance. Directions are ``hicache.controller.Direction`` values.
+DIRECTIONS: tuple[str, ...] = ("device_to_host", "host_to_device")
+DROP_REASONS: tuple[str, ...] = ("no_backup", "host_full", "orphaned")
+LOAD_BACK_REFUSAL_REASONS: tuple[str, ...] = (
+    "below_threshold", "over_quota", "device_full", "swa_tail_missing",
+)
+BACKUP_REFUSAL_REASONS: tuple[str, ...] = ("host_full",)
+
+# Upper bounds of the transfer duration histogram, in seconds: 100 us .. 10 s.
+DURATION_BUCKETS_S: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+
+
+class MetricSpec(NamedTuple):
+    """One exported metric: its exposed name, type, label names and meaning (with unit)."""
+
+    name: str
+    type: MetricType
+    labels: tuple[str, ...]
+    description: str
+
+
+TRANSFER_TOKENS = "hicache_transfer_tokens_total"
+TRANSFER_BYTES = "hicache_transfer_bytes_total"
+TRANSFER_OPS = "hicache_transfer_ops_total"
+TRANSFER_COMPLETED_OPS = "hicache_transfer_completed_ops_total"
+TRANSFER_DURATION = "hicache_transfer_duration_seconds"
+IN_FLIGHT_OPS = "hicache_transfer_in_flight_ops"
+POOL_USED = "hicache_pool_used_tokens"
+POOL_CAPACITY = "hicache_pool_capacity_tokens"
+LOOKUP_TOKENS = "hicache_lookup_tokens_total"
+HIT_TOKENS = "hicache_hit_tokens_total"
+INSERTED_TOKENS = "hicache_inserted_tokens_total"
+DUPLICATE_TOKENS = "hicache_duplicate_tokens_total"
+EVICTED_TOKENS = "hicache_evicted_tokens_total"
+DROPPED_TOKENS = "hicache_dropped_tokens_total"
+LOAD_BACK_TOKENS = "hicache_load_back_tokens_total"
+BACKUP_TOKENS = "hicache_backup_tokens_total"
+REFUSED_LOAD_BACK_TOKENS = "hicache_refused_load_back_tokens_total"
+REFUSED_BACKUP_TOKENS = "hicache_refused_backup_tokens_total"
+BACKGROUND_ERRORS = "hicache_background_errors_total"
+
+
+def _reasons(values: tuple[str, ...]) -> str:
+    return ", ".join(f"`{value}`" for value in values)
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(TRANSFER_TOKENS, "counter", ("direction", "pool"),
+               "Tokens moved by acknowledged transfers, per direction and pool (tokens)."),
+    MetricSpec(TRANSFER_BYTES, "counter", ("direction", "pool"),
+               "Bytes moved by acknowledged transfers, per direction and pool (bytes); "
+               "rate() of it is the achieved bandwidth."),
+    MetricSpec(TRANSFER_OPS, "counter", ("direction", "backend"),
+               "Transfer ops submitted, by the backend chosen for each op (ops)."),
+    MetricSpec(TRANSFER_COMPLETED_OPS, "counter", ("direction",),
+               "Transfer ops acknowledged (ops)."),
+    MetricSpec(TRANSFER_DURATION, "histogram", ("direction",),
+               "Time of one transfer op between its start and finish device events "
+               "(seconds; buckets 100 us .. 10 s); only ops timed with CUDA events."),
+    MetricSpec(IN_FLIGHT_OPS, "gauge", ("direction",),
+               "Transfer ops submitted and not yet acknowledged (ops)."),
+    MetricSpec(POOL_USED, "gauge", ("tier", "pool"),
+               "Allocated slots of a pool, per tier (`device`, `host`) and pool "
+               "(`full`, `swa`) (tokens)."),
+    MetricSpec(POOL_CAPACITY, "gauge", ("tier", "pool"),
+               "Usable capacity of a pool, per tier and pool (tokens)."),
+    MetricSpec(LOOKUP_TOKENS, "counter", (),
+               "Tokens looked up by prefix matches, whole pages (tokens)."),
+    MetricSpec(HIT_TOKENS, "counter", ("tier",),
+               "Looked-up tokens found in the cache, by the tier that held them: `device`, "
+               "or `host` only (tokens)."),
+    MetricSpec(INSERTED_TOKENS, "counter", (),
+               "Tokens newly cached by inserts (tokens)."),
+    MetricSpec(DUPLICATE_TOKENS, "counter", (),
+               "Inserted tokens the cache already held in other slots; those slots were "
+               "freed (tokens)."),
+    MetricSpec(EVICTED_TOKENS, "counter", ("tier",),
+               "Tokens evicted from a tier to make room: `device` frees device slots (a "
+               "backed-up prefix keeps its host copy, the rest are also counted as dropped), "
+               "`host` removes host-only prefixes (tokens)."),
+    MetricSpec(DROPPED_TOKENS, "counter", ("reason",),
+               "Tokens removed from the cache without a host copy, by reason: "
+               f"{_reasons(DROP_REASONS)} (tokens)."),
+    MetricSpec(LOAD_BACK_TOKENS, "counter", (),
+               "Tokens queued for load-back from host to device (tokens)."),
+    MetricSpec(BACKUP_TOKENS, "counter", (),
+               "Tokens whose device-to-host backup was acknowledged (tokens)."),
+    MetricSpec(REFUSED_LOAD_BACK_TOKENS, "counter", ("reason",),
+               "Host hits not loaded back, by reason: "
+               f"{_reasons(LOAD_BACK_REFUSAL_REASONS)} (tokens)."),
+    MetricSpec(REFUSED_BACKUP_TOKENS, "counter", ("reason",),
+               f"Backups not made, by reason: {_reasons(BACKUP_REFUSAL_REASONS)} (tokens)."),
+    MetricSpec(BACKGROUND_ERRORS, "counter", (),
+               "Exceptions raised in the service's background thread (errors)."),
+)
+
+_BY_NAME = {spec.name: spec for spec in METRICS}
+
+
+def spec_of(name: str) -> MetricSpec:
+    """The :class:`MetricSpec` named ``name`` (raises ``KeyError`` for an unknown name)."""
+    return _BY_NAME[name]
+
+
+def sample_names() -> frozenset[str]:
+    """Every sample name a scrape can contain (histograms add ``_bucket``/``_sum``/``_count``)."""
+    names: set[str] = set()
+    for spec in METRICS:
+        if spec.type == "histogram":
+            names.update(spec.name + suffix for suffix in ("_bucket", "_sum", "_count"))
+        else:
+            names.add(spec.name)
+    return frozenset(names)
+
+
+def markdown_table() -> str:
+    """A Markdown table of :data:`METRICS` (name, type, labels, meaning), for the README."""
+    rows = ["| metric | type | labels | meaning |", "|---|---|---|---|"]
+    for spec in METRICS:
+        labels = ", ".join(f"`{label}`" for label in spec.labels) or "-"
+        name = f"`{spec.name}`"
+        if spec.type == "histogram":
+            name += " (`_bucket`, `_sum`, `_count`)"
+        rows.append(f"| {name} | {spec.type} | {labels} | {spec.description} |")
+    return "\n".join(rows) + "\n"
