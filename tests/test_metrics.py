@@ -165,8 +165,6 @@ def test_values_are_current_at_every_scrape(served: list[MetricsExporter]) -> No
     assert value(after, "hicache_background_errors_total") == 2
 
 
-@pytest.mark.xfail(strict=True, reason="HiRadixCache._refuse counts refusals, not tokens as "
-                   "CacheStats documents; drop this mark once it adds num_tokens")
 def test_refused_load_back_is_counted_by_reason() -> None:
     """A load-back over the device quota is refused and its tokens counted as ``over_quota``."""
     rig = Rig(write_policy=WritePolicy.WRITE_THROUGH)

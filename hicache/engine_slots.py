@@ -1,0 +1,85 @@
+"""Device pages the engine holds: handed out by the service, not yet inserted or freed.
+
+The service tracks them so that the integrity check can prove conservation of the device
+pool (free + tree-owned + engine-held == capacity) and so that ``insert`` and
+``free_device`` refuse pages the engine does not hold (a slot freed twice, or a tree-owned
+slot at the wrong position, would otherwise corrupt another request's KV rows).
+
+Bookkeeping only, on CPU; the caller holds the service lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hicache.pools import IndexSpace, Indices, PageAllocator
+
+from .radix_tree import RadixTree
+
+
+class EngineSlots:
+    """The set of ``DEVICE_FULL`` pages the engine holds.
+
+    Args:
+        allocator: the device full-pool allocator (validates whole pages).
+    """
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self._pages: set[int] = set()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._pages) * self.allocator.page_size
+
+    def pages_of(self, indices: Indices, op: str) -> np.ndarray:
+        """Page ids of whole-page ``DEVICE_FULL`` ``indices``; ``ValueError`` otherwise."""
+        return self.allocator.pages_of(indices, op=op)
+
+    def add(self, indices: Indices) -> None:
+        """Record freshly allocated slots."""
+        self._pages.update(self.pages_of(indices, "alloc_device").tolist())
+
+    def held_pages(self, indices: Indices, op: str) -> np.ndarray:
+        """Pages of ``indices``; ``ValueError`` for any the engine does not hold."""
+        pages = self.pages_of(indices, op)
+        stray = [int(p) for p in pages if int(p) not in self._pages]
+        if stray:
+            raise ValueError(
+                f"{op}: page {stray[0]} was not handed out by alloc_device, or was already "
+                f"inserted or freed"
+            )
+        return pages
+
+    def insertable(
+        self, tree: RadixTree, tokens: Sequence[int], device_indices: Indices, num_tokens: int
+    ) -> np.ndarray:
+        """Pages of ``device_indices[:num_tokens]``; ``ValueError`` for a page that is neither
+        held by the engine nor the tree's own page at the same position."""
+        head = Indices(device_indices.tensor[:num_tokens], device_indices.space)
+        pages = self.pages_of(head, "insert")
+        own = self.pages_of(tree.device_prefix(tokens[:num_tokens]), "insert")
+        at_own_place = np.zeros(pages.size, dtype=bool)
+        at_own_place[:own.size] = pages[:own.size] == own
+        held = np.isin(pages, np.fromiter(self._pages, dtype=np.int64))
+        bad = np.flatnonzero(~(held | at_own_place))
+        if bad.size:
+            raise ValueError(
+                f"insert: page {int(pages[bad[0]])} at token {int(bad[0]) * tree.page_size} is "
+                f"neither held by the engine (alloc_device) nor the tree's page there"
+            )
+        return pages
+
+    def forget(self, pages: np.ndarray) -> None:
+        """The engine no longer holds ``pages`` (inserted into the tree, or freed)."""
+        self._pages.difference_update(pages.tolist())
+
+    def as_indices(self) -> Indices:
+        """Every held slot as CPU int64 ``DEVICE_FULL`` indices (for integrity checks)."""
+        page = self.allocator.page_size
+        pages = np.fromiter(sorted(self._pages), dtype=np.int64)
+        slots = (pages[:, None] * page + np.arange(page, dtype=np.int64)[None, :]).reshape(-1)
+        return Indices(torch.from_numpy(slots), IndexSpace.DEVICE_FULL)

@@ -1,0 +1,117 @@
+"""Build a :class:`~hicache.service.HiCacheService` from a validated configuration.
+
+Assembly order: backend, device pool(s), host pool(s) sized by :mod:`hicache.sizing`, the
+controller (registered as the device pool's layer waiter, so every attention accessor waits
+for layer-wise loads by construction), the radix tree, the service. Nothing starts a thread
+or opens a socket here; ``service.start()`` (or ``with build_service(config) as service``)
+does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hicache.controller import (
+    CacheController,
+    HybridCacheController,
+    TransferBackend,
+    make_backend,
+)
+from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, PageAllocator
+
+from .config import GIB, HiCacheConfig
+from .radix import HiRadixCache
+from .service import HiCacheService
+from .sizing import PoolName, device_num_pages, host_num_pages, pool_layers, pool_sizes
+
+logger = logging.getLogger(__name__)
+
+_Built = tuple[DeviceKVPool | HybridSWAPool, CacheController, list[HostKVPool]]
+
+
+def build_service(config: HiCacheConfig) -> HiCacheService:
+    """Pools, backend, controller, tree and service for ``config``; no thread started.
+
+    Raises:
+        ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton).
+    """
+    device = torch.device(config.device_pool.device)
+    ctl = config.controller
+    backend = make_backend(ctl.io_backend.value, device, ctl.kernel_programs,
+                           staging_tokens=ctl.staging_tokens)
+    for size in pool_sizes(config):
+        logger.info("%s pool '%s': %d tokens, %.3f GiB", size.tier, size.pool, size.num_tokens,
+                    size.size_bytes / GIB)
+    device_pool, controller, host_pools = (
+        _build_hybrid(config, device, backend) if config.is_hybrid
+        else _build_plain(config, device, backend)
+    )
+    tree = HiRadixCache(
+        controller, write_policy=ctl.write_policy, write_through_hits=ctl.write_through_hits,
+        load_back_threshold_tokens=ctl.load_back_threshold_tokens,
+        eviction_policy=ctl.eviction_policy,
+        window_tokens=config.model.window_tokens if config.is_hybrid else None,
+    )
+    service_config = config.service
+    metrics = ((service_config.metrics_host, service_config.metrics_port)
+               if service_config.metrics_enabled else None)
+    return HiCacheService(
+        tree=tree, device_pool=device_pool, host_pools=host_pools,
+        integrity_check_interval_s=service_config.integrity_check_interval_s,
+        metrics_address=metrics,
+    )
+
+
+def _build_plain(config: HiCacheConfig, device: torch.device, backend: TransferBackend) -> _Built:
+    page = config.page_size_tokens
+    allocator = PageAllocator(device_num_pages(config, "full"), page, IndexSpace.DEVICE_FULL,
+                              "full")
+    device_pool = DeviceKVPool(
+        name="full", space=IndexSpace.DEVICE_FULL, num_layers=config.model.num_layers,
+        num_slots=allocator.num_slots, geometry=config.model.row_geometry, device=device,
+    )
+    host = _host_pool(config, "full", IndexSpace.HOST_FULL)
+    try:
+        controller = CacheController(
+            device_pool=device_pool, device_allocator=allocator, host_pool=host,
+            backend=backend, event_ring_size=config.controller.event_ring_size,
+        )
+    except BaseException:
+        host.close()
+        raise
+    device_pool.register_layer_waiter(controller.wait_until)
+    return device_pool, controller, [host]
+
+
+def _build_hybrid(config: HiCacheConfig, device: torch.device, backend: TransferBackend
+                  ) -> _Built:
+    model = config.model
+    hybrid_pool = HybridSWAPool(
+        num_layers=model.num_layers, swa_layers=model.swa_layer_ids,
+        full_pages=device_num_pages(config, "full"), swa_pages=device_num_pages(config, "swa"),
+        page_size=config.page_size_tokens, geometry=model.row_geometry, device=device,
+    )
+    hosts: list[HostKVPool] = []
+    try:
+        hosts.append(_host_pool(config, "full", IndexSpace.HOST_FULL))
+        hosts.append(_host_pool(config, "swa", IndexSpace.HOST_SWA))
+        controller = HybridCacheController(
+            hybrid_pool=hybrid_pool, host_full=hosts[0], host_swa=hosts[1], backend=backend,
+            event_ring_size=config.controller.event_ring_size,
+        )
+    except BaseException:
+        for host in hosts:
+            host.close()
+        raise
+    hybrid_pool.register_layer_waiter(controller.wait_until)
+    return hybrid_pool, controller, hosts
+
+
+def _host_pool(config: HiCacheConfig, name: PoolName, space: IndexSpace) -> HostKVPool:
+    return HostKVPool(
+        name=name, space=space, num_layers=len(pool_layers(config, name)),
+        num_pages=host_num_pages(config, name), page_size=config.page_size_tokens,
+        geometry=config.model.row_geometry, layout=config.host.layout,
+    )

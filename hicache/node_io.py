@@ -1,0 +1,151 @@
+"""How the radix tree asks the controller to move and free a node's slots.
+
+Two variants behind one interface: :class:`NodeIO` for full-attention models
+(:class:`~hicache.controller.CacheController`) and :class:`HybridNodeIO` for sliding-window
+models (:class:`~hicache.controller.HybridCacheController`), which also carries the aligned
+SWA slots (0 = no SWA slot) of every op. The tree never branches on the model kind itself.
+
+Safety contract: every method is called on the scheduler thread (the one that owns the
+tree); frees go through the controller, which refuses slots that are still in flight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.controller import CacheController, HybridCacheController
+from hicache.pools import IndexSpace, Indices, PageAllocator
+
+# (full slots, aligned SWA slots or None for a model without SWA)
+SlotPair = tuple[Indices, Indices | None]
+
+
+class NodeIO:
+    """Slot moves of a full-attention model: ``*_swa`` values are always ``None``."""
+
+    is_hybrid = False
+
+    def __init__(self, controller: CacheController) -> None:
+        self.controller = controller
+        self.page_size = controller.device_allocator.page_size
+
+    def try_alloc_device(self, num_tokens: int) -> Indices | None:
+        """``[num_tokens]`` fresh ``DEVICE_FULL`` slots (whole pages) or ``None``."""
+        return self.controller.device_allocator.try_alloc(num_tokens)
+
+    def backup(self, device: Indices, tag: object) -> SlotPair | None:
+        """Queue a device-to-host copy of ``device``; the host slots, or ``None`` if full."""
+        host = self.controller.write(device, tag)
+        return None if host is None else (host, None)
+
+    def load(self, host: Indices, host_swa: Indices | None, tag: object) -> SlotPair | None:
+        """Queue a host-to-device copy; the new device slots, or ``None`` if the device is full."""
+        device = self.controller.load(host, tag)
+        return None if device is None else (device, None)
+
+    def free_device(self, device: Indices) -> None:
+        """Free device slots (and their SWA slots); raises if any is in flight."""
+        self.controller.evict_device(device)
+
+    def free_host(self, host: Indices, host_swa: Indices | None) -> None:
+        """Free host slots (and aligned SWA host slots); raises if any is in flight."""
+        self.controller.evict_host(host)
+
+    def swa_of(self, device: Indices) -> Indices | None:
+        """Aligned ``DEVICE_SWA`` slots of ``device`` (``None`` without SWA)."""
+        return None
+
+    def window_start(self, num_tokens: int) -> int:
+        """First token of the SWA window tail of a ``num_tokens`` sequence (0 without SWA)."""
+        return 0
+
+    def release_swa(self, device: Indices) -> None:
+        """Give back the SWA slots of ``device`` (tokens that left the window)."""
+
+    def tail_has_swa(self, host_swa: Indices | None) -> bool:
+        """True when every token of the window tail of a load has an SWA host copy."""
+        return True
+
+    def allocators(self) -> dict[IndexSpace, PageAllocator]:
+        """Allocator of every index space a node can own slots in."""
+        return {
+            IndexSpace.DEVICE_FULL: self.controller.device_allocator,
+            IndexSpace.HOST_FULL: self.controller.host_pool.allocator,
+        }
+
+    def check_pools(self, sync_device: bool) -> None:
+        """Pool-level integrity (allocators, maps); raises ``RuntimeError``. With
+        ``sync_device`` also checks device-side state (a GPU round trip)."""
+        for allocator in self.allocators().values():
+            allocator.check_integrity()
+
+    def engine_swa_slots(self, engine_device: Indices) -> Indices | None:
+        """SWA slots held through engine-owned full slots (``None`` without SWA)."""
+        return None
+
+
+class HybridNodeIO(NodeIO):
+    """Slot moves of a hybrid model: full and SWA rows travel in one op.
+
+    Args:
+        controller: the hybrid controller.
+        window_tokens: the sliding window; the tree keeps SWA rows for the last
+            ``window_tokens`` rounded up to whole pages (``tail_tokens``) of each sequence.
+    """
+
+    is_hybrid = True
+
+    def __init__(self, controller: HybridCacheController, window_tokens: int) -> None:
+        super().__init__(controller)
+        if window_tokens < 1:
+            raise ValueError(f"window_tokens must be >= 1 for a hybrid model, got {window_tokens}")
+        self.hybrid = controller
+        self.pool = controller.hybrid_pool
+        self.tail_tokens = -(-window_tokens // self.page_size) * self.page_size
+
+    def try_alloc_device(self, num_tokens: int) -> Indices | None:
+        return self.pool.try_alloc(num_tokens)
+
+    def backup(self, device: Indices, tag: object) -> SlotPair | None:
+        slots = self.hybrid.write(device, tag)
+        return None if slots is None else (slots.full, slots.swa)
+
+    def load(self, host: Indices, host_swa: Indices | None, tag: object) -> SlotPair | None:
+        assert host_swa is not None, "a hybrid load needs aligned SWA host slots"
+        slots = self.hybrid.load(host, host_swa, self.tail_tokens, tag)
+        return None if slots is None else (slots.full, slots.swa)
+
+    def free_host(self, host: Indices, host_swa: Indices | None) -> None:
+        self.hybrid.evict_host(host, host_swa)
+
+    def swa_of(self, device: Indices) -> Indices | None:
+        return self.pool.swa_slots_of(device)
+
+    def window_start(self, num_tokens: int) -> int:
+        return num_tokens - min(num_tokens, self.tail_tokens)
+
+    def release_swa(self, device: Indices) -> None:
+        if len(device):
+            self.pool.free_swa(device)
+
+    def tail_has_swa(self, host_swa: Indices | None) -> bool:
+        assert host_swa is not None, "a hybrid load needs aligned SWA host slots"
+        tail = min(len(host_swa), self.tail_tokens)
+        return bool((host_swa.tensor[len(host_swa) - tail:] != 0).all())
+
+    def allocators(self) -> dict[IndexSpace, PageAllocator]:
+        return {
+            IndexSpace.DEVICE_FULL: self.pool.full_allocator,
+            IndexSpace.DEVICE_SWA: self.pool.swa_allocator,
+            IndexSpace.HOST_FULL: self.hybrid.host_pool.allocator,
+            IndexSpace.HOST_SWA: self.hybrid.host_swa.allocator,
+        }
+
+    def check_pools(self, sync_device: bool) -> None:
+        super().check_pools(sync_device)
+        if sync_device:  # compares the device map with its host mirror
+            self.pool.check_integrity()
+
+    def engine_swa_slots(self, engine_device: Indices) -> Indices | None:
+        swa = self.pool.swa_slots_of(engine_device).tensor
+        return Indices(swa[swa != 0].to(torch.int64), IndexSpace.DEVICE_SWA)

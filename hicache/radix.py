@@ -1,0 +1,326 @@
+"""HiRadixCache: a page-aligned radix tree over token ids whose nodes live on two tiers.
+
+A node's KV rows sit on the device (``DEVICE_FULL`` slots), on the host (``HOST_FULL``), or
+both; hybrid models add aligned SWA slots. Device-resident nodes form an ancestor-closed
+set and every other node has a complete host copy, so a match is a device prefix followed
+by a host-only run that :meth:`HiRadixCache.load_back` can bring back. Policies (write and
+eviction) live in :mod:`hicache.radix_tiers`, the tree's shape in :mod:`hicache.radix_tree`.
+
+Slot ownership (the contract with the engine):
+
+- ``insert(tokens, device_indices)`` takes ownership of ``device_indices[:n]``, where ``n``
+  is ``len(tokens)`` rounded down to whole pages; slots after ``n`` stay the caller's (it
+  frees the partial tail page). For tokens already cached, a slot equal to the tree's own
+  slot at that position is kept as is; a different one is a duplicate and the tree frees it.
+  So after ``insert`` the caller never frees any of ``device_indices[:n]``, whether those
+  slots came from a match, a load-back or its own allocation.
+- A :class:`MatchResult` stays valid only while ``last_device_node`` is locked, or until the
+  next call that mutates the tree (``insert``, ``evict``, ``load_back``, ``apply_acks``).
+- Load-backs are queued by ``load_back`` and issued by :meth:`start_loading`, which the
+  engine calls when the batch that reads them starts.
+
+Hybrid models: on insert the tree keeps SWA slots only for the window tail of the sequence
+(``window_tokens`` rounded up to pages) and releases the rest of the slots it takes over;
+slots it already owned keep theirs. Backups carry the SWA rows a node still has; load-backs
+give SWA rows to the window tail of the loaded span and are refused when that tail has no
+SWA host copy. The SWA rows of the device prefix before a load-back are the engine's concern.
+
+Thread ownership: every method is called on the engine's scheduler thread, which owns the
+tree and the allocators (:class:`hicache.service.HiCacheService` serialises controller
+access with its lock).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hicache.controller import Ack, CacheController, Direction
+from hicache.pools import IndexSpace, Indices
+
+from .config import EvictionPolicy, WritePolicy
+from .node_io import SlotPair
+from .radix_integrity import check_tree
+from .radix_tiers import TieredRadixTree
+from .radix_tree import Clock, slots_of
+from .tree_node import MatchResult, PendingOp, TreeNode, cat_indices, empty_indices, slice_indices
+
+logger = logging.getLogger(__name__)
+
+
+class HiRadixCache(TieredRadixTree):
+    """Radix tree over token ids with device and host tiers (see the module docstring).
+
+    Args:
+        controller: moves rows; a :class:`~hicache.controller.HybridCacheController` makes
+            a hybrid tree. Its device allocator's page size is the tree's page size.
+        write_policy: when device nodes are backed up to the host.
+        write_through_hits: matches before a backup under ``write_through_selective``.
+        load_back_threshold_tokens: host-only spans shorter than this are not loaded back.
+        eviction_policy: ``lru`` (last access) or ``lfu`` (hit count, then last access).
+        window_tokens: the sliding window of a hybrid model (required iff hybrid).
+        clock: last-access time source; the default is a counter (deterministic tests).
+    """
+
+    def __init__(
+        self,
+        controller: CacheController,
+        *,
+        write_policy: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE,
+        write_through_hits: int = 2,
+        load_back_threshold_tokens: int = 16,
+        eviction_policy: EvictionPolicy = EvictionPolicy.LRU,
+        window_tokens: int | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        super().__init__(
+            controller, write_policy=write_policy, write_through_hits=write_through_hits,
+            eviction_policy=eviction_policy, window_tokens=window_tokens, clock=clock,
+        )
+        if load_back_threshold_tokens < 0:
+            raise ValueError(
+                f"load_back_threshold_tokens must be >= 0, got {load_back_threshold_tokens}"
+            )
+        self.load_back_threshold_tokens = load_back_threshold_tokens
+
+    # ---- matching and insertion ---------------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+        """Longest cached page-aligned prefix of ``tokens`` (see :class:`MatchResult`).
+
+        Splits a partly matched node at the page boundary, updates the last access and hit
+        count of every matched node and, under ``write_through(_selective)``, backs up the
+        device nodes whose hit count reached the threshold.
+        """
+        key = self.page_key(tokens)
+        path = [node for node, _ in self._descend(key, split=True)]
+        now = self._clock()
+        for node in path:
+            node.last_access = now
+            node.hit_count += 1
+        if self.backup_hits is not None:
+            self._backup_nodes([n for n in path if n.hit_count >= self.backup_hits], path)
+        result = self._result(path)
+        self.stats.matched_tokens += len(key)
+        self.stats.device_hit_tokens += result.device_hit_tokens
+        self.stats.host_hit_tokens += result.host_hit_tokens
+        return result
+
+    def insert(self, tokens: Sequence[int], device_indices: Indices) -> int:
+        """Cache ``tokens`` whose KV rows the caller wrote at ``device_indices``.
+
+        Args:
+            tokens: token ids; only whole pages are cached.
+            device_indices: ``[>= n]`` CPU ``DEVICE_FULL`` slots aligned with ``tokens``
+                (``n`` = whole-page length); the tree takes ``[:n]`` (module docstring).
+        Returns:
+            how many leading tokens were already cached (on either tier).
+        Raises:
+            ValueError: slots of another space or device, too few, or not allocated pages.
+
+        A slot the tree owns at another position would be freed as a duplicate: the tree
+        does not look for that caller bug (``HiCacheService.insert`` refuses it).
+        """
+        key = self.page_key(tokens)
+        slots = self._take_slots(device_indices, len(key))
+        path, taken, duplicates, cached = self._insert_walk(key, slots)
+        duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
+        if len(duplicate):
+            self.io.free_device(duplicate)
+        window_start = self.io.window_start(len(key))
+        for node, offset in taken:
+            device = slots_of(node, "device")
+            cut = max(0, min(node.num_tokens, window_start - offset))
+            self.io.release_swa(slice_indices(device, 0, cut))
+            node.device_swa = self.io.swa_of(device)
+        self.stats.inserted_tokens += len(key) - cached
+        self.stats.duplicate_tokens += len(duplicate)
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            self._backup_nodes(path, path)
+        return cached
+
+    def _insert_walk(
+        self, key: tuple[int, ...], slots: Indices
+    ) -> tuple[list[TreeNode], list[tuple[TreeNode, int]], list[Indices], int]:
+        """Walk and extend the tree along ``key``. Returns the path, the nodes that took
+        caller slots (with their token offset), the duplicate slots and the cached length."""
+        now, node, pos, cached = self._clock(), self.root, 0, 0
+        path: list[TreeNode] = []
+        taken: list[tuple[TreeNode, int]] = []
+        duplicates: list[Indices] = []
+        while pos < len(key):
+            child = node.children.get(key[pos:pos + self.page_size])
+            if child is None:
+                child = self._new_child(node, key[pos:], slice_indices(slots, pos, len(key)))
+                child.last_access = now
+                taken.append((child, pos))
+                path.append(child)
+                break
+            common = self._common_tokens(child.key, key, pos)
+            if common < child.num_tokens:
+                child = self._split(child, common)
+            part = slice_indices(slots, pos, pos + common)
+            if child.device is None:
+                child.device = part  # re-attach: the host-only node is on the device again
+                taken.append((child, pos))
+            else:
+                duplicates.append(self._differing_pages(child.device, part))
+            child.last_access = now
+            path.append(child)
+            cached, pos, node = cached + common, pos + common, child
+        return path, taken, duplicates, cached
+
+    # ---- load-back ----------------------------------------------------------------------
+
+    def load_back(self, node: TreeNode, device_quota_tokens: int) -> Indices | None:
+        """Queue the load of ``node`` and its host-only ancestors, down from the first
+        device-resident ancestor.
+
+        All or nothing: refused (``None``, counted by reason) when the span is shorter than
+        ``load_back_threshold_tokens``, longer than ``device_quota_tokens``, lacks SWA host
+        rows for its window tail (hybrid), or finds no device room after one eviction. On
+        success the nodes own their new slots at once and ``node`` stays locked until the
+        ack; the rows are valid after :meth:`start_loading` and ``wait_until(layer)``.
+
+        Returns:
+            ``[span]`` CPU ``DEVICE_FULL`` slots of the loaded tokens (empty when nothing is
+            host-only), or ``None``.
+        """
+        span = self._host_span(node)
+        num_tokens = sum(n.num_tokens for n in span)
+        if not span:
+            return empty_indices(IndexSpace.DEVICE_FULL)
+        if num_tokens < self.load_back_threshold_tokens:
+            return self._refuse("below_threshold", num_tokens)
+        if num_tokens > device_quota_tokens:
+            return self._refuse("over_quota", num_tokens)
+        host = cat_indices([slots_of(n, "host") for n in span], IndexSpace.HOST_FULL)
+        host_swa = (cat_indices([slots_of(n, "host_swa") for n in span], IndexSpace.HOST_SWA)
+                    if self.io.is_hybrid else None)
+        if not self.io.tail_has_swa(host_swa):
+            return self._refuse("swa_tail_missing", num_tokens)
+        op = PendingOp(Direction.HOST_TO_DEVICE, list(span), node)
+        self.lock(node)  # held until the ack; also shields the span while we evict
+        loaded = self.io.load(host, host_swa, op)
+        if loaded is None:
+            self.evict(num_tokens)
+            loaded = self.io.load(host, host_swa, op)
+        if loaded is None:
+            self.unlock(node)
+            return self._refuse("device_full", num_tokens)
+        self._assign_loaded(span, loaded, op)
+        self.stats.loaded_back_tokens += num_tokens
+        return loaded[0]
+
+    def start_loading(self) -> int | None:
+        """Issue the queued load-backs; returns the controller's event set id (or ``None``
+        when nothing was queued)."""
+        return self.controller.start_loading()
+
+    # ---- acknowledgements and integrity -------------------------------------------------
+
+    def apply_acks(self, acks: Iterable[Ack]) -> None:
+        """Apply acks of ops this tree issued: host copies become valid and write-through
+        locks drop; write-back evictions free their device slots (unless the node was
+        locked or gained device children meanwhile); load-back locks drop."""
+        for ack in acks:
+            for tag in ack.tags:
+                if not isinstance(tag, PendingOp):
+                    raise TypeError(f"ack of op {ack.op_id} carries tag {tag!r}, not a tree op")
+                if tag.direction is Direction.DEVICE_TO_HOST:
+                    self._finish_write(tag)
+                else:
+                    self._finish_load(tag)
+
+    def check_integrity(
+        self, engine_device: Indices | None = None, *, sync_device: bool = True
+    ) -> None:
+        """Raise ``RuntimeError`` unless every slot of every tier is free, owned by exactly
+        one node, or held by the engine (``engine_device``: ``DEVICE_FULL`` slots allocated
+        and not inserted, with their SWA slots); slots in flight must be node-owned; the
+        tree's shape, tier invariants and lock counts must be consistent.
+        ``sync_device=False`` skips the one check that waits for the GPU (the device copy
+        of the hybrid full-to-SWA map)."""
+        check_tree(self, engine_device, sync_device)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _finish_write(self, op: PendingOp) -> None:
+        for node in op.nodes:
+            assert node.write_op is op, f"{node!r} lost track of its write"
+            node.write_op = None
+        self.stats.backed_up_tokens += sum(node.num_tokens for node in op.nodes)
+        if op.lock_node is not None:
+            self.unlock(op.lock_node)
+        for node in sorted(op.nodes, key=TreeNode.depth, reverse=True):
+            if node.evict_on_ack:
+                node.evict_on_ack = False
+                if self._can_evict_device(node):
+                    self.stats.evicted_device_tokens += self._free_device(node)
+
+    def _finish_load(self, op: PendingOp) -> None:
+        for node in op.nodes:
+            assert node.load_op is op, f"{node!r} lost track of its load"
+            node.load_op = None
+        assert op.lock_node is not None, "a load-back always locks its last node"
+        self.unlock(op.lock_node)
+
+    def _result(self, path: list[TreeNode]) -> MatchResult:
+        on_device = list(itertools.takewhile(lambda n: n.on_device, path))
+        host_only = path[len(on_device):]
+        assert all(n.is_host_only and n.is_backed_up for n in host_only), \
+            "a node below the device prefix has no complete host copy"
+        device = cat_indices([slots_of(n, "device") for n in on_device], IndexSpace.DEVICE_FULL)
+        last_device = on_device[-1] if on_device else self.root
+        last_host = path[-1] if path else self.root
+        return MatchResult(device, last_device, last_host, sum(n.num_tokens for n in host_only))
+
+    def _take_slots(self, device_indices: Indices, num_tokens: int) -> Indices:
+        if not isinstance(device_indices, Indices) or \
+                device_indices.space is not IndexSpace.DEVICE_FULL:
+            raise ValueError("insert: device_indices must be DEVICE_FULL hicache.pools.Indices")
+        if len(device_indices) < num_tokens or device_indices.device.type != "cpu":
+            raise ValueError(
+                f"insert: need >= {num_tokens} CPU slots (the whole pages of the tokens), got "
+                f"{len(device_indices)} on {device_indices.device}"
+            )
+        slots = Indices(device_indices.tensor[:num_tokens].to(torch.int64).clone(),
+                        IndexSpace.DEVICE_FULL)
+        if not self.controller.device_allocator.is_allocated(slots):
+            raise ValueError("insert: some slots are not allocated; insert only slots you hold")
+        return slots
+
+    def _differing_pages(self, mine: Indices, theirs: Indices) -> Indices:
+        """Pages of ``theirs`` that are not the tree's page at the same position."""
+        ours = mine.tensor.view(-1, self.page_size)
+        given = theirs.tensor.view(-1, self.page_size)
+        differ = (ours != given).any(dim=1)
+        return Indices(given[differ].reshape(-1), IndexSpace.DEVICE_FULL)
+
+    def _host_span(self, node: TreeNode) -> list[TreeNode]:
+        span = []
+        for ancestor in self._ancestry(node, "load_back"):
+            if ancestor.on_device:
+                break
+            assert ancestor.is_backed_up, f"host-only {ancestor!r} has no complete host copy"
+            span.append(ancestor)
+        span.reverse()
+        return span
+
+    def _assign_loaded(self, span: list[TreeNode], loaded: SlotPair, op: PendingOp) -> None:
+        device, device_swa = loaded
+        now, offset = self._clock(), 0
+        for node in span:
+            end = offset + node.num_tokens
+            node.device = slice_indices(device, offset, end)
+            node.device_swa = None if device_swa is None else slice_indices(device_swa, offset, end)
+            node.load_op, node.last_access, offset = op, now, end
+
+    def _refuse(self, reason: str, num_tokens: int) -> Indices | None:
+        """Count a refused load-back; always ``None`` (the refusal)."""
+        self.stats.refused_load_backs[reason] += num_tokens
+        logger.debug("load-back of %d tokens refused: %s", num_tokens, reason)
+        return None

@@ -1,0 +1,161 @@
+"""Integrity check of the tiered radix tree: shape, tier invariants and slot conservation.
+
+For every index space of the model (``DEVICE_FULL``, ``HOST_FULL`` and, for hybrid models,
+``DEVICE_SWA`` and ``HOST_SWA``) every allocated page must be owned by exactly one node or
+held by the engine (slots it allocated and has not inserted yet), and every page in flight
+in the controller must be node-owned; so free + owned + engine-held == capacity. Failures
+raise ``RuntimeError`` naming the space, the page and the nodes involved; nothing is
+repaired. Cost: one walk of the tree and a few sorts of page ids.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hicache.pools import IndexSpace, Indices, PageAllocator
+
+from .tree_node import SLOT_FIELDS, TreeNode
+
+if TYPE_CHECKING:
+    from .radix_tiers import TieredRadixTree
+
+_Owned = list[tuple[int, np.ndarray]]  # (node id, pages)
+
+
+def check_tree(tree: TieredRadixTree, engine_device: Indices | None, sync_device: bool) -> None:
+    """Raise ``RuntimeError`` unless ``tree`` and its pools are consistent (module docstring).
+
+    Args:
+        tree: the tree to check; only read.
+        engine_device: ``[n]`` CPU ``DEVICE_FULL`` slots the engine holds (whole pages), or
+            ``None`` when it holds none.
+        sync_device: also compare device-side state with its host mirror (the hybrid map),
+            which waits for the GPU; without it the check reads CPU state only.
+    """
+    tree.io.check_pools(sync_device)
+    allocators = tree.io.allocators()
+    owned: dict[IndexSpace, _Owned] = defaultdict(list)
+    for node in tree.nodes():
+        _check_node(tree, node)
+        for name in SLOT_FIELDS:
+            value: Indices | None = getattr(node, name)
+            if value is not None:
+                pages = _pages(allocators, value, f"{node!r}.{name}", name.endswith("_swa"))
+                owned[value.space].append((node.node_id, pages))
+    engine = _engine_pages(tree, engine_device)
+    for space, allocator in allocators.items():
+        busy = np.unique(tree.controller.busy_slots(space) // allocator.page_size)
+        _check_space(space, allocator, owned[space], engine.get(space), busy)
+
+
+def _check_node(tree: TieredRadixTree, node: TreeNode) -> None:
+    """Shape, locks and tier invariants of one node."""
+    page = tree.page_size
+    parent = node.parent
+    if parent is None or node.is_detached or parent.children.get(node.key[:page]) is not node:
+        raise RuntimeError(f"{node!r} is not linked to its parent under its first page")
+    if node.num_tokens == 0 or node.num_tokens % page:
+        raise RuntimeError(f"{node!r}: key of {node.num_tokens} tokens is not whole pages")
+    for name in SLOT_FIELDS:
+        value: Indices | None = getattr(node, name)
+        if value is not None and len(value) != node.num_tokens:
+            raise RuntimeError(f"{node!r}: {len(value)} {name} slots for its tokens")
+    below = sum(child.lock_count for child in node.children.values())
+    if node.lock_count < below or node.lock_count < 0:
+        raise RuntimeError(f"{node!r}: lock count {node.lock_count} < children's {below}")
+    if node.on_device and parent is not tree.root and not parent.on_device:
+        raise RuntimeError(f"{node!r} is on the device but its parent {parent!r} is not")
+    if not node.on_device and not node.is_backed_up:
+        raise RuntimeError(f"{node!r} is on neither tier (no device slots, no host copy)")
+    if node.write_op is not None and node.host is None:
+        raise RuntimeError(f"{node!r} has a backup in flight but no host slots")
+    if node.evict_on_ack and node.write_op is None:
+        raise RuntimeError(f"{node!r} waits to be evicted after a write that is not in flight")
+    for op in (node.write_op, node.load_op):
+        if op is not None and node not in op.nodes:
+            raise RuntimeError(f"{node!r} is in flight but missing from its op")
+    _check_swa(tree, node)
+
+
+def _check_swa(tree: TieredRadixTree, node: TreeNode) -> None:
+    """SWA fields: absent without SWA; device SWA slots match the pool's map."""
+    if not tree.io.is_hybrid:
+        if node.device_swa is not None or node.host_swa is not None:
+            raise RuntimeError(f"{node!r} holds SWA slots but the model has no SWA layers")
+        return
+    if (node.host is None) != (node.host_swa is None):
+        raise RuntimeError(f"{node!r}: host full and host SWA slots must come together")
+    if node.device is None:
+        if node.device_swa is not None:
+            raise RuntimeError(f"{node!r} holds device SWA slots but no device slots")
+        return
+    mapped = tree.io.swa_of(node.device)
+    if node.device_swa is None or mapped is None or \
+            not torch.equal(node.device_swa.tensor, mapped.tensor):
+        raise RuntimeError(f"{node!r}: recorded device SWA slots differ from the pool's map")
+
+
+def _pages(
+    allocators: dict[IndexSpace, PageAllocator], indices: Indices, what: str, aligned: bool
+) -> np.ndarray:
+    """Page ids of ``indices`` (0 entries skipped when ``aligned``); RuntimeError if bad."""
+    if indices.space not in allocators:
+        raise RuntimeError(f"{what}: no pool of space {indices.space.name} in this model")
+    if aligned:
+        indices = Indices(indices.tensor[indices.tensor != 0], indices.space)
+    try:
+        return allocators[indices.space].pages_of(indices, op=what)
+    except ValueError as exc:
+        raise RuntimeError(f"integrity: {exc}") from exc
+
+
+def _engine_pages(
+    tree: TieredRadixTree, engine_device: Indices | None
+) -> dict[IndexSpace, np.ndarray]:
+    if engine_device is None or not len(engine_device):
+        return {}
+    allocators = tree.io.allocators()
+    pages = {IndexSpace.DEVICE_FULL: _pages(allocators, engine_device, "engine slots", False)}
+    swa = tree.io.engine_swa_slots(engine_device)
+    if swa is not None:
+        pages[IndexSpace.DEVICE_SWA] = _pages(allocators, swa, "engine SWA slots", False)
+    return pages
+
+
+def _check_space(
+    space: IndexSpace, allocator: PageAllocator, owned: _Owned, engine: np.ndarray | None,
+    busy: np.ndarray,
+) -> None:
+    """Conservation of one index space (module docstring)."""
+    name = space.name
+    ids = np.concatenate([np.full(p.size, i) for i, p in owned] or [np.empty(0, np.int64)])
+    pages = np.concatenate([p for _, p in owned] or [np.empty(0, np.int64)])
+    order = np.argsort(pages, kind="stable")
+    pages, ids = pages[order], ids[order]
+    twice = np.flatnonzero(pages[1:] == pages[:-1])
+    if twice.size:
+        i = int(twice[0])
+        raise RuntimeError(f"{name} page {int(pages[i])} is owned by nodes {int(ids[i])} and "
+                           f"{int(ids[i + 1])}")
+    engine = np.empty(0, np.int64) if engine is None else engine
+    shared = np.intersect1d(pages, engine)
+    if shared.size:
+        raise RuntimeError(f"{name} page {int(shared[0])} is owned by a node and also held "
+                           f"by the engine")
+    held = np.concatenate([pages, engine])
+    used = allocator.used_pages()
+    free_but_held = np.setdiff1d(held, used)
+    if free_but_held.size:
+        raise RuntimeError(f"{name} page {int(free_but_held[0])} is free in its allocator but "
+                           f"owned by a node or held by the engine")
+    leaked = np.setdiff1d(used, held)
+    if leaked.size:
+        raise RuntimeError(f"{name}: {leaked.size} allocated pages are owned by no node and not "
+                           f"held by the engine (leak), first page {int(leaked[0])}")
+    stray = np.setdiff1d(busy, pages)
+    if stray.size:
+        raise RuntimeError(f"{name} page {int(stray[0])} is in flight but owned by no node")

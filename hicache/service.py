@@ -1,0 +1,344 @@
+"""HiCacheService: the radix tree, its controller and a background poller for one engine.
+
+Thread ownership (the rules every caller relies on):
+
+- The engine's scheduler thread owns the tree and the allocators. Every API call
+  (``match``, ``load_back``, ``start_loading``, ``insert``, ``lock``/``release``,
+  ``alloc_device``, ``free_device``, ``evict``, ``evict_host``, ``step``) runs there, and
+  only those calls mutate bookkeeping.
+- One service lock (``service_lock``) serialises access to the controller. Every API call holds it;
+  the background thread holds it only while it polls finished ops (event ``query()`` only)
+  or runs an idle integrity check; a metrics scrape holds it while it reads the counters.
+  It is never held across a GPU wait: ``wait_until`` is a GPU-side wait and takes no lock,
+  and ``stop`` drains (which blocks) only after the background thread has been joined.
+- The background thread never mutates the tree: it puts acks on a queue that ``step``
+  applies on the scheduler thread.
+- An exception in the background thread is never swallowed: it is logged, counted in
+  ``stats.background_errors`` and raised, as :class:`ServiceError` with the original as
+  ``__cause__``, by every later scheduler call until ``stop``; ``stop`` raises it if no call
+  did. The service is unusable after that: stop it.
+
+Slots the engine allocates through :meth:`HiCacheService.alloc_device` are tracked until
+they are inserted or given back with :meth:`HiCacheService.free_device`, so the integrity
+check can prove that every device slot is free, owned by a tree node or held by the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+
+from hicache.controller import Ack
+from hicache.metrics import MetricsExporter, controller_pool_usage
+from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, Indices
+
+from .engine_slots import EngineSlots
+from .radix import HiRadixCache
+from .tree_node import MatchResult, TreeNode
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceError(RuntimeError):
+    """The background thread failed; ``__cause__`` is its exception."""
+
+
+@dataclass
+class ServiceStats:
+    """The service's own counters (``background_errors`` is exported as a metric)."""
+
+    background_errors: int = 0
+    polls: int = 0
+    acks_applied: int = 0
+    integrity_checks: int = 0
+
+
+class HiCacheService:
+    """Scheduler-facing cache service (see the module docstring for the threading rules).
+
+    Args:
+        tree: the radix tree, with its controller.
+        device_pool: the pool the engine writes KV into (plain or hybrid).
+        host_pools: host pools to close (unpin) at :meth:`stop`.
+        integrity_check_interval_s: seconds between idle integrity checks of the thread.
+        poll_interval_s: sleep of the background thread between polls.
+        metrics_address: ``(host, port)`` to serve Prometheus metrics on from :meth:`start`,
+            or ``None`` for no endpoint.
+    """
+
+    def __init__(
+        self,
+        *,
+        tree: HiRadixCache,
+        device_pool: DeviceKVPool | HybridSWAPool,
+        host_pools: Sequence[HostKVPool],
+        integrity_check_interval_s: float = 1.0,
+        poll_interval_s: float = 0.001,
+        metrics_address: tuple[str, int] | None = None,
+    ) -> None:
+        self.tree = tree
+        self.controller = tree.controller
+        self.device_pool = device_pool
+        self.service_lock = threading.Lock()
+        self.stats = ServiceStats()
+        self._host_pools = list(host_pools)
+        self._check_interval_s = integrity_check_interval_s
+        self._poll_interval_s = poll_interval_s
+        self._acks: queue.Queue[Ack] = queue.Queue()
+        self._engine = EngineSlots(self.controller.device_allocator)
+        self._error: BaseException | None = None
+        self._error_raised = False
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._stopped = False
+        self._metrics_address = metrics_address
+        self.exporter = None if metrics_address is None else MetricsExporter(
+            self.controller.stats, cache=tree.stats,
+            pool_usage=controller_pool_usage(self.controller), service=self.stats,
+            source_lock=self.service_lock,
+        )
+
+    # ---- scheduler API ------------------------------------------------------------------
+
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        """:meth:`HiRadixCache.match_prefix`; lock ``last_device_node`` to keep the result."""
+        with self._call():
+            return self.tree.match_prefix(tokens)
+
+    def lock(self, node: TreeNode) -> None:
+        """Protect ``node`` and its ancestors from eviction until :meth:`release`."""
+        with self._call():
+            self.tree.lock(node)
+
+    def release(self, node: TreeNode) -> None:
+        """Undo one :meth:`lock` of ``node``."""
+        with self._call():
+            self.tree.unlock(node)
+
+    def load_back(
+        self, target: MatchResult | TreeNode, device_quota_tokens: int
+    ) -> Indices | None:
+        """Queue the load of a match's host-only run (or of a node's host-only ancestors);
+        see :meth:`HiRadixCache.load_back`. Issue it with :meth:`start_loading`."""
+        node = target.last_host_node if isinstance(target, MatchResult) else target
+        with self._call():
+            return self.tree.load_back(node, device_quota_tokens)
+
+    def start_loading(self) -> int | None:
+        """Issue queued load-backs (when the batch that reads them starts); the event set id."""
+        with self._call():
+            return self.tree.start_loading()
+
+    def insert(self, tokens: Sequence[int], device_indices: Indices) -> int:
+        """Give ``device_indices[:n]`` (``n``: whole pages of ``tokens``) to the tree; see
+        :meth:`HiRadixCache.insert`. Each of those pages must come from :meth:`alloc_device`
+        or be the tree's own page at that position (from a match or a load-back).
+
+        Returns:
+            tokens already cached.
+        Raises:
+            ValueError: a page the engine does not hold, at a position the tree does not own.
+        """
+        if not isinstance(device_indices, Indices):
+            raise TypeError(f"insert: expected DEVICE_FULL Indices, got {type(device_indices)}")
+        with self._call():
+            head = self.tree.page_key(tokens)
+            if len(device_indices) < len(head):
+                raise ValueError(f"insert: {len(device_indices)} slots for {len(head)} tokens")
+            pages = self._engine.insertable(self.tree, tokens, device_indices, len(head))
+            cached = self.tree.insert(tokens, device_indices)
+            self._engine.forget(pages)
+            return cached
+
+    def alloc_device(self, num_tokens: int) -> Indices | None:
+        """``num_tokens`` rounded up to whole pages of fresh device slots (with SWA slots for
+        a hybrid pool), evicting once if needed; ``None`` when there is still no room (under
+        ``write_back`` retry after :meth:`step`: evicted pages free up when written)."""
+        page = self.tree.page_size
+        rounded = -(-num_tokens // page) * page
+        with self._call():
+            slots = self.tree.io.try_alloc_device(rounded)
+            if slots is None:
+                short = rounded - self.controller.device_allocator.num_free_tokens
+                self.tree.evict(short if short > 0 else rounded)
+                self._apply(self._collect_acks())
+                slots = self.tree.io.try_alloc_device(rounded)
+            if slots is not None:
+                self._engine.add(slots)
+            return slots
+
+    def free_device(self, device_indices: Indices) -> None:
+        """Give back whole pages from :meth:`alloc_device` that were never inserted."""
+        with self._call():
+            pages = self._engine.held_pages(device_indices, "free_device")
+            self.controller.evict_device(device_indices)
+            self._engine.forget(pages)
+
+    def evict(self, num_tokens: int) -> int:
+        """:meth:`HiRadixCache.evict`: device tokens freed now. Under ``write_back`` the
+        tokens it writes back first are freed by a later :meth:`step`, once written."""
+        with self._call():
+            return self.tree.evict(num_tokens)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """:meth:`HiRadixCache.evict_host`: host tokens freed."""
+        with self._call():
+            return self.tree.evict_host(num_tokens)
+
+    def step(self) -> int:
+        """Apply finished ops (queued by the thread, or polled here); returns how many."""
+        with self._call():
+            acks = self._collect_acks()
+            self._apply(acks)
+            return len(acks)
+
+    def wait_until(self, layer: int) -> None:
+        """GPU-side wait of the current stream for ``layer`` of the latest load; no lock."""
+        self._raise_if_failed()
+        self.controller.wait_until(layer)
+
+    def check_integrity(self) -> None:
+        """Conservation of every slot (tree, engine-held, free); ``RuntimeError`` if broken.
+        Also allowed after :meth:`stop`. The device copy of the hybrid map is compared after
+        the lock is released (it waits for the GPU; only this thread changes the map)."""
+        with self.service_lock:
+            self._check_locked()
+        self.tree.io.check_pools(sync_device=True)
+
+    @property
+    def engine_held_tokens(self) -> int:
+        """Device slots handed out by :meth:`alloc_device` and not inserted or freed yet."""
+        return self._engine.num_tokens
+
+    # ---- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background thread (and the metrics endpoint); no-op when running."""
+        self._raise_if_failed()
+        if self._stopped:
+            raise RuntimeError("the service was stopped; build a new one")
+        if self._thread is not None:
+            return
+        if self.exporter is not None and self._metrics_address is not None:
+            port = self.exporter.start_http(*self._metrics_address)
+            logger.info("hicache metrics on %s:%d", self._metrics_address[0], port)
+        self._thread = threading.Thread(target=self._run, name="hicache-service", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Join the thread, drain every op in flight and apply its ack, close the host pools.
+
+        Idempotent. Raises the background thread's error if no scheduler call did.
+        """
+        if self._stopped:
+            return
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self.exporter is not None:
+            self.exporter.stop()
+        with self.service_lock:
+            acks = self._drain_queue() + self.controller.drain()
+            self._apply(acks)
+            for pool in self._host_pools:
+                pool.close()
+            self._stopped = True
+        if self._error is not None and not self._error_raised:
+            self._raise_if_failed()
+
+    def __enter__(self) -> HiCacheService:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ---- background thread --------------------------------------------------------------
+
+    def _run(self) -> None:
+        last_ack = last_check = time.monotonic()
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                if self._poll_once():
+                    last_ack = now
+                elif min(now - last_ack, now - last_check) >= self._check_interval_s \
+                        and self._try_check():
+                    last_check = now
+                self._stopping.wait(self._poll_interval_s)
+        except BaseException as exc:  # recorded and raised on the scheduler thread
+            self._error = exc
+            self.stats.background_errors += 1
+            logger.exception("hicache background thread failed")
+
+    def _poll_once(self) -> bool:
+        with self.service_lock:
+            acks = self.controller.poll()
+            self.stats.polls += 1
+            if self.exporter is not None:
+                self.exporter.refresh()
+        for ack in acks:
+            self._acks.put(ack)
+        return bool(acks)
+
+    def _try_check(self) -> bool:
+        """Integrity check if the lock is free right now (never waits for the scheduler)."""
+        if not self.service_lock.acquire(blocking=False):
+            return False
+        try:
+            self._check_locked()
+        finally:
+            self.service_lock.release()
+        return True
+
+    # ---- helpers (called with the lock held) ---------------------------------------------
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        self._raise_if_failed()
+        if self._stopped:
+            raise RuntimeError("the service was stopped")
+        with self.service_lock:
+            yield
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            self._error_raised = True
+            raise ServiceError(
+                f"hicache background thread failed: {self._error!r}; stop the service"
+            ) from self._error
+
+    def _drain_queue(self) -> list[Ack]:
+        acks = []
+        while True:
+            try:
+                acks.append(self._acks.get_nowait())
+            except queue.Empty:
+                return acks
+
+    def _collect_acks(self) -> list[Ack]:
+        """Queued acks first (older), then whatever the controller finished since."""
+        acks = self._drain_queue() + self.controller.poll()
+        if self.exporter is not None:
+            self.exporter.refresh()
+        return acks
+
+    def _apply(self, acks: list[Ack]) -> None:
+        self.tree.apply_acks(acks)
+        self.stats.acks_applied += len(acks)
+
+    def _check_locked(self) -> None:
+        """CPU state only: it never waits for the GPU, as the lock is held."""
+        engine = self._engine.as_indices()
+        self.tree.check_integrity(engine_device=engine, sync_device=False)
+        self.stats.integrity_checks += 1

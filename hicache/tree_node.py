@@ -1,0 +1,169 @@
+"""Nodes, results and counters of the hierarchical radix tree (:mod:`hicache.radix`).
+
+A :class:`TreeNode` covers a run of whole pages of token ids and owns, aligned token by token
+with its key, the slots that hold their KV rows on each tier:
+
+    device       ``DEVICE_FULL`` slots, or ``None`` when evicted from the device
+    host         ``HOST_FULL`` slots, or ``None`` when never backed up (or dropped)
+    device_swa   ``DEVICE_SWA`` slots (hybrid models; 0 for tokens outside the window tail)
+    host_swa     ``HOST_SWA`` slots (hybrid models; 0 for tokens without an SWA backup)
+
+All four are CPU int64 :class:`~hicache.pools.Indices` of ``len(key)`` entries, so a split at
+a page boundary slices every one of them at the same offset. Bookkeeping only: nothing here
+touches a stream.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from hicache.controller import Direction
+from hicache.pools import IndexSpace, Indices
+
+# The slot fields of a node, sliced together on a split and walked by the integrity check.
+SLOT_FIELDS: tuple[str, ...] = ("device", "host", "device_swa", "host_swa")
+
+
+@dataclass(eq=False)
+class PendingOp:
+    """The tree's record of one controller op it issued; the op's ack carries it as its tag.
+
+    ``nodes`` grows when a node in flight is split (both halves wait for the same ack).
+    ``lock_node`` is the node locked until the ack (write-through backups, load-backs), or
+    ``None`` (write-back evictions, which flag their nodes with ``evict_on_ack`` instead).
+    """
+
+    direction: Direction
+    nodes: list[TreeNode]
+    lock_node: TreeNode | None
+
+
+@dataclass(eq=False)
+class TreeNode:
+    """One radix-tree node; see the module docstring for the slot fields.
+
+    ``lock_count`` counts locks held on this node or any descendant (locks propagate to the
+    ancestors), so a node with ``lock_count > 0`` is never evicted. ``write_op`` /
+    ``load_op`` are set while a backup / load-back of this node's slots is in flight.
+    """
+
+    node_id: int
+    key: tuple[int, ...]
+    parent: TreeNode | None
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    device: Indices | None = None
+    host: Indices | None = None
+    device_swa: Indices | None = None
+    host_swa: Indices | None = None
+    lock_count: int = 0
+    hit_count: int = 0
+    last_access: float = 0.0
+    write_op: PendingOp | None = None
+    load_op: PendingOp | None = None
+    evict_on_ack: bool = False
+    is_detached: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key)
+
+    @property
+    def on_device(self) -> bool:
+        return self.device is not None
+
+    @property
+    def is_backed_up(self) -> bool:
+        """True when the host copy is complete (allocated and its write acknowledged)."""
+        return self.host is not None and self.write_op is None
+
+    @property
+    def is_host_only(self) -> bool:
+        return self.device is None and self.host is not None
+
+    @property
+    def is_in_flight(self) -> bool:
+        return self.write_op is not None or self.load_op is not None
+
+    def has_device_child(self) -> bool:
+        return any(child.on_device for child in self.children.values())
+
+    def depth(self) -> int:
+        """Nodes between this one and the root (the root's children have depth 1)."""
+        depth, node = 0, self.parent
+        while node is not None:
+            depth, node = depth + 1, node.parent
+        return depth
+
+    def __repr__(self) -> str:
+        tiers = "".join(tag for tag, on in (("D", self.on_device), ("H", self.host is not None))
+                        if on) or "-"
+        return f"TreeNode(id={self.node_id}, tokens={self.num_tokens}, tiers={tiers}, " \
+               f"locks={self.lock_count})"
+
+
+class MatchResult(NamedTuple):
+    """What :meth:`HiRadixCache.match_prefix` found for a token sequence.
+
+    ``device_indices``: ``[d]`` CPU int64 ``DEVICE_FULL`` slots of the device-resident prefix
+    (``d`` a page multiple). ``last_device_node``: the deepest matched node on the device (the
+    root when ``d == 0``); lock it to keep ``device_indices`` valid. ``last_host_node``: the
+    deepest matched node (equal to ``last_device_node`` when nothing is host-only); pass it
+    to ``load_back``. ``host_hit_tokens``: tokens after the device prefix held only on the host.
+    """
+
+    device_indices: Indices
+    last_device_node: TreeNode
+    last_host_node: TreeNode
+    host_hit_tokens: int
+
+    @property
+    def device_hit_tokens(self) -> int:
+        return len(self.device_indices)
+
+
+@dataclass
+class CacheStats:
+    """Cumulative tree counters in tokens (plain numbers; ``hicache.metrics`` exports them).
+
+    ``dropped_tokens``, ``refused_load_backs`` and ``refused_backups`` count the tokens
+    concerned, keyed by reason: ``no_backup`` (a device
+    node evicted before any backup), ``host_full`` (the host had no room), ``orphaned`` (host
+    copies below a dropped node), ``below_threshold``, ``over_quota``, ``device_full``,
+    ``swa_tail_missing``.
+    """
+
+    matched_tokens: int = 0
+    device_hit_tokens: int = 0
+    host_hit_tokens: int = 0
+    inserted_tokens: int = 0
+    duplicate_tokens: int = 0
+    evicted_device_tokens: int = 0
+    evicted_host_tokens: int = 0
+    loaded_back_tokens: int = 0
+    backed_up_tokens: int = 0
+    dropped_tokens: Counter[str] = field(default_factory=Counter)
+    refused_load_backs: Counter[str] = field(default_factory=Counter)
+    refused_backups: Counter[str] = field(default_factory=Counter)
+
+
+def empty_indices(space: IndexSpace) -> Indices:
+    """``[0]`` CPU int64 indices of ``space``."""
+    return Indices(torch.empty(0, dtype=torch.int64), space)
+
+
+def cat_indices(parts: list[Indices], space: IndexSpace) -> Indices:
+    """Concatenate ``parts`` (all of ``space``) into one CPU int64 :class:`Indices`."""
+    if not parts:
+        return empty_indices(space)
+    if len(parts) == 1:
+        return parts[0]
+    return Indices(torch.cat([part.tensor for part in parts]), space)
+
+
+def slice_indices(indices: Indices, begin: int, end: int) -> Indices:
+    """Tokens ``[begin, end)`` of ``indices`` as a copy (a node never shares a tensor)."""
+    return Indices(indices.tensor[begin:end].clone(), indices.space)

@@ -1,0 +1,333 @@
+"""HiCacheService on a CPU: factory, a scheduler thread beside the background thread, stop
+with ops in flight, background errors, life cycle."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from radix_helpers import expected_rows, read_rows, write_rows
+
+from hicache.config import HiCacheConfig, config_from_dict
+from hicache.controller import HybridCacheController
+from hicache.factory import build_service
+from hicache.pools import DeviceKVPool, HybridSWAPool, IndexSpace, Indices
+from hicache.service import HiCacheService, ServiceError
+from hicache.tree_node import TreeNode
+
+PAGE = 2
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_config(policy: str = "write_through", hybrid: bool = False, interval_s: float = 1.0,
+                device: str = "cpu", io_backend: str = "torch", metrics: bool = False
+                ) -> HiCacheConfig:
+    """A 2-layer model, 32 device tokens in pages of 2, host twice as large, no metrics."""
+    model: dict[str, Any] = {"num_layers": 2, "attention": "mha", "num_kv_heads": 1,
+                             "head_dim": 2, "dtype": "float32"}
+    pool: dict[str, Any] = {"num_tokens": 32, "device": device}
+    if hybrid:
+        model.update(swa_layers=[1], window_tokens=3)
+        pool["swa_num_tokens"] = 16
+    return config_from_dict({
+        "page_size_tokens": PAGE, "model": model, "device_pool": pool,
+        "host": {"ratio": 2.0, "ram_reserve_gib": 0.0},
+        "controller": {"io_backend": io_backend, "write_policy": policy,
+                       "load_back_threshold_tokens": 0},
+        "service": {"metrics_enabled": metrics, "metrics_port": 0,
+                    "integrity_check_interval_s": interval_s},
+    })
+
+
+def full_pool(service: HiCacheService) -> DeviceKVPool:
+    pool = service.device_pool
+    return pool.full if isinstance(pool, HybridSWAPool) else pool
+
+
+def put(service: HiCacheService, tokens: list[int]) -> bool:
+    """Engine step: allocate, write rows, insert, give back the partial tail page."""
+    slots = service.alloc_device(len(tokens))
+    if slots is None:
+        return False
+    pool = full_pool(service)
+    write_rows(pool, slots.tensor[:len(tokens)], expected_rows(tokens, pool.num_layers))
+    service.insert(tokens, slots)
+    whole = len(tokens) // PAGE * PAGE
+    if len(slots) > whole:
+        service.free_device(Indices(slots.tensor[whole:], IndexSpace.DEVICE_FULL))
+    return True
+
+
+def rows_ok(service: HiCacheService, tokens: list[int], slots: Indices) -> bool:
+    pool = full_pool(service)
+    expected = expected_rows(tokens[:len(slots)], pool.num_layers)
+    return torch.equal(read_rows(pool, slots.tensor), expected)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the background thread"
+        time.sleep(0.002)
+
+
+def empty_everything(service: HiCacheService) -> None:
+    """Apply acks and evict both tiers until nothing is cached (write-back needs rounds)."""
+    for _ in range(10):
+        service.step()
+        service.evict(10**6)
+    service.step()
+    service.evict_host(10**6)
+
+
+@pytest.fixture
+def plain() -> Iterator[HiCacheService]:
+    service = build_service(make_config())
+    yield service
+    service.stop()
+
+
+# ---- factory ------------------------------------------------------------------------------
+
+
+def test_factory_builds_plain_and_hybrid_services() -> None:
+    """Pools sized from the config, the layer waiter registered, nothing started."""
+    for hybrid in (False, True):
+        service = build_service(make_config(hybrid=hybrid))
+        controller = service.controller
+        assert isinstance(controller, HybridCacheController) is hybrid
+        assert controller.device_allocator.capacity_tokens == 32
+        assert controller.host_pool.allocator.capacity_tokens == 64
+        assert service.device_pool._layer_waiter == controller.wait_until
+        assert not any(t.name == "hicache-service" for t in threading.enumerate())
+        service.stop()
+
+
+# ---- concurrency --------------------------------------------------------------------------
+
+
+def scheduler_ops(service: HiCacheService, seed: int, num_ops: int) -> None:
+    """Random engine traffic on this thread; checks rows of every match as it goes. A batch
+    that loads waits for every layer (as its forward pass would) before rows are read."""
+    rng = random.Random(seed)
+    locked: list[TreeNode] = []
+    for _ in range(num_ops):
+        tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 11))]
+        op = rng.random()
+        if op < 0.3:
+            put(service, tokens)
+        elif op < 0.5:
+            match = service.match(tokens)
+            assert rows_ok(service, tokens, match.device_indices)
+        elif op < 0.65:
+            match = service.match(tokens)
+            if match.host_hit_tokens and service.load_back(match, 16) is not None:
+                service.start_loading()
+                for layer in range(service.controller.num_layers):
+                    service.wait_until(layer)
+        elif op < 0.75:
+            match = service.match(tokens)
+            service.lock(match.last_device_node)
+            locked.append(match.last_device_node)
+        elif op < 0.85 and locked:
+            service.release(locked.pop(rng.randrange(len(locked))))
+        elif op < 0.92:
+            service.evict(rng.randrange(1, 12))
+        else:
+            service.step()
+    for node in locked:
+        service.release(node)
+
+
+def run_random_traffic(service: HiCacheService, seed: int, num_ops: int) -> None:
+    """Scheduler thread beside the background thread, then empty the cache: no slot leaked
+    and none owned twice."""
+    service.start()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            scheduler_ops(service, seed=seed, num_ops=num_ops)
+        except BaseException as exc:
+            errors.append(exc)
+
+    scheduler = threading.Thread(target=run)
+    scheduler.start()
+    scheduler.join()
+    assert not errors, errors
+    service.check_integrity()
+    assert service.stats.polls > 0 and service.stats.integrity_checks > 0
+    empty_everything(service)
+    service.check_integrity()
+    assert not list(service.tree.nodes()) and service.engine_held_tokens == 0
+    for space, allocator in service.tree.io.allocators().items():
+        assert allocator.num_free_tokens == allocator.capacity_tokens, f"{space} leaked"
+    service.stop()
+    assert service.stats.background_errors == 0
+
+
+@pytest.mark.parametrize("policy,hybrid,seed", [
+    ("write_through", False, 1), ("write_through_selective", False, 2), ("write_back", False, 3),
+    ("write_through", True, 4),
+])
+def test_random_traffic_beside_the_background_thread(policy: str, hybrid: bool, seed: int
+                                                     ) -> None:
+    """Thousands of operations on a CPU."""
+    run_random_traffic(build_service(make_config(policy, hybrid, interval_s=0.005)), seed, 2500)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("policy,hybrid,backend", [
+    ("write_through", False, "auto"), ("write_back", False, "kernel"),
+    ("write_through_selective", False, "staged"), ("write_through", True, "auto"),
+    ("write_back", True, "torch"),
+])
+def test_random_traffic_on_a_gpu(policy: str, hybrid: bool, backend: str) -> None:
+    """The same traffic with real asynchronous copies; loaded rows checked after the waits."""
+    config = make_config(policy, hybrid, interval_s=0.005, device="cuda", io_backend=backend)
+    run_random_traffic(build_service(config), seed=5, num_ops=1500)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_stop_on_a_gpu_finishes_queued_and_running_copies() -> None:
+    """Writes still running and loads never started are finished by stop()."""
+    service = build_service(make_config(device="cuda", io_backend="auto"))
+    for first in range(3):
+        assert put(service, [first, first, 9, 9, 8, 8])
+    service.step()
+    service.evict(10**6)
+    assert put(service, [7, 7, 7, 7])
+    assert service.load_back(service.match([0, 0, 9, 9, 8, 8]), 16) is not None
+    service.stop()
+    assert all(not n.is_in_flight and n.is_backed_up for n in service.tree.nodes())
+    assert service.controller.num_in_flight == 0
+    service.check_integrity()
+
+
+def test_stop_with_transfers_in_flight_loses_nothing(plain: HiCacheService) -> None:
+    """Unapplied write acks and queued loads are finished and applied by stop()."""
+    plain.start()
+    for first in range(4):
+        assert put(plain, [first, first, 9, 9])
+    plain.step()
+    plain.evict(10**6)
+    assert put(plain, [7, 7, 7, 7])  # its write is not acknowledged yet
+    match = plain.match([0, 0, 9, 9])
+    assert plain.load_back(match, 16) is not None  # queued, never started
+    plain.stop()
+    nodes = list(plain.tree.nodes())
+    assert all(not n.is_in_flight and n.is_backed_up and n.lock_count == 0 for n in nodes)
+    assert plain.tree.stats.backed_up_tokens == 20 and plain.controller.num_in_flight == 0
+    plain.check_integrity()
+    plain.tree.evict(10**6)
+    plain.tree.evict_host(10**6)
+    for allocator in plain.tree.io.allocators().values():
+        assert allocator.num_free_tokens == allocator.capacity_tokens
+
+
+# ---- background errors --------------------------------------------------------------------
+
+
+def _fail(*_: object) -> list[object]:
+    raise RuntimeError("boom")
+
+
+def test_background_error_surfaces_on_the_next_call(
+    plain: HiCacheService, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failing poll is counted and raised, wrapped, by every later scheduler call."""
+    monkeypatch.setattr(plain.controller, "poll", _fail)
+    plain.start()
+    wait_for(lambda: plain.stats.background_errors == 1)
+    for _ in range(2):
+        with pytest.raises(ServiceError) as caught:
+            plain.match([1, 1])
+        assert isinstance(caught.value.__cause__, RuntimeError)
+        assert str(caught.value.__cause__) == "boom"
+    monkeypatch.undo()
+    plain.stop()  # already surfaced: stop does not raise it again
+
+
+def test_unsurfaced_background_error_is_raised_by_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    service = build_service(make_config())
+    monkeypatch.setattr(service.controller, "poll", _fail)
+    service.start()
+    wait_for(lambda: service.stats.background_errors == 1)
+    monkeypatch.undo()
+    with pytest.raises(ServiceError):
+        service.stop()
+
+
+def test_idle_integrity_check_catches_a_planted_double_owner() -> None:
+    """The background check runs when idle and reports a corrupted tree."""
+    service = build_service(make_config(interval_s=0.0))
+    assert put(service, [1, 1]) and put(service, [2, 2])
+    service.step()
+    nodes = {node.key: node for node in service.tree.nodes()}
+    with service.service_lock:
+        nodes[(2, 2)].device = nodes[(1, 1)].device
+    service.start()
+    wait_for(lambda: service.stats.background_errors == 1)
+    with pytest.raises(ServiceError, match="owned by nodes"):
+        service.step()
+    with service.service_lock:
+        nodes[(2, 2)].device = Indices(torch.tensor([4, 5]), IndexSpace.DEVICE_FULL)
+    service.stop()
+
+
+# ---- engine contract and life cycle -------------------------------------------------------
+
+
+def test_insert_and_free_refuse_pages_the_engine_does_not_hold(plain: HiCacheService) -> None:
+    assert put(plain, [1, 1, 2, 2])
+    foreign = plain.controller.device_allocator.try_alloc(2)  # behind the service's back
+    assert foreign is not None
+    with pytest.raises(ValueError, match="neither held by the engine"):
+        plain.insert([3, 3], foreign)
+    with pytest.raises(ValueError, match="not handed out"):
+        plain.free_device(foreign)
+    plain.controller.device_allocator.free(foreign)
+    own = plain.match([1, 1, 2, 2]).device_indices
+    assert plain.insert([1, 1, 2, 2], own) == 4  # the tree's own slots are fine
+    plain.check_integrity()
+
+
+def test_alloc_device_evicts_when_full(plain: HiCacheService) -> None:
+    for first in range(8):
+        assert put(plain, [first, first, 5, 5])
+    assert plain.controller.device_allocator.num_free_tokens == 0
+    plain.step()
+    slots = plain.alloc_device(4)
+    assert slots is not None and plain.engine_held_tokens == 4
+    plain.free_device(slots)
+    plain.check_integrity()
+
+
+def test_context_manager_stops_the_thread_and_stop_is_idempotent() -> None:
+    with build_service(make_config()) as service:
+        assert any(t.name == "hicache-service" for t in threading.enumerate())
+        assert put(service, [1, 1])
+    assert not any(t.name == "hicache-service" for t in threading.enumerate())
+    service.stop()
+    with pytest.raises(RuntimeError, match="stopped"):
+        service.match([1, 1])
+    service.check_integrity()
+
+
+def test_metrics_endpoint_lives_from_start_to_stop() -> None:
+    """With metrics enabled the endpoint binds a free port at start and closes at stop."""
+    service = build_service(make_config(metrics=True))
+    assert service.exporter is not None and service.exporter.port is None
+    with service:
+        assert put(service, [1, 1, 2, 2])
+        assert service.exporter.port is not None
+        text = service.exporter.render().decode()
+        assert "hicache_inserted_tokens_total 4.0" in text.splitlines()
+    assert service.exporter.port is None
