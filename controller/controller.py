@@ -132,8 +132,8 @@ class CacheController:
         op = self._merge(Direction.DEVICE_TO_HOST)
         if op is None:
             return
+        self._begin(op, self.write_stream)
         with self._on_stream(self.write_stream):
-            self._begin(op, self.write_stream)
             for moved in op.moved:
                 local = list(range(len(moved.source.layers)))
                 self._executor(op).copy(moved, local, op.direction, op.keep_alive)
@@ -178,8 +178,8 @@ class CacheController:
         op = self._merge(Direction.HOST_TO_DEVICE)
         assert op is not None
         op.event_set, op.layer_events = set_id, events
+        self._begin(op, self.load_stream)
         with self._on_stream(self.load_stream):
-            self._begin(op, self.load_stream)
             for layer in range(self.num_layers):
                 for moved in op.moved:
                     local = moved.local_layers_of(layer)
@@ -361,13 +361,17 @@ class CacheController:
         return op.executor
 
     def _begin(self, op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
-        """Order the side stream after every producer and after the index copies."""
+        """Order the side stream after every producer and after the caller's stream (which
+        issued the index copies of ``move_indices``). Must run before the side stream is made
+        current: inside it, "the current stream" would be the side stream itself."""
         for stream in self._producer_streams:
             event = Event(self.device)
             event.record(stream)
             event.wait(side_stream)
         if side_stream is not None:
-            side_stream.wait_stream(torch.cuda.current_stream(self.device))
+            caller = torch.cuda.current_stream(self.device)
+            assert caller != side_stream, "_begin must run on the caller's stream"
+            side_stream.wait_stream(caller)
         op.start_event = Event(self.device, timing=True)
         op.start_event.record(side_stream)
 

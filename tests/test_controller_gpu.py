@@ -106,6 +106,25 @@ def test_write_waits_for_producer_stream(backend: TransferBackend) -> None:
 
 
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+def test_write_waits_for_callers_stream(backend: TransferBackend) -> None:
+    """KV written on the caller's own (unregistered, busy) stream right before write() is what
+    gets backed up: the side stream waits on the stream that was current at submission."""
+    ctrl = gpu_controller(backend, HostLayout.PAGE_FIRST)
+    device = ctrl.device_allocator.try_alloc(8)
+    assert device is not None
+    index = device.tensor.cuda()
+    caller = torch.cuda.Stream()
+    with torch.cuda.stream(caller):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        ctrl.device_pool.data[:, :, index] = 5.0
+        host = ctrl.write(device)
+        assert host is not None
+        ctrl.start_writing()
+    ctrl.drain()
+    assert (host_rows(ctrl.host_pool)[host.tensor] == 5.0).all()
+
+
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
 def test_interleaved_moves_with_concurrent_forward(backend: TransferBackend) -> None:
     """Writes and loads interleave on real streams while a forward stream writes other
     slots; moved rows are exact and the forward's rows are untouched."""
