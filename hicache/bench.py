@@ -1,410 +1,313 @@
-"""Transfer bandwidth benchmark: the copy-engine ceiling, naive torch and the Triton kernel.
+"""Transfer benchmark through the real cache controller: ``python -m hicache.bench`` or
+``hicache bench`` (options: :mod:`hicache.bench_cli`).
 
-``python -m hicache.bench`` moves ``--tokens`` tokens of an MHA model (``--layers`` x
-``--heads`` x ``--head-dim``, bfloat16, K and V) between a device pool and a pinned host pool,
-at random page-granular slots (shuffled pages of ``--page-sizes`` tokens), for each host layout
-and each direction, and prints GB/s and the percentage of the ceiling measured in the same run:
+One run on one GPU measures, for an MHA model's KV rows at random page-granular device slots:
 
-- ``ceiling``: one contiguous pinned copy of the same bytes (copy engine, ``copy_``);
-- ``naive torch``: device->host gathers each layer on the GPU (``index_select``), copies once
-  to pinned memory and scatters on the CPU; host->device gathers on the CPU, copies once and
-  scatters on the GPU;
-- ``kernel``: :func:`hicache.controller.kernel.transfer_rows`, all layers in one launch;
-  ``kernel per-layer`` (host->device only): one launch per layer, as layer-wise loads do.
+1. the ceiling: one contiguous pinned copy each way (copy engine), and both ways at once;
+2. per backend (``torch``, ``kernel``, ``staged``, ``auto``), page size and host layout:
+   writes (device to host, all layers in one op) and loads (host to device, layer by layer
+   as the controller issues them) in GB/s and percent of the ceiling; for loads also when
+   layer 0 and when all layers are ready (op start event to ``layer_events[0]`` and to the
+   finish event);
+3. a write and a load issued together (write and load streams) against the both-ways ceiling;
+4. how much a concurrent bf16 matmul loop on its own stream slows during each transfer;
+5. the staged backend's staging memory;
+6. writes and loads of smaller sizes for ``kernel`` and ``staged``, from which the ``auto``
+   table is chosen (:mod:`hicache.bench_auto`); ``auto`` is then measured with that table.
 
-Every kernel configuration is first checked bit for bit against the torch reference; a mismatch
-aborts. Times are medians of ``--repeats`` runs after a warm-up, taken with CUDA events on the
-stream the work runs on (for naive torch the CPU half is inside the timed region: the stream
-is synchronised before it). Results go to a table and to JSON (``--json``). A later
-``hicache bench`` front calls :func:`run_benchmark` and :func:`print_table`.
+Every configuration is verified bit for bit once (:mod:`hicache.bench_verify`); a mismatch
+aborts the run. Ops go through ``CacheController.write/start_writing`` and
+``load/start_loading``, so index movement, events and stream waits are in what is timed.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
-import json
 import logging
+import math
 import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from hicache.controller.kernel import kernel_available, transfer_rows
-from hicache.pools import (
-    AttentionKind,
-    DeviceKVPool,
-    HostKVPool,
-    HostLayout,
-    IndexSpace,
-    RowGeometry,
+from hicache.controller import Direction, KernelBackend, TorchBackend, TransferBackend
+from hicache.controller.auto import AutoBackend, AutoRow
+from hicache.controller.kernel import kernel_available
+from hicache.controller.staged import StagedBackend
+from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
+
+from .bench_auto import auto_table, candidate_measurements, choose_rows
+from .bench_results import BOTH, LOAD, WRITE, BenchResult, Ceiling, Measurement
+from .bench_timing import (
+    WARMUP_MATMULS,
+    CeilingBuffers,
+    MatmulLoop,
+    OpTimes,
+    batch_window,
+    both_ways,
+    matmul_slowdown,
+    run_batches,
+    time_copy,
+)
+from .bench_verify import Verifier, randomize
+from .bench_workload import (
+    BenchmarkError,
+    Session,
+    Shape,
+    Slots,
+    make_device_pool,
+    make_host_pool,
+    make_slots,
 )
 
 logger = logging.getLogger(__name__)
-DTYPE = torch.bfloat16
-SENTINEL_BITS = -7
-QUICK = {"tokens": 2048, "layers": 4, "repeats": 3}
-METHODS = ("ceiling", "naive", "kernel", "kernel-per-layer")
-
-
-class BenchmarkError(RuntimeError):
-    """The kernel's result differs from the torch reference (or the setup is unusable)."""
+SIZE_BACKENDS = ("kernel", "staged")  # measured at the auto table's smaller sizes
 
 
 @dataclass
-class Workload:
-    """One configuration's buffers: pools, index pairs and contiguous staging buffers.
+class Context:
+    """What every session of one run shares."""
 
-    ``host_indices``/``device_indices``: ``[n]`` int64 on the GPU; ``*_cpu`` the same on the
-    CPU. ``staging_device``: ``[C, L, n, R]`` on the GPU; ``staging_host``: the same, pinned.
-    ``host_mirror``: a GPU buffer shaped like ``host.data``, used only to verify results.
+    args: argparse.Namespace
+    shape: Shape
+    ceiling: Ceiling
+    loop: MatmulLoop
+    device_pool: DeviceKVPool
+
+
+def run_benchmark(args: argparse.Namespace) -> BenchResult:
+    """Run every configuration of ``args`` (see :mod:`hicache.bench_cli`) on the GPU.
+
+    Raises:
+        BenchmarkError: no CUDA device (or no Triton for ``kernel``), or a backend moved
+            wrong bytes.
     """
-
-    device: DeviceKVPool
-    host: HostKVPool
-    page_size: int
-    host_indices: torch.Tensor
-    device_indices: torch.Tensor
-    host_indices_cpu: torch.Tensor
-    device_indices_cpu: torch.Tensor
-    staging_device: torch.Tensor
-    staging_host: torch.Tensor
-    host_mirror: torch.Tensor
-
-    @property
-    def num_bytes(self) -> int:
-        return self.staging_device.numel() * self.staging_device.element_size()
-
-    def rows(self) -> Iterator[tuple[int, int]]:
-        """Every (component, layer) of the pools."""
-        for component in range(self.device.data.shape[0]):
-            for layer in range(self.device.num_layers):
-                yield component, layer
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m hicache.bench", description=__doc__.split("\n\n")[0] if __doc__ else ""
-    )
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens moved per transfer")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--heads", type=int, default=8, help="KV heads")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--programs", type=int, nargs="+", default=[16],
-                        help="kernel grid bound(s) (SMs the copy may occupy)")
-    parser.add_argument("--tokens-per-tile", type=int, nargs="+", default=[8],
-                        help="kernel tile size(s), powers of two")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs (median), >= 1")
-    parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
-    parser.add_argument("--layouts", nargs="+", default=[layout.value for layout in HostLayout],
-                        choices=[layout.value for layout in HostLayout])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
-                        help="what to time (the ceiling is always measured)")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke run: defaults of {QUICK['tokens']} tokens, "
-                        f"{QUICK['layers']} layers, {QUICK['repeats']} repeats")
-    parser.add_argument("--json", default="bench.json", help="where to write the results")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    if args.quick:  # smaller defaults; sizes given on the command line still win
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args(argv)
-    if args.repeats < 1 or args.tokens < 1 or min(args.page_sizes) < 1:
-        parser.error("--repeats, --tokens and --page-sizes must be >= 1")
-    return args
-
-
-def measure(fn: Callable[[], None], repeats: int, stream: torch.cuda.Stream) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after one warm-up, timed with CUDA
-    events recorded on ``stream`` (``fn`` runs with ``stream`` current)."""
-    with torch.cuda.stream(stream):
-        fn()
-        stream.synchronize()
-        times = []
-        for _ in range(max(1, repeats)):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            fn()
-            end.record(stream)
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def random_slots(
-    num_tokens: int, page_size: int, num_slots: int, gen: torch.Generator
-) -> torch.Tensor:
-    """``[num_tokens]`` int64 CPU slots: shuffled whole pages of ``page_size`` slots from
-    ``[page_size, num_slots)`` (page 0 is the reserved padding page)."""
-    num_pages = num_slots // page_size - 1
-    wanted = -(-num_tokens // page_size)
-    if wanted > num_pages:
-        raise BenchmarkError(f"{num_tokens} tokens do not fit in {num_pages} pages")
-    pages = torch.randperm(num_pages, generator=gen)[:wanted] + 1
-    slots = pages[:, None] * page_size + torch.arange(page_size)
-    return slots.flatten()[:num_tokens].contiguous()
-
-
-def make_pools(args: argparse.Namespace, layout: HostLayout) -> tuple[DeviceKVPool, HostKVPool]:
-    """Device and pinned host pools a few percent larger than ``args.tokens`` (in pages of
-    the largest page size, so every page size's slots are whole pages past page 0)."""
-    geometry = RowGeometry(AttentionKind.MHA, num_kv_heads=args.heads, head_dim=args.head_dim,
-                           latent_dim=0, dtype=DTYPE)
-    page = max(args.page_sizes)
-    num_pages = -(-args.tokens // page) + max(1, args.tokens // page // 32)
-    device = DeviceKVPool(name="bench", space=IndexSpace.DEVICE_FULL, num_layers=args.layers,
-                          num_slots=(num_pages + 1) * page, geometry=geometry, device="cuda")
-    host = HostKVPool(name="bench", space=IndexSpace.HOST_FULL, num_layers=args.layers,
-                      num_pages=num_pages, page_size=page, geometry=geometry, layout=layout,
-                      pin=True)
-    return device, host
-
-
-def make_workload(
-    device: DeviceKVPool, host: HostKVPool, page_size: int, staging: tuple[torch.Tensor, ...],
-    host_mirror: torch.Tensor, gen: torch.Generator,
-) -> Workload:
-    num_tokens = staging[0].shape[2]
-    host_cpu = random_slots(num_tokens, page_size, host.num_slots, gen)
-    device_cpu = random_slots(num_tokens, page_size, device.num_slots, gen)
-    return Workload(
-        device=device, host=host, page_size=page_size,
-        host_indices=host_cpu.cuda(), device_indices=device_cpu.cuda(),
-        host_indices_cpu=host_cpu, device_indices_cpu=device_cpu,
-        staging_device=staging[0], staging_host=staging[1], host_mirror=host_mirror,
+    _require_gpu(args.backends)
+    torch.manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = Shape(args.tokens, args.layers, args.heads, args.head_dim, max(args.page_sizes))
+    meta = _meta(args, shape)
+    logger.info("%s: %.2f GiB per transfer", meta["device"], shape.transfer_bytes / 2**30)
+    ceiling, loop, alone_s = measure_references(shape, args.repeats, args.matmul_size)
+    ctx = Context(args, shape, ceiling, loop, make_device_pool(shape, "cuda"))
+    randomize(ctx.device_pool.data)
+    measurements: list[Measurement] = []
+    for layout in (HostLayout(name) for name in args.layouts):
+        with _host_pool(shape, layout) as host_pool:
+            measurements += bench_layout(ctx, host_pool, gen)
+    staging = StagedBackend(args.staging_tokens)
+    measured_on = {key: meta[key] for key in ("device", "torch", "triton", "date",
+                                              "staging_tokens", "programs")}
+    return BenchResult(
+        meta=meta, ceiling=ceiling, matmul_alone_s=alone_s,
+        staging_bytes={"write": staging.staging_bytes(shape.token_bytes),
+                       "load": staging.staging_bytes(shape.geometry.token_bytes(1))},
+        measurements=measurements,
+        auto_table=auto_table(measurements, measured_on, args.max_slowdown_pct,
+                              args.min_share_of_best),
     )
 
 
-def naive_to_host(w: Workload) -> None:
-    """Gather every layer on the GPU, one copy to pinned memory, scatter on the CPU."""
-    for c, layer in w.rows():
-        torch.index_select(w.device.layer_rows(c, layer), 0, w.device_indices,
-                           out=w.staging_device[c, layer])
-    w.staging_host.copy_(w.staging_device, non_blocking=True)
-    torch.cuda.current_stream().synchronize()
-    for c, layer in w.rows():
-        w.host.layer_rows(c, layer).index_copy_(0, w.host_indices_cpu, w.staging_host[c, layer])
+def measure_references(shape: Shape, repeats: int,
+                       matmul_size: int) -> tuple[Ceiling, MatmulLoop, float]:
+    """The copy-engine ceilings of the transfer's bytes, the matmul loop and its pace alone
+    (and while each ceiling copy runs)."""
+    buffers = CeilingBuffers(shape.transfer_bytes)
+    d2h_s = time_copy(buffers.d2h, buffers.d2h_stream, repeats)
+    h2d_s = time_copy(buffers.h2d, buffers.h2d_stream, repeats)
+    both_s = buffers.both_s(repeats)
+    loop = MatmulLoop(matmul_size)
+    alone_s = loop.alone_s(torch.cuda.Stream(), warmup=WARMUP_MATMULS)
+    slow = [matmul_slowdown(loop, functools.partial(buffers.window, to_host), seconds)
+            for to_host, seconds in ((True, d2h_s), (False, h2d_s))]
+    gb = shape.transfer_bytes / 1e9
+    ceiling = Ceiling(shape.transfer_bytes, gb / d2h_s, gb / h2d_s, 2 * gb / both_s,
+                      *(s.pct if s else None for s in slow))
+    logger.info("ceiling: d2h %.1f GB/s, h2d %.1f GB/s, both %.1f GB/s; matmul %.2f ms",
+                ceiling.d2h_gb_per_s, ceiling.h2d_gb_per_s, ceiling.bidir_gb_per_s,
+                alone_s * 1e3)
+    buffers.release()
+    return ceiling, loop, alone_s
 
 
-def naive_to_device(w: Workload) -> None:
-    """Gather every layer on the CPU into pinned memory, one copy, scatter on the GPU."""
-    gather_on_host(w)
-    w.staging_device.copy_(w.staging_host, non_blocking=True)
-    for c, layer in w.rows():
-        w.device.layer_rows(c, layer).index_copy_(0, w.device_indices, w.staging_device[c, layer])
+def bench_layout(ctx: Context, host_pool: HostKVPool,
+                 gen: torch.Generator) -> list[Measurement]:
+    """Every backend and page size over one host pool; ``auto`` last, with the table chosen
+    from this layout's measurements."""
+    args, layout = ctx.args, host_pool.layout.value
+    verifier = Verifier(ctx.device_pool, host_pool)
+    slots = {page: make_slots(ctx.device_pool, page, ctx.shape.tokens, gen)
+             for page in args.page_sizes}
+    found: list[Measurement] = []
+    for page in args.page_sizes:
+        for name in (b for b in args.backends if b != "auto"):
+            found += bench_backend(ctx, name, _backend(name, args), host_pool, slots[page],
+                                   verifier)
+    if "auto" in args.backends:
+        rows = choose_rows(candidate_measurements(found), args.max_slowdown_pct,
+                           args.min_share_of_best)
+        auto = _auto_backend(args, rows)
+        for page in args.page_sizes:
+            found += bench_backend(ctx, "auto", auto, host_pool, slots[page], verifier)
+    del verifier
+    torch.cuda.empty_cache()
+    logger.info("layout %s done", layout)
+    return found
 
 
-def gather_on_host(w: Workload) -> None:
-    for c, layer in w.rows():
-        torch.index_select(w.host.layer_rows(c, layer), 0, w.host_indices_cpu,
-                           out=w.staging_host[c, layer])
+def bench_backend(ctx: Context, name: str, backend: TransferBackend, host_pool: HostKVPool,
+                  slots: Slots, verifier: Verifier) -> list[Measurement]:
+    """Verify, then time one backend at one page size and layout."""
+    args, shape = ctx.args, ctx.shape
+    label = (name, slots.page_size, host_pool.layout.value)
+    session = Session(ctx.device_pool, host_pool, slots, backend)
+    what = f"{name} (page size {slots.page_size}, layout {label[2]})"
+    verifier.check_write(session, what)
+    verifier.check_load(session, what)
+    repeats = args.torch_repeats if name == "torch" else args.repeats
+    found = []
+    for load in (False, True):
+        times = OpTimes()
+        run_batches(session, load, 1, shape.tokens, repeats, times)
+        found.append(_measure(ctx, label, load, shape.tokens, session, times, 1))
+    both_s, ran = both_ways(session, repeats)
+    found.append(_both(ctx, label, both_s, ran, repeats))
+    if name in SIZE_BACKENDS:
+        for size in sorted(set(args.auto_sizes) - {shape.tokens}):
+            for load in (False, True):
+                probe = OpTimes()
+                run_batches(session, load, 1, size, 1, probe)
+                count = min(session.max_batch(size),
+                            max(1, math.ceil(args.window_ms / 1e3 / probe.seconds[0])))
+                times = OpTimes()
+                run_batches(session, load, count, size, repeats, times)
+                found.append(_measure(ctx, label, load, size, session, times, count))
+    session.close()
+    _check_clean(session)
+    return found
 
 
-def kernel_fn(
-    w: Workload, *, to_host: bool, programs: int, tile: int, per_layer: bool = False
-) -> Callable[[], None]:
-    """The transfer as one all-layer launch, or one launch per layer."""
-    num_layers = w.device.num_layers
-    ranges = [(i, i + 1) for i in range(num_layers)] if per_layer else [(0, num_layers)]
-
-    def run() -> None:
-        for begin, end in ranges:
-            transfer_rows(
-                device_data=w.device.data, host_data=w.host.data, host_layout=w.host.layout,
-                host_indices=w.host_indices, device_indices=w.device_indices,
-                layer_begin=begin, layer_end=end, to_host=to_host,
-                num_programs=programs, tokens_per_tile=tile,
-            )
-
-    return run
-
-
-def fill_sentinel(data: torch.Tensor) -> None:
-    data.view(torch.int16).fill_(SENTINEL_BITS)
-
-
-def verify(w: Workload, run: Callable[[], None], *, to_host: bool, what: str) -> None:
-    """Run ``run`` once and compare every moved row with the torch gather of its source, bit
-    for bit, and every other destination row with the sentinel; raise :class:`BenchmarkError`
-    naming the first bad (component, layer). The host pool is checked through its GPU mirror
-    (one contiguous copy each way), so verifying costs little next to the timings."""
-    stream = torch.cuda.current_stream()
-    stream.synchronize()  # earlier work may still touch the pools
-    mirror = canonical(w.host_mirror, w.host.layout)
-    if to_host:
-        source, source_indices = w.device.data, w.device_indices
-        fill_sentinel(w.host_mirror)
-        w.host.data.copy_(w.host_mirror, non_blocking=True)
-    else:
-        w.host_mirror.copy_(w.host.data, non_blocking=True)
-        source, source_indices = mirror, w.host_indices
-        fill_sentinel(w.device.data)
-    for c, layer in w.rows():
-        torch.index_select(source[c, layer], 0, source_indices, out=w.staging_device[c, layer])
-    run()
-    if to_host:
-        w.host_mirror.copy_(w.host.data, non_blocking=True)
-    dst, dst_indices = (mirror, w.host_indices) if to_host else (w.device.data, w.device_indices)
-    where = f"{what} (page size {w.page_size}, layout {w.host.layout.value})"
-    for c, layer in w.rows():
-        got = dst[c, layer].index_select(0, dst_indices)
-        if not torch.equal(got.view(torch.int16), w.staging_device[c, layer].view(torch.int16)):
-            raise BenchmarkError(
-                f"{where}: rows of component {c}, layer {layer} differ from the torch reference"
-            )
-    if not bool((untouched_rows(dst, dst_indices).view(torch.int16) == SENTINEL_BITS).all()):
-        raise BenchmarkError(f"{where}: a row outside the transfer was written")
+def _measure(ctx: Context, label: tuple[str, int, str], load: bool, tokens: int,
+             session: Session, times: OpTimes, count: int) -> Measurement:
+    """Median op time of ``times`` and the matmul slowdown of one more batch of ``count``."""
+    seconds = statistics.median(times.seconds)
+    slowdown = matmul_slowdown(ctx.loop, lambda: batch_window(session, load, count, tokens),
+                               count * seconds)
+    kind = LOAD if load else WRITE
+    num_bytes = tokens * ctx.shape.token_bytes
+    gbps = num_bytes / seconds / 1e9
+    m = Measurement(
+        backend=label[0], kind=kind, page_size=label[1], layout=label[2], tokens=tokens,
+        bytes=num_bytes, seconds=seconds, gb_per_s=gbps,
+        pct_of_ceiling=100.0 * gbps / ctx.ceiling.one_way(kind),
+        slowdown_pct=slowdown.pct if slowdown else None,
+        issue_s=statistics.median(times.issue_s), wall_s=statistics.median(times.wall_s),
+        executed_by=",".join(sorted(times.executed_by)),
+        ops=len(times.seconds),
+    )
+    if load:
+        h2d = ctx.ceiling.h2d_gb_per_s * 1e9
+        m.layer0_s = statistics.median(times.layer0_s)
+        m.layer0_ratio = m.layer0_s / (tokens * ctx.shape.geometry.token_bytes(1) / h2d)
+        m.all_ratio = seconds / (num_bytes / h2d)
+    logger.info("%-6s %-5s page %2d %-11s %6d tokens x%-2d %6.1f GB/s %5.1f%% matmul %s%% "
+                "(op %.2f ms, issue %.2f ms)", label[0], kind, label[1], label[2], tokens,
+                count, gbps, m.pct_of_ceiling,
+                "-" if m.slowdown_pct is None else f"{m.slowdown_pct:.1f}", seconds * 1e3,
+                (m.issue_s or 0.0) * 1e3)
+    return m
 
 
-def canonical(data: torch.Tensor, layout: HostLayout) -> torch.Tensor:
-    """``[C, L, S, R]`` view of a host pool buffer (or its mirror) in either layout."""
-    return data if layout is HostLayout.LAYER_FIRST else data.permute(1, 2, 0, 3)
+def _both(ctx: Context, label: tuple[str, int, str], seconds: float, ran: set[str],
+          repeats: int) -> Measurement:
+    num_bytes = 2 * ctx.shape.transfer_bytes
+    gbps = num_bytes / seconds / 1e9
+    logger.info("%-6s both  page %2d %-11s %6.1f GB/s %5.1f%% of bidir", label[0], label[1],
+                label[2], gbps, 100.0 * gbps / ctx.ceiling.bidir_gb_per_s)
+    return Measurement(
+        backend=label[0], kind=BOTH, page_size=label[1], layout=label[2],
+        tokens=ctx.shape.tokens, bytes=num_bytes, seconds=seconds, gb_per_s=gbps,
+        pct_of_ceiling=100.0 * gbps / ctx.ceiling.bidir_gb_per_s, wall_s=seconds,
+        executed_by=",".join(sorted(ran)), ops=repeats,
+    )
 
 
-def untouched_rows(data: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Copy of the ``[C, L, S', R]`` rows of slots not in ``indices`` (same device)."""
-    keep = torch.ones(data.shape[2], dtype=torch.bool, device=indices.device)
-    keep[indices] = False
-    return data[:, :, keep]
+def _check_clean(session: Session) -> None:
+    host = session.ctrl.host_pool.allocator
+    device = session.ctrl.device_allocator
+    if host.num_used_tokens or device.num_free_tokens != session.tokens:
+        raise BenchmarkError(
+            f"session left slots behind: {host.num_used_tokens} host tokens used, "
+            f"{device.num_free_tokens} device tokens free (expected {session.tokens})")
 
 
-def result(
-    method: str, direction: str, seconds: float, num_bytes: int, *,
-    page_size: int | None = None, layout: str | None = None, **extra: Any,
-) -> dict[str, Any]:
+def _backend(name: str, args: argparse.Namespace) -> TransferBackend:
+    if name == "torch":
+        return TorchBackend()
+    if name == "kernel":
+        return KernelBackend(args.programs)
+    return StagedBackend(args.staging_tokens)
+
+
+def _auto_backend(args: argparse.Namespace, rows: list[dict[str, Any]]) -> AutoBackend:
+    """``auto`` over the three backends with the rows this run chose."""
+    table = [AutoRow(Direction(r["direction"]), HostLayout(r["layout"]), bool(r["layer_wise"]),
+                     int(r["min_tokens"]), str(r["backend"])) for r in rows]
+    found = {name: _backend(name, args) for name in ("torch", "kernel", "staged")}
+    return AutoBackend(found, table, "kernel")
+
+
+def _require_gpu(backends: Sequence[str]) -> None:
+    if not torch.cuda.is_available():
+        raise BenchmarkError("the transfer benchmark needs a CUDA device; --from-json PATH "
+                             "re-renders a saved result without one")
+    if {"kernel", "auto"} & set(backends) and not kernel_available():
+        raise BenchmarkError("backends kernel and auto need Triton; install triton or pass "
+                             "--backends torch staged")
+
+
+def _meta(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
+    try:
+        import triton
+
+        triton_version = str(triton.__version__)
+    except ImportError:
+        triton_version = "none"
+    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+               if k != "run"}
     return {
-        "method": method, "direction": direction, "page_size": page_size, "layout": layout,
-        "bytes": num_bytes, "seconds": seconds, "gb_per_s": num_bytes / seconds / 1e9, **extra,
+        **options,
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton_version, "cuda": str(torch.version.cuda),
+        "date": datetime.date.today().isoformat(),
+        "token_bytes": shape.token_bytes, "transfer_bytes": shape.transfer_bytes,
+        "layer_bytes": shape.layer_bytes,
     }
 
 
-def measure_ceiling(staging: tuple[torch.Tensor, ...], repeats: int,
-                    stream: torch.cuda.Stream) -> list[dict[str, Any]]:
-    """One contiguous pinned copy of the transfer's bytes, each direction."""
-    device_buf, host_buf = staging
-    num_bytes = device_buf.numel() * device_buf.element_size()
-
-    def to_host() -> None:
-        host_buf.copy_(device_buf, non_blocking=True)
-
-    def to_device() -> None:
-        device_buf.copy_(host_buf, non_blocking=True)
-
-    d2h = measure(to_host, repeats, stream)
-    h2d = measure(to_device, repeats, stream)
-    return [result("ceiling", "d2h", d2h, num_bytes), result("ceiling", "h2d", h2d, num_bytes)]
-
-
-def bench_workload(w: Workload, args: argparse.Namespace,
-                   stream: torch.cuda.Stream) -> list[dict[str, Any]]:
-    """Verify then time every requested method of one (page size, layout) in both directions."""
-    keys: dict[str, Any] = {"page_size": w.page_size, "layout": w.host.layout.value}
-    rows: list[dict[str, Any]] = []
-    for to_host in (True, False):
-        direction = "d2h" if to_host else "h2d"
-        if "naive" in args.methods:
-            naive = naive_to_host if to_host else naive_to_device
-            seconds = measure(functools.partial(naive, w), args.repeats, stream)
-            rows.append(result("naive torch", direction, seconds, w.num_bytes, **keys))
-        variants = [("kernel", False)] if "kernel" in args.methods else []
-        if not to_host and "kernel-per-layer" in args.methods:
-            variants.append(("kernel per-layer", True))
-        for name, per_layer in variants:
-            for programs in args.programs:
-                for tile in args.tokens_per_tile:
-                    run = kernel_fn(w, to_host=to_host, programs=programs, tile=tile,
-                                    per_layer=per_layer)
-                    with torch.cuda.stream(stream):
-                        verify(w, run, to_host=to_host, what=f"{name} {direction}")
-                    seconds = measure(run, args.repeats, stream)
-                    rows.append(result(name, direction, seconds, w.num_bytes, programs=programs,
-                                       tokens_per_tile=tile, **keys))
-    return rows
-
-
 @contextmanager
-def pools_for(
-    args: argparse.Namespace, layout: HostLayout
-) -> Iterator[tuple[DeviceKVPool, HostKVPool]]:
-    """Pools of one layout; the host pool is unpinned and freed on exit."""
-    device, host = make_pools(args, layout)
+def _host_pool(shape: Shape, layout: HostLayout) -> Iterator[HostKVPool]:
+    """A pinned host pool, unpinned on exit (after the GPU is done with it)."""
+    pool = make_host_pool(shape, layout, pin=True)
     try:
-        yield device, host
+        yield pool
     finally:
         torch.cuda.synchronize()
-        host.close()
-
-
-def run_benchmark(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run every configuration of ``args`` (see :func:`parse_args`) and return result rows
-    with ``pct_of_ceiling`` filled in. Needs CUDA and Triton."""
-    if not torch.cuda.is_available() or not kernel_available():
-        raise BenchmarkError("the transfer benchmark needs a CUDA device and Triton")
-    stream = torch.cuda.Stream()
-    gen = torch.Generator().manual_seed(args.seed)
-    shape = (2, args.layers, args.tokens, args.heads * args.head_dim)
-    staging = (torch.empty(shape, dtype=DTYPE, device="cuda"),
-               torch.empty(shape, dtype=DTYPE, pin_memory=True))
-    staging[0].view(torch.int16).random_(0, 0x4000)
-    rows = measure_ceiling(staging, args.repeats, stream)
-    for layout_name in args.layouts:
-        with pools_for(args, HostLayout(layout_name)) as (device, host):
-            device.data.view(torch.int16).random_(0, 0x4000)
-            host.data.view(-1).copy_(device.data.view(-1))  # random rows, fast
-            mirror = torch.empty_like(host.data, device="cuda")
-            for page_size in args.page_sizes:
-                w = make_workload(device, host, page_size, staging, mirror, gen)
-                logger.info("timing page size %d, layout %s", page_size, layout_name)
-                rows.extend(bench_workload(w, args, stream))
-    ceiling = {row["direction"]: row["gb_per_s"] for row in rows if row["method"] == "ceiling"}
-    for row in rows:
-        row["pct_of_ceiling"] = 100.0 * row["gb_per_s"] / ceiling[row["direction"]]
-    return rows
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    """Fixed-width table: method, direction, page size, layout, grid, GB/s, % of ceiling."""
-    header = f"{'method':<18}{'dir':<5}{'page':>5}  {'layout':<12}{'grid':>8}{'GB/s':>9}" \
-             f"{'% ceil':>9}"
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        grid = f"{row['programs']}x{row['tokens_per_tile']}" if "programs" in row else "-"
-        page = "-" if row["page_size"] is None else str(row["page_size"])
-        lines.append(
-            f"{row['method']:<18}{row['direction']:<5}{page:>5}  {row['layout'] or '-':<12}"
-            f"{grid:>8}{row['gb_per_s']:>9.1f}{row['pct_of_ceiling']:>9.1f}"
-        )
-    return "\n".join(lines)
-
-
-def print_table(rows: list[dict[str, Any]]) -> None:
-    print(format_table(rows))
+        pool.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_args(argv)
-    try:
-        rows = run_benchmark(args)
-    except BenchmarkError as exc:
-        print(f"benchmark aborted: {exc}", file=sys.stderr)
-        return 1
-    row_bytes = args.heads * args.head_dim * torch.empty((), dtype=DTYPE).element_size()
-    print(f"{torch.cuda.get_device_name()}: {args.tokens} tokens x {args.layers} layers x K,V "
-          f"x {row_bytes} B rows = {rows[0]['bytes'] / 2**30:.2f} GiB per transfer, bf16, "
-          f"median of {args.repeats}; grid = programs x tokens per tile")
-    print_table(rows)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "args": {key: value for key, value in vars(args).items() if key != "json"}}
-    with open(args.json, "w", encoding="utf-8") as out:
-        json.dump({"meta": meta, "results": rows}, out, indent=2)
-    print(f"wrote {args.json}")
-    return 0
+    """``python -m hicache.bench``: see :mod:`hicache.bench_cli` for the options."""
+    from .bench_cli import parse_args, run_bench
+
+    return run_bench(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""The auto table: which backend ``auto`` runs, chosen from the benchmark's measurements.
+
+For every (direction, layout, layer mode, size) measured, the backend with the highest GB/s
+among those whose concurrent matmul slowdown is at most ``max_slowdown_pct`` wins; if none
+qualifies, the highest GB/s wins. A backend slower than ``min_share_of_best`` of the fastest
+does not qualify: a backend that barely touches the GPU because it is bound by the CPU (the
+staged backend's strided ``page_first`` per-layer copies run at a tenth of the link) would
+otherwise win by slowing the matmul least while moving bytes several times slower. A backend
+measured at several page sizes counts with its
+worst figures (lowest GB/s, highest slowdown), so one table serves every page size. Writes
+move all layers in one op (``layer_wise`` false), loads go layer by layer (true), as the
+controller issues them.
+
+Rows follow ``controller/auto_table.json``'s format (``hicache.controller.auto``): the row
+with the largest ``min_tokens`` not above an op's size applies. The smallest size measured
+covers everything below it; a larger size takes over at the geometric mean of it and the
+next smaller size (the crossover is assumed halfway on a log scale).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .bench_results import LOAD, WRITE, Measurement
+
+DEFAULT_MAX_SLOWDOWN_PCT = 5.0
+DEFAULT_MIN_SHARE_OF_BEST = 0.8
+CANDIDATES = ("torch", "kernel", "staged")
+_DIRECTION = {WRITE: ("device_to_host", False), LOAD: ("host_to_device", True)}
+
+Key = tuple[str, str, bool, int]  # direction, layout, layer_wise, tokens
+Figures = dict[str, tuple[float, float | None]]  # backend -> (GB/s, slowdown % or None)
+
+
+def candidate_measurements(measurements: Iterable[Measurement]) -> list[dict[str, Any]]:
+    """The measurements the table is chosen from, as JSON-ready dicts (one per backend,
+    direction, layout, size and page size)."""
+    found = []
+    for m in measurements:
+        if m.backend not in CANDIDATES or m.kind not in _DIRECTION:
+            continue
+        direction, layer_wise = _DIRECTION[m.kind]
+        found.append({
+            "direction": direction, "layout": m.layout, "layer_wise": layer_wise,
+            "tokens": m.tokens, "page_size": m.page_size, "backend": m.backend,
+            "gb_per_s": round(m.gb_per_s, 3),
+            "slowdown_pct": None if m.slowdown_pct is None else round(m.slowdown_pct, 2),
+        })
+    return found
+
+
+def worst_by_backend(records: Sequence[dict[str, Any]]) -> dict[Key, Figures]:
+    """``{key: {backend: (lowest GB/s, highest slowdown or None)}}`` over page sizes."""
+    table: dict[Key, Figures] = {}
+    for r in records:
+        key = (r["direction"], r["layout"], bool(r["layer_wise"]), int(r["tokens"]))
+        per_backend = table.setdefault(key, {})
+        gbps, slowdown = float(r["gb_per_s"]), r["slowdown_pct"]
+        if r["backend"] in per_backend:
+            old_gbps, old_slowdown = per_backend[r["backend"]]
+            gbps = min(gbps, old_gbps)
+            slowdown = None if slowdown is None or old_slowdown is None else max(
+                slowdown, old_slowdown)
+        per_backend[r["backend"]] = (gbps, slowdown)
+    return table
+
+
+def pick_backend(options: Figures, max_slowdown_pct: float,
+                 min_share_of_best: float = DEFAULT_MIN_SHARE_OF_BEST) -> str:
+    """The fastest backend whose slowdown is known and within the bound and whose GB/s is
+    at least ``min_share_of_best`` of the fastest one's, else the fastest. Ties go to the
+    name first in alphabetical order (deterministic)."""
+    best = max(gbps for gbps, _ in options.values())
+    eligible = {name: v for name, v in options.items()
+                if v[1] is not None and v[1] <= max_slowdown_pct
+                and v[0] >= min_share_of_best * best}
+    pool = eligible or options
+    return min(pool, key=lambda name: (-pool[name][0], name))
+
+
+def choose_rows(records: Sequence[dict[str, Any]],
+                max_slowdown_pct: float = DEFAULT_MAX_SLOWDOWN_PCT,
+                min_share_of_best: float = DEFAULT_MIN_SHARE_OF_BEST) -> list[dict[str, Any]]:
+    """Auto table rows from :func:`candidate_measurements` records (see the module
+    docstring), sorted by direction, layout, layer mode and ``min_tokens``."""
+    table = worst_by_backend(records)
+    sizes: dict[tuple[str, str, bool], list[int]] = {}
+    for direction, layout, layer_wise, tokens in table:
+        sizes.setdefault((direction, layout, layer_wise), []).append(tokens)
+    rows = []
+    for group, group_sizes in sorted(sizes.items()):
+        ordered = sorted(group_sizes)
+        for i, tokens in enumerate(ordered):
+            min_tokens = 0 if i == 0 else math.isqrt(ordered[i - 1] * tokens)
+            rows.append({
+                "direction": group[0], "layout": group[1], "layer_wise": group[2],
+                "min_tokens": min_tokens, "measured_tokens": tokens,
+                "backend": pick_backend(table[(group[0], group[1], group[2], tokens)],
+                                        max_slowdown_pct, min_share_of_best),
+            })
+    return rows
+
+
+def auto_table(measurements: Iterable[Measurement], measured_on: dict[str, Any],
+               max_slowdown_pct: float = DEFAULT_MAX_SLOWDOWN_PCT,
+               min_share_of_best: float = DEFAULT_MIN_SHARE_OF_BEST) -> dict[str, Any]:
+    """The JSON document ``--auto-table`` writes: ``rows`` (what ``auto`` reads),
+    ``measured_on`` (device, versions, date and the backends' settings), the ``rule`` in
+    words and the raw ``measurements``."""
+    records = candidate_measurements(measurements)
+    return {
+        "measured_on": measured_on,
+        "rule": (f"per (direction, layout, layer_wise, size): the highest GB/s among backends "
+                 f"whose concurrent bf16 matmul slows by <= {max_slowdown_pct:g}% and that "
+                 f"reach >= {min_share_of_best:g} of the best GB/s (worst page size counts), "
+                 f"else the highest GB/s; a row applies from min_tokens up"),
+        "rows": choose_rows(records, max_slowdown_pct, min_share_of_best),
+        "measurements": records,
+    }

@@ -1,0 +1,166 @@
+"""``hicache bench``: arguments and the command's handler.
+
+:func:`add_bench_parser` registers the subcommand on the ``hicache`` parser (its handler is
+``args.run``); ``python -m hicache.bench`` parses the same arguments with :func:`parse_args`.
+The GPU part lives in :mod:`hicache.bench` and is imported only when a run needs it, so
+``--from-json`` re-renders a saved result (table, plot, auto table) on any machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .bench_auto import DEFAULT_MAX_SLOWDOWN_PCT, DEFAULT_MIN_SHARE_OF_BEST
+from .bench_plot import have_matplotlib, plot
+from .bench_report import render
+from .bench_results import BenchResult, load_json, save_json
+
+USAGE_ERROR = 2
+FAILED = 1
+BACKENDS = ("torch", "kernel", "staged", "auto")
+LAYOUTS = ("layer_first", "page_first")
+DESCRIPTION = (
+    "Measure host<->device KV transfers through the cache controller (backends torch, kernel, "
+    "staged, auto) against the copy-engine ceiling: GB/s per direction, both directions at "
+    "once, layer-wise load readiness, the slowdown of a concurrent matmul loop; verify every "
+    "configuration bit for bit; derive the auto backend's table. Needs a CUDA GPU, except "
+    "with --from-json."
+)
+FULL: dict[str, Any] = {"tokens": 32768, "layers": 32, "repeats": 5, "auto_sizes": [256, 2048]}
+QUICK: dict[str, Any] = {"tokens": 2048, "layers": 4, "repeats": 2, "auto_sizes": [256]}
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option of the benchmark, on ``parser``."""
+    shape = parser.add_argument_group("what moves")
+    shape.add_argument("--tokens", type=int, help=f"tokens per transfer ({FULL['tokens']})")
+    shape.add_argument("--layers", type=int, help=f"model layers ({FULL['layers']})")
+    shape.add_argument("--heads", type=int, default=8, help="KV heads (MHA, bf16)")
+    shape.add_argument("--head-dim", type=int, default=128)
+    shape.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
+    shape.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    shape.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    run = parser.add_argument_group("how")
+    run.add_argument("--repeats", type=int,
+                     help=f"timed ops per figure, median ({FULL['repeats']})")
+    run.add_argument("--torch-repeats", type=int, default=2,
+                     help="timed ops per figure for the slow torch reference")
+    run.add_argument("--auto-sizes", type=int, nargs="+",
+                     help="smaller op sizes (tokens) measured for the auto table, besides "
+                     f"--tokens ({' '.join(map(str, FULL['auto_sizes']))})")
+    run.add_argument("--max-slowdown-pct", type=float, default=DEFAULT_MAX_SLOWDOWN_PCT,
+                     help="auto table: matmul slowdown (%%) a backend may cause to be chosen")
+    run.add_argument("--min-share-of-best", type=float, default=DEFAULT_MIN_SHARE_OF_BEST,
+                     help="auto table: a backend within the slowdown bound is chosen only if "
+                     "its GB/s reach this share of the fastest (0 disables)")
+    run.add_argument("--staging-tokens", type=int, default=1024,
+                     help="staged backend: tokens per staging chunk")
+    run.add_argument("--programs", type=int, default=16, help="kernel backend: grid bound")
+    run.add_argument("--matmul-size", type=int, default=8192, help="N of the NxN matmul loop")
+    run.add_argument("--window-ms", type=float, default=20.0,
+                     help="small ops are issued back to back to fill this long a window")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--quick", action="store_true",
+                     help=f"smoke run: defaults of {QUICK['tokens']} tokens, {QUICK['layers']} "
+                     f"layers, {QUICK['repeats']} repeats, auto sizes {QUICK['auto_sizes'][0]}")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    out.add_argument("--plot", type=Path, metavar="PNG", help="write a chart (needs matplotlib)")
+    out.add_argument("--auto-table", type=Path, metavar="PATH",
+                     help="write the auto backend's table (controller/auto_table.json format)")
+    out.add_argument("--from-json", type=Path, metavar="PATH",
+                     help="no GPU: re-render the table (and --plot, --auto-table) from a saved "
+                     "--json result")
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``hicache bench``; its handler is ``args.run`` (returns the exit code)."""
+    parser = subparsers.add_parser("bench", help="transfer bandwidth against the ceiling",
+                                   description=DESCRIPTION)
+    add_bench_arguments(parser)
+    parser.set_defaults(run=run_bench)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Arguments of ``python -m hicache.bench`` (sizes resolved, see :func:`resolve_sizes`)."""
+    parser = argparse.ArgumentParser(prog="python -m hicache.bench", description=DESCRIPTION)
+    add_bench_arguments(parser)
+    args = parser.parse_args(argv)
+    resolve_sizes(args)
+    return args
+
+
+def resolve_sizes(args: argparse.Namespace) -> None:
+    """Fill the size options left unset: the ``--quick`` values or the full ones. What the
+    command line names always wins."""
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """The first problem with ``args``, as a message, or ``None``."""
+    if min(args.repeats, args.torch_repeats, args.tokens, args.layers, args.heads,
+           args.head_dim, args.staging_tokens, args.programs, args.matmul_size) < 1:
+        return "--repeats, --torch-repeats and every size must be >= 1"
+    if min(args.page_sizes) < 1:
+        return "--page-sizes must be >= 1"
+    largest = max(args.page_sizes)
+    for size in [args.tokens, *args.auto_sizes]:
+        if size < 1 or any(size % page for page in args.page_sizes) or size % largest:
+            return (f"{size} tokens is not a whole number of pages of every page size "
+                    f"{args.page_sizes}; use multiples of {largest}")
+    if max(args.auto_sizes) > args.tokens:
+        return f"--auto-sizes must not exceed --tokens ({args.tokens})"
+    if args.plot is not None and not have_matplotlib():
+        return "--plot needs matplotlib (pip install matplotlib)"
+    return None
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Handler of ``hicache bench``: run (or re-render), print, write the outputs."""
+    resolve_sizes(args)
+    problem = check_args(args)
+    if problem is not None:
+        print(f"hicache bench: error: {problem}", file=sys.stderr)
+        return USAGE_ERROR
+    if args.from_json is not None:
+        try:
+            result = load_json(args.from_json)
+        except ValueError as exc:
+            print(f"hicache bench: error: {exc}", file=sys.stderr)
+            return USAGE_ERROR
+        return _publish(result, args, save=False)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
+                            datefmt="%H:%M:%S")
+    from .bench import run_benchmark
+    from .bench_workload import BenchmarkError
+
+    try:
+        result = run_benchmark(args)
+    except BenchmarkError as exc:
+        print(f"hicache bench: error: {exc}", file=sys.stderr)
+        return FAILED
+    return _publish(result, args, save=True)
+
+
+def _publish(result: BenchResult, args: argparse.Namespace, save: bool) -> int:
+    print(render(result))
+    if save and args.json is not None:
+        save_json(result, args.json)
+        print(f"wrote {args.json}")
+    if args.auto_table is not None:
+        args.auto_table.write_text(json.dumps(result.auto_table, indent=2) + "\n",
+                                   encoding="utf-8")
+        print(f"wrote {args.auto_table}")
+    if args.plot is not None:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,352 @@
+"""The transfer benchmark's pure parts (report, JSON, auto-table choice, arguments) and its
+controller driving and verification on a CPU; the GPU run itself skips without CUDA."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.bench import main
+from hicache.bench_auto import auto_table, choose_rows, pick_backend
+from hicache.bench_cli import add_bench_parser, check_args, parse_args
+from hicache.bench_plot import have_matplotlib
+from hicache.bench_report import render, targets
+from hicache.bench_results import BenchResult, Ceiling, Measurement, load_json, save_json
+from hicache.bench_timing import split_spans
+from hicache.bench_verify import Verifier, randomize
+from hicache.bench_workload import (
+    BenchmarkError,
+    Session,
+    Shape,
+    make_device_pool,
+    make_host_pool,
+    make_slots,
+)
+from hicache.controller import Direction, MovedTransfer, TorchBackend, TransferBackend
+from hicache.controller.auto import AutoRow, load_table
+from hicache.controller.staged import StagedBackend
+from hicache.pools import HostLayout
+
+TOKENS = 32768
+LAYOUTS = ("layer_first", "page_first")
+
+
+def measurement(backend: str, kind: str, page: int, layout: str, gbps: float,
+                slowdown: float | None = 1.0, tokens: int = TOKENS) -> Measurement:
+    ceiling = 110.0 if kind == "both" else 55.0
+    m = Measurement(backend, kind, page, layout, tokens, tokens * 131072,
+                    tokens * 131072 / gbps / 1e9, gbps, 100.0 * gbps / ceiling, slowdown,
+                    executed_by=backend)
+    if kind == "load":
+        m.layer0_s, m.layer0_ratio, m.all_ratio = 0.004, 1.7, 55.0 / gbps
+    return m
+
+
+def synthetic_result() -> BenchResult:
+    """Kernel fast but heavy on the matmul, staged a little slower and light, torch slow."""
+    rows = []
+    for page in (1, 16):
+        for layout in LAYOUTS:
+            for backend, gbps, slowdown in (("torch", 12.0, 0.5), ("kernel", 52.0, 15.0),
+                                            ("staged", 53.5, 2.0), ("auto", 53.4, 2.1)):
+                for kind in ("write", "load"):
+                    rows.append(measurement(backend, kind, page, layout, gbps, slowdown))
+                rows.append(measurement(backend, "both", page, layout, 2 * gbps - 10, None))
+            for tokens in (256, 2048):
+                for kind in ("write", "load"):
+                    rows.append(measurement("kernel", kind, page, layout, 30.0, 12.0, tokens))
+                    rows.append(measurement("staged", kind, page, layout, 26.0, 1.0, tokens))
+    meta = {"device": "Test GPU", "torch": "2.x", "triton": "3.x", "date": "2026-01-01",
+            "tokens": TOKENS, "layers": 32, "heads": 8, "head_dim": 128,
+            "token_bytes": 131072, "transfer_bytes": TOKENS * 131072, "repeats": 5,
+            "torch_repeats": 2, "matmul_size": 8192, "staging_tokens": 1024}
+    return BenchResult(meta, Ceiling(TOKENS * 131072, 55.0, 55.0, 110.0, 0.1, 0.0), 0.0014,
+                       {"write": 2 << 27, "load": 2 << 22}, rows,
+                       auto_table(rows, {"device": "Test GPU"}))
+
+
+# ---- report -------------------------------------------------------------------------------
+
+
+def test_table_has_a_line_per_configuration() -> None:
+    """The main table holds one line per (backend, page size, layout), run order."""
+    lines = render(synthetic_result()).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("backend page"))
+    body = lines[start + 2: start + 2 + 16]
+    assert [line.split()[:3] for line in body[:4]] == [
+        ["torch", "1", "layer_first"], ["kernel", "1", "layer_first"],
+        ["staged", "1", "layer_first"], ["auto", "1", "layer_first"]]
+    assert body[2].split()[3:6] == ["53.5", "97.3", "2.0"]
+    assert len({len(line) for line in body}) == 1
+
+
+def test_targets_name_what_is_missed() -> None:
+    """A staged page-1 load under 90% of the ceiling is marked MISS and listed."""
+    result = synthetic_result()
+    load = result.find("staged", "load", 1, "page_first")
+    assert load is not None
+    load.pct_of_ceiling = 80.0
+    missed = [t for t in targets(result) if not t.met]
+    assert [(t.backend, t.page_size, t.layout, t.name) for t in missed] == [
+        ("staged", 1, "page_first", "load")]
+    text = render(result)
+    assert "targets met: 55 of 56" in text
+    assert "MISSED staged page 1 page_first load: 80.00, target >= 90 (by 10.00)" in text
+
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    """A saved result loads back equal, field for field."""
+    result = synthetic_result()
+    path = tmp_path / "bench.json"
+    save_json(result, path)
+    assert load_json(path) == result
+
+
+def run_cli(argv: Sequence[str]) -> int:
+    """``hicache bench ARGV`` through a parser built the way hicache.cli builds its own."""
+    parser = argparse.ArgumentParser(prog="hicache")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return int(args.run(args))
+
+
+def test_from_json_rerenders_without_gpu(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """--from-json prints the same report as the run that saved it."""
+    result = synthetic_result()
+    path = tmp_path / "bench.json"
+    save_json(result, path)
+    assert main(["--from-json", str(path)]) == 0
+    assert capsys.readouterr().out == render(result) + "\n"
+    assert run_cli(["--from-json", str(path)]) == 0
+    assert capsys.readouterr().out == render(result) + "\n"
+
+
+def test_from_json_writes_the_auto_table(tmp_path: Path) -> None:
+    """--auto-table from a saved result writes rows that controller.auto loads."""
+    path, table = tmp_path / "bench.json", tmp_path / "auto_table.json"
+    save_json(synthetic_result(), path)
+    assert main(["--from-json", str(path), "--auto-table", str(table)]) == 0
+    rows = load_table(table)
+    assert AutoRow(Direction.DEVICE_TO_HOST, HostLayout.PAGE_FIRST, False, 0, "staged") in rows
+    assert AutoRow(Direction.HOST_TO_DEVICE, HostLayout.LAYER_FIRST, True, 8192,
+                   "staged") in rows
+    assert json.loads(table.read_text())["measured_on"] == {"device": "Test GPU"}
+
+
+def test_bad_json_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A file that is not a saved result exits 2 with one line on stderr."""
+    path = tmp_path / "other.json"
+    path.write_text('{"rows": []}')
+    assert main(["--from-json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hicache bench: error: not a hicache bench result")
+    assert err.count("\n") == 1
+
+
+def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--plot writes a PNG, or says in one line that matplotlib is needed."""
+    path = tmp_path / "bench.json"
+    save_json(synthetic_result(), path)
+    code = main(["--from-json", str(path), "--plot", str(tmp_path / "bench.png")])
+    if have_matplotlib():
+        assert code == 0
+        assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert code == 2
+        assert capsys.readouterr().err == (
+            "hicache bench: error: --plot needs matplotlib (pip install matplotlib)\n")
+
+
+# ---- auto table -----------------------------------------------------------------------------
+
+
+def test_fastest_within_slowdown_bound_wins() -> None:
+    """A faster backend that slows the matmul by more than 5% loses to a slower one."""
+    assert pick_backend({"kernel": (52.0, 15.0), "staged": (45.0, 4.9)}, 5.0) == "staged"
+    assert pick_backend({"kernel": (52.0, 5.0), "staged": (53.0, 6.0)}, 5.0) == "kernel"
+
+
+def test_fastest_wins_when_none_qualifies() -> None:
+    """If every backend slows the matmul too much (or unknown), the fastest wins."""
+    assert pick_backend({"kernel": (52.0, 15.0), "staged": (45.0, None)}, 5.0) == "kernel"
+
+
+def test_a_much_slower_backend_does_not_qualify() -> None:
+    """A backend far below the fastest wins nothing by sparing the matmul; with the share
+    bound off the plain 5% rule applies."""
+    options = {"kernel": (49.5, 10.0), "staged": (6.0, 0.1)}
+    assert pick_backend(options, 5.0) == "kernel"
+    assert pick_backend(options, 5.0, min_share_of_best=0.0) == "staged"
+    assert pick_backend({"kernel": (50.0, 10.0), "staged": (40.0, 1.0)}, 5.0) == "staged"
+
+
+def test_ties_break_by_name() -> None:
+    """Equal GB/s picks the alphabetically first backend, every time."""
+    assert pick_backend({"staged": (50.0, 1.0), "kernel": (50.0, 1.0)}, 5.0) == "kernel"
+
+
+def record(backend: str, tokens: int, gbps: float, slowdown: float | None,
+           page: int = 16) -> dict[str, object]:
+    return {"direction": "device_to_host", "layout": "layer_first", "layer_wise": False,
+            "tokens": tokens, "page_size": page, "backend": backend, "gb_per_s": gbps,
+            "slowdown_pct": slowdown}
+
+
+def test_rows_per_size_with_log_midpoint_thresholds() -> None:
+    """One row per size measured; the smallest covers from 0, the others from the geometric
+    mean with the next smaller size."""
+    rows = choose_rows([record("kernel", 256, 30.0, 12.0), record("staged", 256, 25.0, 1.0),
+                        record("kernel", 2048, 45.0, 3.0), record("staged", 2048, 40.0, 1.0),
+                        record("kernel", 32768, 52.0, 15.0), record("staged", 32768, 54.0, 2.0)])
+    assert [(r["min_tokens"], r["measured_tokens"], r["backend"]) for r in rows] == [
+        (0, 256, "staged"), (724, 2048, "kernel"), (8192, 32768, "staged")]
+
+
+def test_worst_page_size_counts() -> None:
+    """A backend fast at page 16 but slow, or heavy, at page 1 is judged by page 1."""
+    rows = choose_rows([record("kernel", 256, 30.0, 1.0, page=16),
+                        record("kernel", 256, 10.0, 1.0, page=1),
+                        record("staged", 256, 20.0, 1.0, page=16),
+                        record("staged", 256, 20.0, 1.0, page=1)])
+    assert rows[0]["backend"] == "staged"
+    rows = choose_rows([record("kernel", 256, 30.0, 1.0, page=16),
+                        record("kernel", 256, 30.0, 9.0, page=1),
+                        record("staged", 256, 25.0, 1.0)])
+    assert rows[0]["backend"] == "staged"
+
+
+def test_auto_is_no_candidate() -> None:
+    """The auto backend's own figures never enter its table."""
+    result = synthetic_result()
+    assert {m["backend"] for m in result.auto_table["measurements"]} == {
+        "torch", "kernel", "staged"}
+
+
+def test_matmul_spans_inside_and_next_to_the_window() -> None:
+    """Matmuls wholly inside the window are compared with the 20 on each side of it; one
+    straddling an edge counts for neither, and distant ones are left out."""
+    times = [float(t) for t in range(0, 101)]  # 100 matmuls of 1 s
+    inside, baseline = split_spans(times, 40.5, 60.0)
+    assert inside == [1.0] * 19  # 41..60; the one over 40.5 straddles the start
+    assert len(baseline) == 40  # 20..40 before, 60..80 after
+    times[50:] = [t + 0.5 * (t - 50) for t in times[50:]]  # slower from the 50th on
+    inside, _ = split_spans(times, 40.0, 60.0)
+    assert max(inside) == 1.5
+
+
+# ---- arguments ------------------------------------------------------------------------------
+
+
+def test_defaults_and_quick() -> None:
+    """Full sizes by default; --quick shrinks them; sizes named on the command line win."""
+    args = parse_args([])
+    assert (args.tokens, args.layers, args.repeats, args.auto_sizes) == (32768, 32, 5,
+                                                                         [256, 2048])
+    assert args.page_sizes == [1, 16] and args.backends == ["torch", "kernel", "staged", "auto"]
+    args = parse_args(["--quick"])
+    assert (args.tokens, args.layers, args.repeats, args.auto_sizes) == (2048, 4, 2, [256])
+    assert parse_args(["--quick", "--tokens", "4096"]).tokens == 4096
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--tokens", "1000"], "1000 tokens is not a whole number of pages"),
+    (["--auto-sizes", "65536"], "--auto-sizes must not exceed --tokens"),
+    (["--repeats", "0"], "must be >= 1"),
+])
+def test_bad_arguments_are_refused(argv: list[str], message: str) -> None:
+    """Sizes that are not whole pages or exceed the transfer are caught before any work."""
+    problem = check_args(parse_args(argv))
+    assert problem is not None and message in problem
+
+
+def test_cli_handler_reports_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    """The subcommand's handler exits 2 with one line for a bad size."""
+    assert run_cli(["--tokens", "1000"]) == 2
+    assert capsys.readouterr().err.startswith("hicache bench: error: 1000 tokens")
+
+
+# ---- controller driving and verification on a CPU ---------------------------------------
+
+
+SMALL = Shape(tokens=64, layers=3, heads=2, head_dim=8, max_page_size=16)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+@pytest.mark.parametrize("page", [1, 16])
+@pytest.mark.parametrize("backend", [TorchBackend(), StagedBackend(staging_tokens=24)],
+                         ids=lambda b: b.name)
+def test_session_moves_and_verifies_on_cpu(layout: HostLayout, page: int,
+                                           backend: TransferBackend) -> None:
+    """Writes, loads and back-to-back batches through the controller pass the bit-exact
+    checks and give every slot back."""
+    device_pool = make_device_pool(SMALL, "cpu")
+    randomize(device_pool.data)
+    host_pool = make_host_pool(SMALL, layout, pin=False)
+    slots = make_slots(device_pool, page, SMALL.tokens, torch.Generator().manual_seed(0))
+    session = Session(device_pool, host_pool, slots, backend)
+    verifier = Verifier(device_pool, host_pool)
+    verifier.check_write(session, "test")
+    verifier.check_load(session, "test")
+    for batch in (session.write_ops(4, 16), session.load_ops(4, 16)):
+        assert len({item.op.op_id for item in batch}) == 4
+        session.finish(batch)
+    session.close()
+    assert host_pool.allocator.num_used_tokens == 0
+    assert slots.allocator.num_free_tokens == SMALL.tokens
+
+
+def test_device_slots_are_random_disjoint_pages() -> None:
+    """Write sources and load destinations are whole pages, random and disjoint."""
+    device_pool = make_device_pool(SMALL, "cpu")
+    slots = make_slots(device_pool, 16, SMALL.tokens, torch.Generator().manual_seed(0))
+    source = slots.write_source.view(-1, 16)
+    assert bool((source == source[:, :1] + torch.arange(16)).all())
+    assert bool((source[:, 0] % 16 == 0).all()) and not bool((source == 0).any())
+    loaded = slots.allocator.try_alloc(SMALL.tokens)
+    assert loaded is not None
+    assert not set(loaded.tensor.tolist()) & set(slots.write_source.tolist())
+
+
+class DropsOneRow(TorchBackend):
+    """Moves everything, then overwrites one moved host row (a corrupting backend)."""
+
+    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
+             keep_alive: list[torch.Tensor]) -> None:
+        super().copy(moved, local_layers, direction, keep_alive)
+        moved.source.host_pool.layer_rows(1, local_layers[-1])[moved.host_index[5]] = 0.0
+
+
+def test_verification_aborts_on_a_wrong_row() -> None:
+    """A backend that corrupts one row is caught, naming component, layer and slots."""
+    device_pool = make_device_pool(SMALL, "cpu")
+    randomize(device_pool.data)
+    host_pool = make_host_pool(SMALL, HostLayout.PAGE_FIRST, pin=False)
+    slots = make_slots(device_pool, 1, SMALL.tokens, torch.Generator().manual_seed(0))
+    session = Session(device_pool, host_pool, slots, DropsOneRow())
+    with pytest.raises(BenchmarkError, match="MISMATCH in test write: component 1, layer 2"):
+        Verifier(device_pool, host_pool).check_write(session, "test")
+
+
+# ---- the GPU run ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
+def test_run_without_cuda_says_why(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without CUDA the run stops at once with one line naming the reason (exit 1)."""
+    assert main(["--quick"]) == 1
+    assert "needs a CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_quick_run_on_gpu(tmp_path: Path) -> None:
+    """The smoke run completes, verifies every configuration and writes its JSON."""
+    path = tmp_path / "bench.json"
+    assert main(["--quick", "--json", str(path)]) == 0
+    assert load_json(path).auto_table["rows"]
