@@ -10,7 +10,7 @@ Pairs are sorted by host slot in ``order_pairs`` (part of ``move_indices``), so 
 consecutive host pages become single copies. Work is cut into chunks of
 ``staging_tokens`` pairs with two staging buffers: the gather (or scatter) of one chunk runs
 on an auxiliary stream while the copy engine moves the neighbouring chunk. Staging memory is
-bounded: ``2 * staging_tokens * token_bytes`` per device.
+bounded: ``2 * staging_tokens * token_bytes`` per side stream (write and load: twice that).
 
 On a CPU device pool there is no copy engine; the same chunking and run logic runs with
 plain ``copy_`` calls, so it is tested without a GPU.
@@ -91,10 +91,11 @@ class StagedBackend(TransferBackend):
         aux = self._aux_stream(side) if side is not None else None
         if aux is not None and side is not None:
             aux.wait_stream(side)  # earlier moves on this side stream are done with the buffers
-        buffers = self._staging(device_pool, len(layers), side)
+        buffers = self._staging(device_pool, side)
+        chunk_tokens = self.chunk_tokens(device_pool.num_layers, len(layers))
         done: list[Event | None] = [None, None]
-        for number, start in enumerate(range(0, slots.size, self.staging_tokens)):
-            end = min(start + self.staging_tokens, slots.size)
+        for number, start in enumerate(range(0, slots.size, chunk_tokens)):
+            end = min(start + chunk_tokens, slots.size)
             chunk = _Chunk(moved, layers, start, end, buffers[number % 2])
             done[number % 2] = self._move_chunk(chunk, direction, side, aux, done[number % 2])
         if aux is not None and side is not None:
@@ -134,14 +135,21 @@ class StagedBackend(TransferBackend):
             chunk.scatter()
             return _record(device, aux)
 
-    def _staging(self, device_pool: DeviceKVPool, num_layers: int,
-                 side: torch.cuda.Stream | None) -> list[torch.Tensor]:
-        """Two flat staging buffers of one chunk each, grown on demand and then reused.
+    def chunk_tokens(self, pool_layers: int, moved_layers: int) -> int:
+        """Pairs per chunk: the staging budget is ``staging_tokens`` tokens of every layer of
+        the pool, so a move of fewer layers (a layer-wise load) takes proportionally more
+        tokens per chunk at the same memory (fewer, longer copies)."""
+        return self.staging_tokens * pool_layers // max(moved_layers, 1)
 
-        A buffer replaced by a larger one stays alive through the ops that hold views of it
-        (``keep_alive``) until their side stream has passed them."""
+    def _staging(self, device_pool: DeviceKVPool,
+                 side: torch.cuda.Stream | None) -> list[torch.Tensor]:
+        """Two flat staging buffers of one chunk each, allocated once per side stream.
+
+        A buffer replaced by a larger one (a pool of wider rows) stays alive through the ops
+        that hold views of it (``keep_alive``) until their side stream has passed them."""
         geometry = device_pool.geometry
         key = (side.cuda_stream if side is not None else 0, geometry.dtype)
+        num_layers = device_pool.num_layers
         half = self.staging_tokens * geometry.num_components * num_layers * geometry.row_elems
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < 2 * half:

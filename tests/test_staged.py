@@ -104,3 +104,10 @@ def test_write_leaves_other_host_rows() -> None:
     ctrl.drain()
     assert host is not None
     assert (untouched(host_rows(ctrl.host_pool), host.tensor) == SENTINEL).all()
+
+
+def test_layer_wise_chunks_use_the_whole_budget() -> None:
+    """A one-layer move of a 3-layer pool takes three times the tokens per chunk."""
+    backend = StagedBackend(CHUNK)
+    assert backend.chunk_tokens(pool_layers=3, moved_layers=3) == CHUNK
+    assert backend.chunk_tokens(pool_layers=3, moved_layers=1) == 3 * CHUNK
