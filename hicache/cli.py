@@ -10,11 +10,21 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from typing import TextIO
 
-from .config import GIB, ConfigError, HiCacheConfig, available_ram_bytes, load_config
+from .bench_cli import add_bench_parser
+from .config import (
+    GIB,
+    ConfigError,
+    HiCacheConfig,
+    WritePolicy,
+    available_ram_bytes,
+    load_config,
+)
 from .sizing import PoolSize, pool_layers, pool_sizes
 
 USAGE_ERROR = 2
+FAILED = 1
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -28,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_check_config(commands)
+    _add_demo(commands)
+    add_bench_parser(commands)
     return parser
 
 
@@ -122,6 +134,112 @@ def _ram_line(config: HiCacheConfig, sizes: list[PoolSize], *, checked: bool) ->
         return f"{line}; available RAM unknown, not checked"
     return (f"{line}, {available / GIB:.2f} GiB available, "
             f"{config.host.ram_reserve_gib:.2f} GiB kept in reserve: fits")
+
+
+# ---- demo -----------------------------------------------------------------------------------
+
+
+def _add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = commands.add_parser(
+        "demo",
+        help="run the reference engine on a config and verify every token and loaded page",
+        description="Serve many multi-turn conversations with a tiny seeded decoder through "
+        "the cache service: prefixes are matched on the device, evicted to the host and "
+        "loaded back. Every generated token is checked against a baseline that never "
+        "evicts anything, and every page loaded back against a digest of its backup. "
+        "Exit code 0: verified; 1: a mismatch (named) or the pools cannot hold one "
+        "request; 2: a usage or config error.",
+    )
+    parser.add_argument("--config", default="config.yaml", metavar="PATH",
+                        help="YAML config (default: %(default)s)")
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda or cuda:N (default: the config's device_pool.device); "
+                        "on cuda the forward runs on its own stream")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the weights and the workload (default: %(default)s)")
+    parser.add_argument("--conversations", type=_positive, default=None, metavar="N",
+                        help="conversations (default: 12; 6 with --quick)")
+    parser.add_argument("--turns", type=_positive, default=None, metavar="N",
+                        help="most turns per conversation; each has N-1 or N (default: 4; 3 "
+                        "with --quick)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller workload (6 conversations of up to 3 turns)")
+    parser.add_argument("--write-policy", default="config",
+                        choices=[p.value for p in WritePolicy] + ["config"],
+                        help="when turns are backed up to the host (default: the config's; "
+                        "config.yaml uses write_through so evicted history can come back)")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--corrupt-host-byte", action="store_true",
+                        help="testing aid: flip one byte of the host pool before the first "
+                        "load-back; verification must then fail and name the page")
+    parser.set_defaults(run=_demo)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .engine import DemoOptions, EngineError, run_demo
+
+    config = load_config(args.config)
+    options = DemoOptions(
+        seed=args.seed, device=args.device, conversations=args.conversations,
+        turns=args.turns, quick=args.quick, corrupt_host_byte=args.corrupt_host_byte,
+        write_policy=None if args.write_policy == "config" else WritePolicy(args.write_policy),
+    )
+    progress = _Progress(sys.stderr)
+    try:
+        report = run_demo(config, options, str(args.config), progress)
+    except ValueError as exc:
+        return _error(str(exc), USAGE_ERROR)
+    except EngineError as exc:
+        return _error(str(exc), FAILED)
+    finally:
+        progress.close()
+    print(report.format())
+    if args.json:
+        try:
+            report.write_json(args.json)
+        except OSError as exc:
+            return _error(f"{args.json}: cannot write the report ({exc.strerror})", USAGE_ERROR)
+    failure = report.failure()
+    if failure is not None:
+        return _error(failure, FAILED)
+    return 0
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _error(message: str, code: int) -> int:
+    print(f"hicache: error: {' '.join(message.split())}", file=sys.stderr)
+    return code
+
+
+class _Progress:
+    """A one-line text progress bar on a terminal; silent when ``stream`` is not a TTY."""
+
+    WIDTH = 30
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.enabled = stream.isatty()
+        self.drawn = False
+
+    def __call__(self, phase: str, done: int, total: int, note: str = "") -> None:
+        if not self.enabled:
+            return
+        filled = self.WIDTH * done // max(total, 1)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        self.stream.write(f"\r{phase:<8} [{bar}] {done}/{total} requests  {note}\x1b[K")
+        self.stream.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\n")
+            self.drawn = False
 
 
 if __name__ == "__main__":

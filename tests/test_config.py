@@ -82,7 +82,7 @@ def test_default_config_loads(repo_root: Path) -> None:
     assert config.page_size_tokens == 16
     assert config.device_pool == DevicePoolConfig(num_tokens=1024, swa_num_tokens=256)
     assert config.host == HostTierConfig(ratio=4.0, layout=HostLayout.LAYER_FIRST)
-    assert config.controller == ControllerConfig()
+    assert config.controller == ControllerConfig(write_policy=WritePolicy.WRITE_THROUGH)
     assert config.service == ServiceConfig()
     assert config.is_hybrid
     assert config.model.torch_dtype is torch.float32

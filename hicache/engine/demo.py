@@ -1,0 +1,216 @@
+"""``hicache demo``: the reference engine on a config, checked against a dense baseline.
+
+:func:`run_demo` draws the workload, computes the baseline (every conversation alone over a
+dense KV buffer), serves the workload through a real :class:`HiCacheService` built from the
+config, and returns a :class:`DemoReport` whose ``passed`` says whether every loaded page
+matched its backup and every generated token matched the baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from hicache.config import HiCacheConfig, WritePolicy
+from hicache.factory import build_service
+from hicache.service import HiCacheService
+from hicache.tree_node import CacheStats
+
+from .model import ModelSpec, TinyDecoder
+from .reference import reference_tokens
+from .report import DemoReport, TransferTimer, transfer_lines
+from .runner import DemoEngine, EngineError
+from .verify import TransferAudit, first_token_mismatch
+from .workload import Workload, WorkloadSpec, make_workload
+
+# phase ("baseline" or "engine"), requests done, requests in all, a note (metrics URL)
+PhaseProgress = Callable[[str, int, int, str], None]
+
+QUICK = WorkloadSpec(num_conversations=6, num_turns=3)
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What ``hicache demo`` runs; ``None`` keeps the config's (or the workload's) value.
+
+    ``write_policy``: overrides the config's policy; ``None`` keeps it (``config.yaml``
+    uses ``write_through`` so that evicted history can come back from the host).
+    ``corrupt_host_byte``: flip one host byte before the first load-back (testing aid).
+    """
+
+    seed: int = 0
+    device: str | None = None
+    conversations: int | None = None
+    turns: int | None = None
+    quick: bool = False
+    write_policy: WritePolicy | None = None
+    corrupt_host_byte: bool = False
+    max_running: int = 4
+    prefill_chunk_tokens: int = 16
+
+    def workload_spec(self) -> WorkloadSpec:
+        base = QUICK if self.quick else WorkloadSpec()
+        return dataclasses.replace(
+            base, seed=self.seed,
+            num_conversations=self.conversations or base.num_conversations,
+            num_turns=self.turns or base.num_turns,
+        )
+
+
+def demo_config(config: HiCacheConfig, options: DemoOptions) -> HiCacheConfig:
+    """``config`` with the demo's overrides: device, write policy, and a free metrics port
+    when the configured one is taken (reported as such)."""
+    pool = config.device_pool
+    if options.device is not None:
+        pool = dataclasses.replace(pool, device=options.device)
+    controller = config.controller
+    if options.write_policy is not None:
+        controller = dataclasses.replace(controller, write_policy=options.write_policy)
+    service = config.service
+    if service.metrics_enabled and not _port_is_free(service.metrics_host,
+                                                     service.metrics_port):
+        service = dataclasses.replace(service, metrics_port=0)
+    return dataclasses.replace(config, device_pool=pool, controller=controller, service=service)
+
+
+def run_demo(
+    config: HiCacheConfig, options: DemoOptions, config_name: str = "config.yaml",
+    on_progress: PhaseProgress | None = None,
+) -> DemoReport:
+    """Serve the demo workload and verify it (see the module docstring).
+
+    Raises:
+        ValueError: the device or the model is not usable (one line, names the fix).
+        EngineError: the pools cannot hold one request of the workload.
+    """
+    wanted_port = config.service.metrics_port
+    config = demo_config(config, options)
+    device = torch.device(config.device_pool.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: CUDA is not available here; use --device cpu")
+    spec = ModelSpec.from_config(config)
+    workload = make_workload(options.workload_spec(), config.page_size_tokens, spec.vocab_size)
+    report = DemoReport(config=config_name, device=str(device), seed=options.seed,
+                        requests=workload.num_turns, conversations=len(workload.conversations),
+                        write_policy=config.controller.write_policy.value,
+                        corruption_requested=options.corrupt_host_byte)
+    with _cpu_threads(device):
+        model = TinyDecoder(spec, options.seed, device)
+        start = time.perf_counter()
+        expected = reference_tokens(model, workload)
+        report.baseline_s = time.perf_counter() - start
+        if on_progress is not None:
+            on_progress("baseline", workload.num_turns, workload.num_turns, "")
+        engine = serve(config, options, model, workload, report, wanted_port=wanted_port,
+                       on_progress=on_progress)
+    report.token_mismatch = first_token_mismatch(engine.generated, expected)
+    return report
+
+
+def serve(
+    config: HiCacheConfig, options: DemoOptions, model: TinyDecoder, workload: Workload,
+    report: DemoReport, *, wanted_port: int = 0, on_progress: PhaseProgress | None = None,
+) -> DemoEngine:
+    """Serve ``workload`` through a service built from ``config`` (no baseline): fills the
+    cache, transfer and page-check parts of ``report`` and returns the engine, whose
+    ``generated`` holds every turn's tokens. ``wanted_port``: the configured metrics port
+    (to say so when another was used)."""
+    service = build_service(config)
+    controller = service.controller
+    stream = None
+    if model.device.type == "cuda":
+        stream = torch.cuda.Stream(model.device)
+        controller.register_producer_stream(stream)
+    audit = TransferAudit(controller, corrupt_host_byte=options.corrupt_host_byte)
+    timer = TransferTimer(controller)
+    engine = DemoEngine(
+        service, model, max_running=options.max_running,
+        prefill_chunk_tokens=options.prefill_chunk_tokens, max_tokens=workload.max_tokens(),
+        audit=audit, stream=stream,
+    )
+    start = time.perf_counter()
+    try:
+        with service:
+            report.metrics = _metrics_line(service, config, wanted_port)
+            note = f"metrics {report.metrics}"
+
+            def progress(done: int, total: int) -> None:
+                if on_progress is not None:
+                    on_progress("engine", done, total, note)
+
+            progress(0, workload.num_turns)
+            engine.serve(workload, progress)
+    finally:
+        audit.close()
+        timer.close()
+    report.engine_s = time.perf_counter() - start
+    _fill(report, engine, service.tree.stats, audit)
+    report.transfers = transfer_lines(controller, timer)
+    report.timing_method = timer.method
+    return engine
+
+
+def _fill(
+    report: DemoReport, engine: DemoEngine, stats: CacheStats, audit: TransferAudit
+) -> None:
+    finished = engine.finished
+    report.prompt_tokens = sum(len(r.prompt) for r in finished)
+    report.device_hit_tokens = sum(r.device_tokens for r in finished)
+    report.host_hit_tokens = sum(r.host_tokens for r in finished)
+    report.recomputed_tokens = sum(r.recomputed_tokens for r in finished)
+    report.new_tokens = sum(r.new_tokens for r in finished)
+    report.generated_tokens = sum(len(r.generated) for r in finished)
+    report.retracted_requests = engine.num_retracted
+    report.evicted_device_tokens = stats.evicted_device_tokens
+    report.evicted_host_tokens = stats.evicted_host_tokens
+    report.backed_up_tokens = stats.backed_up_tokens
+    report.loaded_back_tokens = stats.loaded_back_tokens
+    report.refused_load_backs = dict(stats.refused_load_backs)
+    report.pages_checked = audit.checked_pages
+    report.page_mismatches = list(audit.mismatches)
+    report.corrupted_host_slot = audit.corrupted_slot
+
+
+def _metrics_line(service: HiCacheService, config: HiCacheConfig, wanted_port: int) -> str:
+    exporter = service.exporter
+    if exporter is None or exporter.port is None:
+        return "off (service.metrics_enabled is false)"
+    url = f"http://{config.service.metrics_host}:{exporter.port}/metrics"
+    if wanted_port and exporter.port != wanted_port:
+        url += f" (port {wanted_port} was taken)"
+    return url
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    if port == 0:
+        return True
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+@contextmanager
+def _cpu_threads(device: torch.device) -> Iterator[None]:
+    """One intra-op thread on a CPU: the model's ops are tiny, and extra threads only add
+    wake-up latency (and contention on a small machine)."""
+    if device.type != "cpu":
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+__all__ = ["DemoOptions", "EngineError", "demo_config", "run_demo", "serve"]
