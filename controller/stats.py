@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from .base import Ack, TransferOp
 
@@ -23,6 +25,8 @@ class TransferStats:
     tokens: Counter[tuple[str, str]] = field(default_factory=Counter)
     bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
     backend_ops: Counter[tuple[str, str]] = field(default_factory=Counter)
+    host_runs: Counter[tuple[str, str]] = field(default_factory=Counter)
+    host_run_tokens: Counter[tuple[str, str]] = field(default_factory=Counter)
     durations: list[tuple[str, float]] = field(default_factory=list)
 
     @property
@@ -32,6 +36,20 @@ class TransferStats:
     def on_submit(self, op: TransferOp) -> None:
         self.ops_submitted[op.direction.value] += 1
         self.backend_ops[(op.direction.value, op.backend)] += 1
+        for transfer in op.transfers:
+            slots = np.sort(transfer.host_indices.tensor.numpy())
+            slots = slots[slots != 0]
+            if slots.size:
+                key = (op.direction.value, transfer.name)
+                self.host_runs[key] += 1 + int(np.count_nonzero(np.diff(slots) != 1))
+                self.host_run_tokens[key] += int(slots.size)
+
+    def mean_host_run_tokens(self, direction: str, pool: str) -> float | None:
+        """Mean length, in tokens, of the contiguous host-slot runs that ops of ``direction``
+        touched in ``pool`` (how fragmented the host free list was; long runs mean long
+        copies). ``None`` before any op."""
+        runs = self.host_runs[(direction, pool)]
+        return self.host_run_tokens[(direction, pool)] / runs if runs else None
 
     def on_ack(self, ack: Ack) -> None:
         direction = ack.direction.value

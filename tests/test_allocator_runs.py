@@ -61,3 +61,23 @@ def test_fresh_pool_gives_one_run() -> None:
     allocator = PageAllocator(16, 4, IndexSpace.DEVICE_FULL, "full")
     got = allocator.try_alloc(20)
     assert got is not None and np.array_equal(got.tensor.numpy(), np.arange(4, 24))
+
+
+def test_stats_report_mean_host_run_length() -> None:
+    """TransferStats counts contiguous host runs per op: 2 runs over 5 tokens -> 2.5."""
+    from controller_helpers import make_controller
+
+    from hicache.controller import TorchBackend
+
+    ctrl = make_controller(TorchBackend(), page_size=1, host_pages=8)
+    host = ctrl.host_pool.allocator
+    first, middle, last = host.try_alloc(2), host.try_alloc(3), host.try_alloc(3)
+    assert first is not None and middle is not None and last is not None
+    host.free(first)
+    host.free(last)  # free runs: slots 1-2 and 6-8
+    device = ctrl.device_allocator.try_alloc(5)
+    assert device is not None and ctrl.write(device) is not None
+    ctrl.drain()
+    assert ctrl.stats.host_runs[("device_to_host", "full")] == 2
+    assert ctrl.stats.mean_host_run_tokens("device_to_host", "full") == 2.5
+    assert ctrl.stats.mean_host_run_tokens("host_to_device", "full") is None

@@ -94,6 +94,7 @@ class TransferLine:
     size_bytes: int
     seconds: float | None
     gb_per_s: float | None
+    mean_host_run_tokens: float | None = None
 
 
 @dataclass
@@ -212,13 +213,16 @@ def transfer_lines(controller: CacheController, timer: TransferTimer) -> list[Tr
         tokens = sum(n for (d, pool), n in stats.tokens.items() if d == direction and
                      pool == controller.device_pool.name)
         size = sum(n for (d, _), n in stats.bytes.items() if d == direction)
+        run = stats.mean_host_run_tokens(direction, controller.device_pool.name)
         lines.append(TransferLine(direction, tokens, size, timer.seconds.get(direction),
-                                  timer.rate(direction)))
+                                  timer.rate(direction), run))
     return lines
 
 
 def _transfer_line(line: TransferLine) -> str:
     rate = f"{line.gb_per_s:.2f} GB/s" if line.gb_per_s is not None else "n/a GB/s"
     timed = f" over {line.seconds * 1e3:.1f} ms timed" if line.seconds else ""
+    runs = (f", host runs {line.mean_host_run_tokens:.1f} tokens on average"
+            if line.mean_host_run_tokens is not None else "")
     return (f"  {DIRECTIONS[line.direction]:<18} {line.size_bytes / 2**20:>8.2f} MiB "
-            f"({line.tokens} tokens), {rate}{timed}")
+            f"({line.tokens} tokens), {rate}{timed}{runs}")
