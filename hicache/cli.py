@@ -21,7 +21,7 @@ from .config import (
     available_ram_bytes,
     load_config,
 )
-from .sizing import PoolSize, pool_layers, pool_sizes
+from .sizing import PoolSize, pool_layers, pool_sizes, staging_bytes
 
 USAGE_ERROR = 2
 FAILED = 1
@@ -80,6 +80,11 @@ def _check_config(args: argparse.Namespace) -> int:
     print(f"{args.path}: {_geometry(config)}")
     print(_pool_table(config, sizes))
     print(_ram_line(config, sizes, checked=not args.skip_ram_check))
+    staging = staging_bytes(config)
+    if staging:
+        print(f"device staging ({config.controller.io_backend.value} backend, "
+              f"{config.controller.staging_tokens} tokens per chunk): up to {staging} bytes, "
+              f"{staging / GIB:.4f} GiB")
     return 0
 
 

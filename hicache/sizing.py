@@ -103,6 +103,18 @@ def host_num_pages(config: HiCacheConfig, pool_name: PoolName) -> int:
     return num_pages
 
 
+def staging_bytes(config: HiCacheConfig) -> int:
+    """Device memory the ``staged`` backend may take: two chunks of ``staging_tokens`` tokens
+    of the widest pool, for each of the two side streams (write and load). 0 when no staged
+    move can run (another backend, or a CPU device where ``auto`` is ``torch``)."""
+    backend = config.controller.io_backend.value
+    on_gpu = config.device_pool.device.startswith("cuda")
+    if backend == "staged" or (backend == "auto" and on_gpu):
+        widest = max(token_bytes(config, name) for name in pool_names(config))
+        return 2 * 2 * config.controller.staging_tokens * widest
+    return 0
+
+
 def pool_sizes(config: HiCacheConfig) -> list[PoolSize]:
     """Every pool of ``config``: device pools first, then host pools; ``full`` before ``swa``.
 

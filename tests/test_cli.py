@@ -127,3 +127,21 @@ def test_module_entry_point(in_repo: Path) -> None:
     )
     assert result.returncode == 2
     assert result.stderr == "hicache: error: absent.yaml: no such config file\n"
+
+
+def test_check_config_reports_staging_memory(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """With the staged backend, check-config prints the staging memory it may take."""
+    text = Path("config.yaml").read_text().replace("io_backend: auto", "io_backend: staged")
+    path = tmp_path / "staged.yaml"
+    path.write_text(text)
+    assert main(["check-config", str(path)]) == 0
+    # widest pool: 2 full layers x K,V x 2 heads x 32 dims x 4 bytes = 1024 bytes per token
+    expected = 2 * 2 * 1024 * 1024
+    assert f"up to {expected} bytes" in capsys.readouterr().out
+
+
+def test_check_config_no_staging_on_cpu_auto(capsys: pytest.CaptureFixture[str]) -> None:
+    """auto on a CPU is the torch backend: no staging line."""
+    assert main(["check-config", "config.yaml"]) == 0
+    assert "staging" not in capsys.readouterr().out
