@@ -1,8 +1,9 @@
 """Page allocator shared by every pool (device full, device SWA, host full, host SWA).
 
-Bookkeeping only: plain CPU data, no stream, no device tensor. Pages are handed out lowest
-id first, so a fresh or lightly used pool gives long runs of consecutive pages (long copies
-for the copy engine). Page 0 is reserved for padding and is never handed out.
+Bookkeeping only: plain CPU data, no stream, no device tensor. Requests are placed in runs
+of consecutive pages wherever the free list allows (see ``try_alloc``), so copies of a page
+set are long (the copy engine needs contiguous host runs). Page 0 is reserved for padding
+and is never handed out.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class PageAllocator:
         taken = np.cumsum(lengths[order])
         used = order[: int(np.searchsorted(taken, num_pages)) + 1]
         pages = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in used])
-        return np.sort(pages)[:num_pages] if pages.size > num_pages else np.sort(pages)
+        return np.sort(pages)[:num_pages]
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` unless free + used == capacity and page 0 is reserved."""
