@@ -408,8 +408,9 @@ class CacheController:
     def _mark_busy(self, transfer: PoolTransfer, delta: int) -> None:
         for indices in (transfer.host_indices, transfer.device_indices):
             slots = indices.tensor.numpy()
-            slots = slots[slots != 0]
-            np.add.at(self._busy[indices.space], slots, delta)
+            # Fancy-index += counts a slot repeated within one op once, on submit and on ack
+            # alike, so the count stays balanced; np.add.at would cost ~6 ms per 32k slots.
+            self._busy[indices.space][slots[slots != 0]] += delta
 
     def _check_not_busy(self, indices: Indices, op: str) -> None:
         if indices.space not in self._busy:

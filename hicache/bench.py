@@ -53,6 +53,7 @@ from .bench_timing import (
     batch_window,
     both_ways,
     matmul_slowdown,
+    median_slowdown,
     run_batches,
     time_copy,
 )
@@ -69,6 +70,7 @@ from .bench_workload import (
 
 logger = logging.getLogger(__name__)
 SIZE_BACKENDS = ("kernel", "staged")  # measured at the auto table's smaller sizes
+CEILING_REPEATS = 5  # at least; the ceiling is the best of them
 
 
 @dataclass
@@ -120,6 +122,7 @@ def measure_references(shape: Shape, repeats: int,
     """The copy-engine ceilings of the transfer's bytes, the matmul loop and its pace alone
     (and while each ceiling copy runs)."""
     buffers = CeilingBuffers(shape.transfer_bytes)
+    repeats = max(repeats, CEILING_REPEATS)
     d2h_s = time_copy(buffers.d2h, buffers.d2h_stream, repeats)
     h2d_s = time_copy(buffers.h2d, buffers.h2d_stream, repeats)
     both_s = buffers.both_s(repeats)
@@ -198,8 +201,9 @@ def _measure(ctx: Context, label: tuple[str, int, str], load: bool, tokens: int,
              session: Session, times: OpTimes, count: int) -> Measurement:
     """Median op time of ``times`` and the matmul slowdown of one more batch of ``count``."""
     seconds = statistics.median(times.seconds)
-    slowdown = matmul_slowdown(ctx.loop, lambda: batch_window(session, load, count, tokens),
-                               count * seconds)
+    windows = ctx.args.slowdown_windows if tokens == ctx.shape.tokens else 1
+    slowdown = median_slowdown(ctx.loop, lambda: batch_window(session, load, count, tokens),
+                               count * seconds, windows)
     kind = LOAD if load else WRITE
     num_bytes = tokens * ctx.shape.token_bytes
     gbps = num_bytes / seconds / 1e9

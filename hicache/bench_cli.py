@@ -63,6 +63,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                      help="staged backend: tokens per staging chunk")
     run.add_argument("--programs", type=int, default=16, help="kernel backend: grid bound")
     run.add_argument("--matmul-size", type=int, default=8192, help="N of the NxN matmul loop")
+    run.add_argument("--slowdown-windows", type=int, default=3,
+                     help="transfer windows per matmul-slowdown figure of a full-size op "
+                     "(the median is reported)")
     run.add_argument("--window-ms", type=float, default=20.0,
                      help="small ops are issued back to back to fill this long a window")
     run.add_argument("--seed", type=int, default=0)
@@ -107,8 +110,9 @@ def resolve_sizes(args: argparse.Namespace) -> None:
 def check_args(args: argparse.Namespace) -> str | None:
     """The first problem with ``args``, as a message, or ``None``."""
     if min(args.repeats, args.torch_repeats, args.tokens, args.layers, args.heads,
-           args.head_dim, args.staging_tokens, args.programs, args.matmul_size) < 1:
-        return "--repeats, --torch-repeats and every size must be >= 1"
+           args.head_dim, args.staging_tokens, args.programs, args.matmul_size,
+           args.slowdown_windows) < 1:
+        return "--repeats, --torch-repeats, --slowdown-windows and every size must be >= 1"
     if min(args.page_sizes) < 1:
         return "--page-sizes must be >= 1"
     largest = max(args.page_sizes)

@@ -164,8 +164,7 @@ class PageAllocator:
         order = np.argsort(-lengths, kind="stable")
         taken = np.cumsum(lengths[order])
         used = order[: int(np.searchsorted(taken, num_pages)) + 1]
-        pages = np.concatenate([np.arange(starts[i], starts[i] + lengths[i]) for i in used])
-        return np.sort(pages)[:num_pages]
+        return np.sort(_expand_runs(starts[used], lengths[used]))[:num_pages]
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` unless free + used == capacity and page 0 is reserved."""
@@ -186,3 +185,10 @@ class PageAllocator:
 
     def _slots_of(self, pages: np.ndarray) -> np.ndarray:
         return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)
+
+
+def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Every page of the runs ``(starts[i], lengths[i])``, run after run, vectorised (a page
+    size 1 pool may have tens of thousands of one-page runs)."""
+    run_offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - run_offsets, lengths) + np.arange(int(lengths.sum()))

@@ -1,0 +1,80 @@
+"""Planning strided staged copies as one 2D copy: which views collapse to equal rows, with
+what widths and pitches, and that the block copy moves exactly the viewed elements."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.controller.copy2d import copy_block, plan_rows
+
+C, L, S, R = 2, 4, 40, 8  # components, layers, host slots, row elements
+
+
+def test_layer_first_run_of_all_layers_is_one_copy() -> None:
+    """All components and layers of a run: rows of len*R, one per (component, layer)."""
+    host = torch.zeros(C, L, S, R)
+    staging = torch.zeros(C, L, 16, R)
+    plan = plan_rows(host[:, :, 5:12], staging[:, :, 3:10])
+    assert plan is not None
+    dst, src = plan
+    size = host.element_size()
+    assert (dst.height, dst.width_bytes, dst.pitch_bytes) == (C * L, 7 * R * size, S * R * size)
+    assert (src.height, src.width_bytes, src.pitch_bytes) == (C * L, 7 * R * size, 16 * R * size)
+    assert dst.ptr == host[0, 0, 5].data_ptr() and src.ptr == staging[0, 0, 3].data_ptr()
+
+
+def test_layer_first_one_layer_is_one_copy() -> None:
+    """One layer of a run: one row per component, a whole component apart on the host."""
+    host = torch.zeros(C, L, S, R)
+    staging = torch.zeros(C, 1, 16, R)
+    plan = plan_rows(host[:, 2:3, 5:12], staging[:, :, 0:7])
+    assert plan is not None
+    size = host.element_size()
+    assert plan[0].height == C and plan[0].pitch_bytes == L * S * R * size
+    assert plan[1].pitch_bytes == 16 * R * size and plan[0].width_bytes == 7 * R * size
+
+
+def test_page_first_one_layer_rows_a_token_apart() -> None:
+    """One layer of a page_first run: rows of R, one per (token, component)."""
+    host = torch.zeros(S, C, L, R)
+    staging = torch.zeros(16, C, 1, R)
+    plan = plan_rows(host[5:12, :, 1:2], staging[0:7])
+    assert plan is not None
+    size = host.element_size()
+    assert (plan[0].height, plan[0].width_bytes, plan[0].pitch_bytes) == (7 * C, R * size,
+                                                                          L * R * size)
+    assert plan[1].pitch_bytes == R * size
+
+
+def test_page_first_layer_block_rows_span_the_block() -> None:
+    """Layers 1..2 of a page_first run: each row holds the block's layers of one component."""
+    host = torch.zeros(S, C, L, R)
+    staging = torch.zeros(16, C, 2, R)
+    plan = plan_rows(host[5:12, :, 1:3], staging[0:7])
+    assert plan is not None
+    assert plan[0].height == 7 * C and plan[0].width_bytes == 2 * R * host.element_size()
+
+
+def test_contiguous_on_both_sides_is_one_row() -> None:
+    host = torch.zeros(S, C, L, R)
+    staging = torch.zeros(16, C, L, R)
+    plan = plan_rows(host[5:12], staging[0:7])
+    assert plan is not None and plan[0].height == 1
+    assert plan[0].width_bytes == 7 * C * L * R * host.element_size()
+
+
+def test_non_collapsing_leading_dims_have_no_plan() -> None:
+    """Layers 0..1 of every component of a layer_first run: rows are not evenly spaced."""
+    host = torch.zeros(C, L, S, R)
+    staging = torch.zeros(C, 2, 7, R)
+    assert plan_rows(host[:, 0:2, 5:12], staging) is None
+
+
+def test_copy_block_moves_exactly_the_view() -> None:
+    """On the CPU the block copy writes the viewed elements and nothing else."""
+    host = torch.full((S, C, L, R), -1.0)
+    staging = torch.arange(7 * C * R, dtype=torch.float32).view(7, C, 1, R)
+    copy_block(host[5:12, :, 2:3], staging)
+    assert torch.equal(host[5:12, :, 2:3], staging)
+    host[5:12, :, 2:3] = -1.0
+    assert (host == -1.0).all()
