@@ -210,31 +210,31 @@ class _Chunk:
         self.buf = flat[: n * c * len(layers) * r].view(shape)
 
     def gather(self) -> None:
-        data = self.moved.source.device_pool.data
+        data, buf = _wide(self.moved.source.device_pool.data), _wide(self.buf)
         for offset, (begin, end) in self.blocks:
             if self.token_major:
                 source = data[:, begin:end].permute(2, 0, 1, 3)
                 if len(self.blocks) == 1:
-                    torch.index_select(source, 0, self.device_index, out=self.buf)
+                    torch.index_select(source, 0, self.device_index, out=buf)
                 else:
-                    self.buf[:, :, offset: offset + end - begin].copy_(
+                    buf[:, :, offset: offset + end - begin].copy_(
                         torch.index_select(source, 0, self.device_index))
                 continue
-            block = self.buf[:, offset: offset + end - begin]
+            block = buf[:, offset: offset + end - begin]
             if len(self.blocks) == 1:
                 torch.index_select(data[:, begin:end], 2, self.device_index, out=block)
             else:
                 block.copy_(torch.index_select(data[:, begin:end], 2, self.device_index))
 
     def scatter(self) -> None:
-        data = self.moved.source.device_pool.data
+        data, buf = _wide(self.moved.source.device_pool.data), _wide(self.buf)
         for offset, (begin, end) in self.blocks:
             if self.token_major:
                 data[:, begin:end].permute(2, 0, 1, 3).index_copy_(
-                    0, self.device_index, self.buf[:, :, offset: offset + end - begin])
+                    0, self.device_index, buf[:, :, offset: offset + end - begin])
             else:
                 data[:, begin:end].index_copy_(
-                    2, self.device_index, self.buf[:, offset: offset + end - begin])
+                    2, self.device_index, buf[:, offset: offset + end - begin])
 
     def copy_runs(self, to_host: bool) -> None:
         host = self.moved.source.host_pool.data
@@ -254,6 +254,15 @@ class _Chunk:
                     copy_block(host_view, staged)
                 else:
                     copy_block(staged, host_view)
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` reinterpreted as 8-byte elements where the row allows it: the gather and
+    scatter then move a quarter of the elements of bf16 rows, with wider loads, and hold the
+    SMs (which the model's compute shares) for less time. Bits are moved, never converted."""
+    if rows.element_size() < 8 and rows.shape[-1] * rows.element_size() % 8 == 0:
+        return rows.view(torch.int64)
+    return rows
 
 
 def _layer_blocks(layers: list[int]) -> list[tuple[int, tuple[int, int]]]:

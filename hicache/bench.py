@@ -284,7 +284,8 @@ def _meta(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
         triton_version = str(triton.__version__)
     except ImportError:
         triton_version = "none"
-    options = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+    # Output paths by file name only: a result names no folder of the machine it ran on.
+    options = {k: (v.name if isinstance(v, Path) else v) for k, v in vars(args).items()
                if k != "run"}
     return {
         **options,
