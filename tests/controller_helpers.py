@@ -36,9 +36,11 @@ def make_controller(
     kind: AttentionKind = AttentionKind.MHA,
     layout: HostLayout = HostLayout.LAYER_FIRST,
     dtype: torch.dtype = torch.float32,
+    row: RowGeometry | None = None,
 ) -> CacheController:
-    """A controller over fresh pools; device rows hold unique values, host rows the sentinel."""
-    geo = geometry(kind, dtype)
+    """A controller over fresh pools; device rows hold unique values, host rows the sentinel.
+    ``row`` replaces the default geometry (``kind`` and ``dtype`` are then ignored)."""
+    geo = row if row is not None else geometry(kind, dtype)
     allocator = PageAllocator(device_pages, page_size, IndexSpace.DEVICE_FULL, "full")
     device_pool = DeviceKVPool(
         name="full", space=IndexSpace.DEVICE_FULL, num_layers=num_layers,

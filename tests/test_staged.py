@@ -11,7 +11,7 @@ from test_controller import round_trip
 
 from hicache.controller import CacheController, TorchBackend, TransferBackend
 from hicache.controller.staged import StagedBackend, host_runs
-from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices
+from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices, RowGeometry
 
 CHUNK = 8
 
@@ -105,6 +105,16 @@ def fragmented_round_trip(backend: TransferBackend, layout: HostLayout, kind: At
     if device != "cpu":
         torch.cuda.synchronize()
     return device_rows(ctrl.device_pool).cpu(), host_rows(ctrl.host_pool).clone()
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_rows_not_a_multiple_of_eight_bytes(layout: HostLayout) -> None:
+    """6-byte rows (no 8-byte view for the gather and scatter) move exactly too."""
+    row = RowGeometry(AttentionKind.MLA, 1, 1, 3, torch.float16)
+    ctrl = make_controller(StagedBackend(CHUNK), page_size=1, layout=layout, row=row)
+    device = ctrl.device_allocator.try_alloc(2 * CHUNK + 1)
+    assert device is not None
+    round_trip(ctrl, device)
 
 
 def test_pairs_sorted_by_host_slot() -> None:
