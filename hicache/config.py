@@ -11,41 +11,42 @@ Validation is pure arithmetic: nothing is allocated. Constructing :class:`HiCach
 checks every size, down to each host pool holding at least one page (the sizes come from
 :mod:`hicache.sizing`); :func:`config_from_dict` and :func:`load_config` then check that the
 host pools fit in the RAM available now, minus ``host.ram_reserve_gib``.
+
+This module holds what the config is: the enums, the section dataclasses, loading and the
+RAM check. The generic machinery (strict YAML, typed conversion, the check helpers and
+:class:`ConfigError` itself, re-exported here) lives in :mod:`hicache.config_parse`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import difflib
 import enum
 import logging
 import math
 import os
 import re
-import types
-import typing
-from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 import yaml
 
+from .config_parse import (
+    ConfigError,
+    StrictLoader,
+    build_section,
+    check_min,
+    check_positive,
+    fail,
+    forbid,
+    require,
+    yaml_reason,
+)
 from .pools import AttentionKind, HostLayout, RowGeometry
 
 logger = logging.getLogger(__name__)
 
 GIB = 2**30
-
-
-class ConfigError(ValueError):
-    """A configuration mistake. ``key`` is the dotted key at fault (``None`` for file errors)."""
-
-    def __init__(self, message: str, key: str | None = None) -> None:
-        super().__init__(message)
-        self.key = key
 
 
 class DType(enum.Enum):
@@ -110,36 +111,36 @@ class ModelConfig:
     """Sliding window in tokens (required, >= 1, when ``swa_layers`` is not empty)."""
 
     def __post_init__(self) -> None:
-        _check_min("model.num_layers", self.num_layers, 1)
+        check_min("model.num_layers", self.num_layers, 1)
         if self.attention is AttentionKind.MHA:
-            _require("model.num_kv_heads", self.num_kv_heads, 1, "for attention mha")
-            _require("model.head_dim", self.head_dim, 1, "for attention mha")
-            _forbid("model.latent_dim", self.latent_dim, "it is for attention mla only")
+            require("model.num_kv_heads", self.num_kv_heads, 1, "for attention mha")
+            require("model.head_dim", self.head_dim, 1, "for attention mha")
+            forbid("model.latent_dim", self.latent_dim, "it is for attention mla only")
         else:
-            _require("model.latent_dim", self.latent_dim, 1, "for attention mla")
+            require("model.latent_dim", self.latent_dim, 1, "for attention mla")
             for key, value in (("model.num_kv_heads", self.num_kv_heads),
                                ("model.head_dim", self.head_dim)):
-                _forbid(key, value, "mla stores one latent row of latent_dim per token")
+                forbid(key, value, "mla stores one latent row of latent_dim per token")
         self._check_swa()
 
     def _check_swa(self) -> None:
         for i, layer in enumerate(self.swa_layers):
             if not 0 <= layer < self.num_layers:
-                raise _fail(f"model.swa_layers[{i}]", layer, "layer id out of range",
+                raise fail(f"model.swa_layers[{i}]", layer, "layer id out of range",
                             f"use ids 0..{self.num_layers - 1} (model.num_layers is "
                             f"{self.num_layers})")
             if layer in self.swa_layers[:i]:
-                raise _fail(f"model.swa_layers[{i}]", layer, "duplicated layer id",
+                raise fail(f"model.swa_layers[{i}]", layer, "duplicated layer id",
                             "list each sliding-window layer once")
         if self.swa_layers and len(self.swa_layers) == self.num_layers:
-            raise _fail("model.swa_layers", list(self.swa_layers),
+            raise fail("model.swa_layers", list(self.swa_layers),
                         "every layer is sliding-window; the full pool needs at least one "
                         "full-attention layer", "leave the full-attention layers out of it")
         if self.swa_layers:
-            _require("model.window_tokens", self.window_tokens, 1,
+            require("model.window_tokens", self.window_tokens, 1,
                      "when model.swa_layers is not empty")
         else:
-            _forbid("model.window_tokens", self.window_tokens,
+            forbid("model.window_tokens", self.window_tokens,
                     "model.swa_layers is empty, so there is no sliding window")
 
     @property
@@ -183,11 +184,11 @@ class DevicePoolConfig:
     """Where the pools live: ``cpu``, ``cuda`` or ``cuda:N``."""
 
     def __post_init__(self) -> None:
-        _check_min("device_pool.num_tokens", self.num_tokens, 1)
+        check_min("device_pool.num_tokens", self.num_tokens, 1)
         if self.swa_num_tokens is not None:
-            _check_min("device_pool.swa_num_tokens", self.swa_num_tokens, 1)
+            check_min("device_pool.swa_num_tokens", self.swa_num_tokens, 1)
         if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
-            raise _fail("device_pool.device", self.device, "not a device",
+            raise fail("device_pool.device", self.device, "not a device",
                         "use cpu, cuda or cuda:N")
 
 
@@ -216,10 +217,10 @@ class HostTierConfig:
                 "(e.g. ratio: 2.0 for twice the device pools' tokens)", key="host.ratio",
             )
         if self.ratio is not None:
-            _check_positive("host.ratio", self.ratio)
+            check_positive("host.ratio", self.ratio)
         if self.size_gib is not None:
-            _check_positive("host.size_gib", self.size_gib)
-        _check_min("host.ram_reserve_gib", self.ram_reserve_gib, 0)
+            check_positive("host.size_gib", self.size_gib)
+        check_min("host.ram_reserve_gib", self.ram_reserve_gib, 0)
 
     @property
     def size_key(self) -> tuple[str, float]:
@@ -252,11 +253,11 @@ class ControllerConfig:
     """Chunk of the staged backend's device staging buffer, in tokens (>= 1)."""
 
     def __post_init__(self) -> None:
-        _check_min("controller.kernel_programs", self.kernel_programs, 1)
-        _check_min("controller.write_through_hits", self.write_through_hits, 1)
-        _check_min("controller.load_back_threshold_tokens", self.load_back_threshold_tokens, 0)
-        _check_min("controller.event_ring_size", self.event_ring_size, 2)
-        _check_min("controller.staging_tokens", self.staging_tokens, 1)
+        check_min("controller.kernel_programs", self.kernel_programs, 1)
+        check_min("controller.write_through_hits", self.write_through_hits, 1)
+        check_min("controller.load_back_threshold_tokens", self.load_back_threshold_tokens, 0)
+        check_min("controller.event_ring_size", self.event_ring_size, 2)
+        check_min("controller.staging_tokens", self.staging_tokens, 1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -274,13 +275,13 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         if not self.metrics_host:
-            raise _fail("service.metrics_host", self.metrics_host, "empty address",
+            raise fail("service.metrics_host", self.metrics_host, "empty address",
                         "use 127.0.0.1 (local only) or an address of this machine")
-        _check_min("service.metrics_port", self.metrics_port, 0)
+        check_min("service.metrics_port", self.metrics_port, 0)
         if self.metrics_port > 65535:
-            raise _fail("service.metrics_port", self.metrics_port, "not a TCP port",
+            raise fail("service.metrics_port", self.metrics_port, "not a TCP port",
                         "use 0..65535 (0 picks a free port)")
-        _check_min("service.integrity_check_interval_s", self.integrity_check_interval_s, 0)
+        check_min("service.integrity_check_interval_s", self.integrity_check_interval_s, 0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -296,11 +297,11 @@ class HiCacheConfig:
     service: ServiceConfig = field(default_factory=ServiceConfig)
 
     def __post_init__(self) -> None:
-        _check_min("page_size_tokens", self.page_size_tokens, 1)
+        check_min("page_size_tokens", self.page_size_tokens, 1)
         pool = self.device_pool
         self._check_pages("device_pool.num_tokens", pool.num_tokens)
         if not self.is_hybrid:
-            _forbid("device_pool.swa_num_tokens", pool.swa_num_tokens,
+            forbid("device_pool.swa_num_tokens", pool.swa_num_tokens,
                     "model.swa_layers is empty, so there is no SWA pool")
         else:
             self._check_swa_pool()
@@ -312,7 +313,7 @@ class HiCacheConfig:
         assert window is not None, "ModelConfig requires window_tokens with swa_layers"
         min_swa = -(-window // self.page_size_tokens) * self.page_size_tokens
         if window > pool.num_tokens:
-            raise _fail("model.window_tokens", window, "window larger than the device pool",
+            raise fail("model.window_tokens", window, "window larger than the device pool",
                         f"raise device_pool.num_tokens ({pool.num_tokens}) to at least "
                         f"{min_swa} or shrink the window")
         if pool.swa_num_tokens is None:
@@ -323,11 +324,11 @@ class HiCacheConfig:
             )
         self._check_pages("device_pool.swa_num_tokens", pool.swa_num_tokens)
         if pool.swa_num_tokens < window:
-            raise _fail("device_pool.swa_num_tokens", pool.swa_num_tokens,
+            raise fail("device_pool.swa_num_tokens", pool.swa_num_tokens,
                         f"SWA pool smaller than the window (model.window_tokens = {window})",
                         f"set it to at least {min_swa}")
         if pool.swa_num_tokens > pool.num_tokens:
-            raise _fail("device_pool.swa_num_tokens", pool.swa_num_tokens,
+            raise fail("device_pool.swa_num_tokens", pool.swa_num_tokens,
                         f"larger than device_pool.num_tokens ({pool.num_tokens}); every SWA "
                         f"slot belongs to a full slot, so the rest would never be used",
                         f"set it to at most {pool.num_tokens}")
@@ -342,7 +343,7 @@ class HiCacheConfig:
         if num_tokens % page:
             low = num_tokens // page * page
             options = f"{low} or {low + page}" if low else f"{page}"
-            raise _fail(key, num_tokens,
+            raise fail(key, num_tokens,
                         f"not a multiple of page_size_tokens ({page})", f"use {options}")
 
     @property
@@ -372,9 +373,9 @@ def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCa
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"{path}: cannot read the config file ({reason})") from None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)
+        data = yaml.load(text, Loader=StrictLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML{_yaml_reason(exc)}") from None
+        raise ConfigError(f"{path}: invalid YAML{yaml_reason(exc)}") from None
     try:
         return config_from_dict(data, check_ram=check_ram)
     except ConfigError as exc:
@@ -390,7 +391,7 @@ def config_from_dict(data: object, *, check_ram: bool = True) -> HiCacheConfig:
     if data is None:
         raise ConfigError("the config is empty; it needs at least the sections model, "
                           "device_pool, host and the key page_size_tokens")
-    config: HiCacheConfig = _build(HiCacheConfig, data, "")
+    config: HiCacheConfig = build_section(HiCacheConfig, data, "")
     if check_ram:
         check_host_memory(config)
     return config
@@ -427,161 +428,9 @@ def check_host_memory(config: HiCacheConfig) -> None:
         return
     key, value = config.host.size_key
     most = math.floor(value * max(budget, 0) / need * 100) / 100
-    raise _fail(
+    raise fail(
         key, value,
         f"host pools need {need / GIB:.2f} GiB but {available / GIB:.2f} GiB of RAM is "
         f"available and host.ram_reserve_gib keeps {reserve / GIB:.2f} GiB of it",
         f"lower {key} to at most {most}, lower host.ram_reserve_gib, or free memory",
     )
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses duplicate keys (PyYAML would silently keep the last one)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
-        seen: set[object] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, Hashable):
-                continue  # the base class reports unhashable keys
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def _yaml_reason(exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-    problem = getattr(exc, "problem", None) or str(exc)
-    return f"{where}: {' '.join(str(problem).split())}"
-
-
-# ---- typed conversion ---------------------------------------------------------------------
-
-_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _build(cls: Any, data: object, prefix: str) -> Any:
-    """Instantiate dataclass ``cls`` from mapping ``data``; ``prefix`` is its dotted key."""
-    where = prefix or "the config"
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {_show(data)}; write "
-                          f"'key: value' lines", key=prefix or None)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            raise _unknown_key(_join(prefix, str(key)), str(key), list(fields))
-    hints = typing.get_type_hints(cls)
-    kwargs: dict[str, Any] = {}
-    for name, spec in fields.items():
-        key = _join(prefix, name)
-        if name in data:
-            kwargs[name] = _convert(data[name], hints[name], key)
-        elif spec.default is dataclasses.MISSING and spec.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{key}: missing required key; add it "
-                              f"({_describe(hints[name])})", key=key)
-    return cls(**kwargs)
-
-
-def _convert(value: object, hint: Any, key: str) -> Any:
-    """Check ``value`` against type ``hint``: exact, except int -> float and null -> None."""
-    if typing.get_origin(hint) in (types.UnionType, typing.Union):
-        inner = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        return None if value is None else _convert(value, inner[0], key)
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, {} if value is None else value, key)
-    if typing.get_origin(hint) is tuple:
-        if not isinstance(value, list | tuple):
-            raise _fail(key, value, "expected a list of integers", "write it as [1, 3]")
-        item = typing.get_args(hint)[0]
-        return tuple(_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value))
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return _to_enum(value, hint, key)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value) if abs(value) < 2**1000 else math.inf
-    if not isinstance(value, hint) or (hint is int and isinstance(value, bool)):
-        raise _fail(key, value, f"expected {_TYPE_WORDS[hint]}, got {_type_word(value)}",
-                    f"write {_TYPE_WORDS[hint]}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise _fail(key, value, "not a finite number", "write a finite number")
-    return value
-
-
-def _to_enum(value: object, cls: type[enum.Enum], key: str) -> enum.Enum:
-    if isinstance(value, cls):
-        return value
-    choices = [member.value for member in cls]
-    if value not in choices:
-        raise _fail(key, value, "not a valid choice", f"use one of: {', '.join(choices)}")
-    return cls(value)
-
-
-def _describe(hint: Any) -> str:
-    if typing.get_origin(hint) is tuple:
-        return "a list of integers"
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return "one of: " + ", ".join(member.value for member in hint)
-    if dataclasses.is_dataclass(hint):
-        return "a section of keys"
-    return _TYPE_WORDS.get(hint, str(hint))
-
-
-def _unknown_key(key: str, name: str, valid: list[str]) -> ConfigError:
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(valid)}"
-    return ConfigError(f"{key}: unknown key; {hint}", key=key)
-
-
-# ---- checks and messages ------------------------------------------------------------------
-
-
-def _check_min(key: str, value: float, low: float) -> None:
-    if value < low:
-        raise _fail(key, value, f"must be >= {low}", f"set it to {low} or more")
-
-
-def _check_positive(key: str, value: float) -> None:
-    if value <= 0:
-        raise _fail(key, value, "must be > 0", "set a positive number")
-
-
-def _require(key: str, value: int | None, low: int, when: str) -> None:
-    if value is None:
-        raise ConfigError(f"{key}: missing, required {when}; add it (an integer >= {low})",
-                          key=key)
-    _check_min(key, value, low)
-
-
-def _forbid(key: str, value: object, why: str) -> None:
-    if value is not None:
-        raise _fail(key, value, f"not used: {why}", "remove it")
-
-
-def _fail(key: str, value: object, problem: str, fix: str) -> ConfigError:
-    return ConfigError(f"{key} = {_show(value)}: {problem}; {fix}", key=key)
-
-
-def _show(value: object) -> str:
-    """A value as the YAML file spells it."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    if isinstance(value, enum.Enum):
-        return str(value.value)
-    return repr(value)
-
-
-def _type_word(value: object) -> str:
-    words = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-             list: "a list", dict: "a mapping", type(None): "null"}
-    return words.get(type(value), type(value).__name__)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
