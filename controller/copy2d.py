@@ -47,8 +47,15 @@ def plan_rows(dst: torch.Tensor, src: torch.Tensor) -> tuple[RowPlan, RowPlan] |
 
     Returns ``None`` when the leading dimensions do not collapse (the caller splits the block
     along its first dimension and plans the parts).
+
+    Raises:
+        ValueError: the views differ in shape or dtype, or a last dimension is strided.
     """
-    assert dst.shape == src.shape and dst.dtype == src.dtype, "plan_rows: views must match"
+    _check_views(dst, src)
+    return _plan(dst, src)
+
+
+def _plan(dst: torch.Tensor, src: torch.Tensor) -> tuple[RowPlan, RowPlan] | None:
     dims = [d for d in range(dst.dim()) if dst.shape[d] != 1]
     width, split = 1, len(dims)
     while split > 0:
@@ -80,12 +87,17 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
     asynchronously: as few copy-engine operations as the views allow.
 
     The caller keeps both tensors' memory alive until the stream has passed the copy.
+
+    Raises:
+        ValueError: the views differ in shape or dtype, or a last dimension is strided.
+        RuntimeError: the CUDA runtime refused the copy (its error is in the message).
     """
+    _check_views(dst, src)
     if not dst.is_cuda and not src.is_cuda:
         dst.copy_(src)
         return
     library = _cudart()
-    plan = plan_rows(dst, src)
+    plan = _plan(dst, src)
     if plan is None or library is None or not _fits(plan):
         if dst.dim() == 0 or (plan is not None and plan[0].height == 1):
             dst.copy_(src, non_blocking=True)
@@ -111,6 +123,16 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
 def have_2d_copies() -> bool:
     """Whether strided blocks move as single 2D copies here (a CUDA runtime was found)."""
     return _cudart() is not None
+
+
+def _check_views(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(
+            f"block copy: views must have one shape and dtype, got {tuple(dst.shape)} "
+            f"{dst.dtype} and {tuple(src.shape)} {src.dtype}; slice both sides alike")
+    if dst.dim() and (dst.stride(-1) != 1 or src.stride(-1) != 1):
+        raise ValueError("block copy: the last dimension of both views must be contiguous "
+                         "(stride 1); take views of whole rows")
 
 
 def _fits(plan: tuple[RowPlan, RowPlan]) -> bool:

@@ -3,6 +3,7 @@ what widths and pitches, and that the block copy moves exactly the viewed elemen
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hicache.controller.copy2d import copy_block, plan_rows
@@ -78,3 +79,14 @@ def test_copy_block_moves_exactly_the_view() -> None:
     assert torch.equal(host[5:12, :, 2:3], staging)
     host[5:12, :, 2:3] = -1.0
     assert (host == -1.0).all()
+
+
+def test_mismatched_views_are_refused() -> None:
+    """Views of different shapes or dtypes, or with a strided last dimension, are refused
+    with the reason (``copy_`` would broadcast or convert silently)."""
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        copy_block(torch.zeros(4, R), torch.zeros(1, R))
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        plan_rows(torch.zeros(4, R), torch.zeros(4, R, dtype=torch.float16))
+    with pytest.raises(ValueError, match="last dimension"):
+        copy_block(torch.zeros(4, R), torch.zeros(R, 4).t())

@@ -10,6 +10,7 @@ from controller_helpers import SENTINEL, device_rows, host_rows, make_controller
 from test_controller import round_trip
 
 from hicache.controller import CacheController, TorchBackend, TransferBackend
+from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
 from hicache.controller.staged import StagedBackend, host_runs
 from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices, RowGeometry
 
@@ -43,25 +44,29 @@ def test_fragmented_host_slots(layout: HostLayout) -> None:
     round_trip(ctrl, device)
 
 
-def test_matches_torch_backend_per_layer() -> None:
-    """Single-layer loads from a page_first host (the strided path) equal the torch backend."""
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_non_consecutive_layers_equal_torch(layout: HostLayout) -> None:
+    """A move of layers 0 and 2 only (two layer blocks) writes exactly the rows the torch
+    backend writes, in both directions; layer 1 keeps the sentinel."""
     results = []
     for backend in (TorchBackend(), StagedBackend(CHUNK)):
-        ctrl = make_controller(backend, page_size=1, layout=HostLayout.PAGE_FIRST, num_layers=3)
-        device = ctrl.device_allocator.try_alloc(13)
-        assert device is not None
-        host = ctrl.write(device)
-        assert host is not None
-        ctrl.drain()
-        ctrl.evict_device(device)
+        ctrl = make_controller(backend, page_size=1, layout=layout, num_layers=3)
+        device = ctrl.device_allocator.try_alloc(2 * CHUNK + 1)
+        host = ctrl.host_pool.allocator.try_alloc(2 * CHUNK + 1)
+        assert device is not None and host is not None
+        transfer = PoolTransfer(name="full", host_pool=ctrl.host_pool,
+                                device_pool=ctrl.device_pool, host_indices=host,
+                                device_indices=device, layers=(0, 1, 2))
+        moved = MovedTransfer(transfer, *ctrl.move_indices(host, device))
+        backend.copy(moved, [0, 2], Direction.DEVICE_TO_HOST, [])
         ctrl.device_pool.data.fill_(SENTINEL)
-        loaded = ctrl.load(host)
-        assert loaded is not None
-        ctrl.start_loading()
-        ctrl.poll()
+        backend.copy(moved, [0, 2], Direction.HOST_TO_DEVICE, [])
         results.append((device_rows(ctrl.device_pool), host_rows(ctrl.host_pool)))
     assert torch.equal(results[0][0], results[1][0])
     assert torch.equal(results[0][1], results[1][1])
+    host_after, device_after = results[1][1], results[1][0]
+    assert (host_after[:, :, 1] == SENTINEL).all() and (host_after[:, :, 0] != SENTINEL).any()
+    assert (device_after[:, :, 1] == SENTINEL).all() and (device_after[:, :, 2] != SENTINEL).any()
 
 
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
