@@ -7,12 +7,16 @@ from .base import (
     DEBUG_CHECKS_ENV,
     PADDING_SLOT,
     AttentionKind,
+    BoundsError,
+    ForwardLocs,
     HostLayout,
     IndexSpace,
     Indices,
+    PageTable,
     check_indices,
     debug_checks_enabled,
 )
+from .bounds import BoundsGuard
 from .device import DeviceKVPool, RowGeometry
 from .host import HostKVPool
 from .swa import HybridSWAPool
@@ -21,13 +25,17 @@ __all__ = [
     "DEBUG_CHECKS_ENV",
     "PADDING_SLOT",
     "AttentionKind",
+    "BoundsError",
+    "BoundsGuard",
     "DeviceKVPool",
+    "ForwardLocs",
     "HostKVPool",
     "HostLayout",
     "HybridSWAPool",
     "IndexSpace",
     "Indices",
     "PageAllocator",
+    "PageTable",
     "RowGeometry",
     "check_indices",
     "debug_checks_enabled",

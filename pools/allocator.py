@@ -141,6 +141,17 @@ class PageAllocator:
         pages = self.pages_of(indices, op=f"is_allocated on pool '{self.name}'")
         return not bool(self._is_free[pages].any())
 
+    def first_unallocated(self, indices: Indices, *, op: str) -> int | None:
+        """First slot of ``indices`` whose page is not allocated, or ``None`` if all are.
+
+        Validates ``indices`` as :meth:`pages_of` does (raises ``ValueError`` for partial or
+        repeated pages, page 0, out-of-range values) before looking at ownership; vectorised,
+        proportional to ``len(indices)``.
+        """
+        pages = self.pages_of(indices, op=op)
+        free = np.flatnonzero(self._is_free[pages])
+        return int(pages[free[0]]) * self.page_size if free.size else None
+
     def used_pages(self) -> np.ndarray:
         """Ids of allocated pages (for integrity checks of the owners)."""
         used = np.flatnonzero(~self._is_free)

@@ -9,8 +9,13 @@ in :class:`hicache.pools.swa.HybridSWAPool`; nothing else creates SWA indices.
 Slot 0 (in fact the whole page 0) of every pool is reserved for padding: padded batch rows
 point at it, the full-to-SWA map sends "no SWA slot" to it and transfers skip it.
 
-Full bounds checks (one min/max over the tensor, which synchronises a GPU stream) run when
-the environment variable ``HICACHE_DEBUG_CHECKS=1`` is set; the cheap checks always run.
+Bounds checks always run (``hicache.pools.bounds``): a CPU tensor is checked at once, a CUDA
+tensor on the GPU without a synchronisation, its error raised at the next ``poll()``/``step()``.
+``HICACHE_DEBUG_CHECKS=1`` makes CUDA checks synchronous too, so the error is raised at the
+offending call (slower; for debugging, not needed for safety).
+
+Page tables travel as :class:`PageTable`, tagged like :class:`Indices` with the space of the
+pages they hold; only full-space tables are translated to SWA space.
 """
 
 from __future__ import annotations
@@ -18,8 +23,12 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .bounds import BoundsGuard
 
 DEBUG_CHECKS_ENV = "HICACHE_DEBUG_CHECKS"
 PADDING_SLOT = 0
@@ -96,8 +105,70 @@ class Indices:
         return Indices(tensor, self.space)
 
 
+@dataclass(frozen=True)
+class PageTable:
+    """A page table tagged with the space of the pages it holds (a thin wrapper: kernels
+    get ``tensor`` as is).
+
+    Args:
+        tensor: ``[rows, max_pages]`` int32/int64 page ids; 0 is the padding page.
+        space: ``DEVICE_FULL`` (pages of the full pool) or ``DEVICE_SWA`` (made only by
+            :meth:`hicache.pools.HybridSWAPool.translate_page_table`).
+        page_size: slots per page.
+    """
+
+    tensor: torch.Tensor
+    space: IndexSpace
+    page_size: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor, torch.Tensor):
+            raise TypeError(
+                f"PageTable.tensor must be a torch.Tensor, got {type(self.tensor).__name__}"
+            )
+        if self.space not in (IndexSpace.DEVICE_FULL, IndexSpace.DEVICE_SWA):
+            raise ValueError(f"a page table holds device pages, not {self.space}")
+        if self.tensor.dtype not in INDEX_DTYPES or self.tensor.dim() != 2:
+            raise ValueError(
+                f"a page table must be a 2-D int32/int64 tensor, got {self.tensor.dtype} "
+                f"of shape {tuple(self.tensor.shape)}"
+            )
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int) \
+                or self.page_size < 1:
+            raise ValueError(f"PageTable.page_size must be an int >= 1, got {self.page_size!r}")
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tensor.shape[0])
+
+
+@dataclass(frozen=True, eq=False)
+class ForwardLocs:
+    """One forward's new-token locations, checked once when made, for every layer's write.
+
+    Made by ``DeviceKVPool.forward_locs`` / ``HybridSWAPool.forward_locs``. It owns its
+    tensors (never a view of the caller's buffer, so refilling that buffer in place cannot
+    change it) and remembers the full-to-SWA map it was translated with: a write after the
+    map changed is refused.
+
+    Args:
+        full: ``[n]`` int64 ``DEVICE_FULL`` slots on the pool's device (padding rows: 0).
+        swa: ``[n]`` int32 ``DEVICE_SWA`` slots aligned with ``full`` (hybrid pools only).
+        owner: the pool that made it.
+        map_version: that pool's map version at the time.
+    """
+
+    full: Indices
+    swa: Indices | None
+    owner: object
+    map_version: int
+
+    def __len__(self) -> int:
+        return len(self.full)
+
+
 def debug_checks_enabled() -> bool:
-    """True when ``HICACHE_DEBUG_CHECKS=1``: every index is bounds-checked."""
+    """True when ``HICACHE_DEBUG_CHECKS=1``: CUDA bounds checks also raise at the call."""
     return os.environ.get(DEBUG_CHECKS_ENV, "0") == "1"
 
 
@@ -109,16 +180,19 @@ def check_indices(
     num_slots: int,
     device: torch.device | None,
     op: str,
+    guard: BoundsGuard | None = None,
 ) -> torch.Tensor:
-    """Validate ``indices`` for ``op`` on a pool and return the raw tensor.
+    """Validate ``indices`` for ``op`` on a pool and return the raw tensor to use.
 
-    Always checks the space, the dtype (int32/int64), that the tensor is 1-D and, when
-    ``device`` is given, its device. With ``HICACHE_DEBUG_CHECKS=1`` also checks every value
-    lies in ``[0, num_slots)``.
+    Checks the space, the dtype (int32/int64), that the tensor is 1-D, its device when
+    ``device`` is given, and that every value lies in ``[0, num_slots)``: at once for a CPU
+    tensor; through ``guard`` (required) for a CUDA tensor, which then returns a cleaned copy
+    (see :class:`hicache.pools.bounds.BoundsGuard`).
 
     Raises:
         TypeError: ``indices`` is not an :class:`Indices` (a bare tensor has no space).
-        ValueError: wrong space, dtype, shape, device or (debug) an out-of-range value.
+        ValueError: wrong space, dtype, shape or device; :class:`BoundsError` (a
+            ``ValueError``) for a value out of range.
     """
     if not isinstance(indices, Indices):
         raise TypeError(
@@ -137,42 +211,59 @@ def check_indices(
             f"got {indices.space.name}{hint}"
         )
     tensor = indices.tensor
-    if tensor.dtype not in INDEX_DTYPES:
-        raise ValueError(
-            f"{op}: indices for pool '{pool_name}' must be int32 or int64, got {tensor.dtype}"
-        )
+    check_index_tensor(tensor, pool_name=pool_name, device=device, op=op, what="indices")
     if tensor.dim() != 1:
         raise ValueError(
             f"{op}: indices for pool '{pool_name}' must be 1-D, got shape {tuple(tensor.shape)}"
         )
-    if device is not None and tensor.device != device:
-        raise ValueError(
-            f"{op}: indices for pool '{pool_name}' must be on {device}, got {tensor.device}; "
-            f"move them with Indices.to({str(device)!r}) (the controller's move_indices does "
-            f"this for transfers)"
-        )
-    if debug_checks_enabled():
-        check_bounds(tensor, pool_name=pool_name, num_slots=num_slots, op=op)
+    if guard is not None:
+        return guard.check(tensor, bound=num_slots, op=op)
+    if tensor.device.type != "cpu":
+        raise TypeError(f"{op}: indices on {tensor.device} need the pool's bounds guard")
+    check_now(tensor, pool_name=pool_name, bound=num_slots, op=op)
     return tensor
 
 
-def check_bounds(tensor: torch.Tensor, *, pool_name: str, num_slots: int, op: str) -> None:
-    """Raise ``ValueError`` naming the pool, the value and the bound if any index is outside
-    ``[0, num_slots)``. Empty tensors pass. Synchronises the tensor's stream (debug only)."""
+def check_index_tensor(
+    tensor: torch.Tensor, *, pool_name: str, device: torch.device | None, op: str, what: str
+) -> None:
+    """Raise ``ValueError`` unless ``tensor`` is int32/int64 (and on ``device`` if given)."""
+    if tensor.dtype not in INDEX_DTYPES:
+        raise ValueError(
+            f"{op}: {what} for pool '{pool_name}' must be int32 or int64, got {tensor.dtype}"
+        )
+    if device is not None and tensor.device != device:
+        raise ValueError(
+            f"{op}: {what} for pool '{pool_name}' must be on {device}, got {tensor.device}; "
+            f"move them with {'Indices' if what == 'indices' else 'PageTable.tensor'}"
+            f".to({str(device)!r}) (the controller's move_indices does this for transfers)"
+        )
+
+
+def check_now(tensor: torch.Tensor, *, pool_name: str, bound: int, op: str,
+              unit: str = "slot") -> None:
+    """Raise :class:`BoundsError` naming the op, the pool, the value and the bound if any
+    value is outside ``[0, bound)``. Empty tensors pass. On a GPU tensor this synchronises
+    (only ``HICACHE_DEBUG_CHECKS`` asks for that)."""
     if tensor.numel() == 0:
         return
-    low = int(tensor.min().item())
-    high = int(tensor.max().item())
-    if low < 0:
-        raise ValueError(
-            f"{op}: index {low} is negative for pool '{pool_name}' "
-            f"(valid slots are 0..{num_slots - 1})"
-        )
-    if high >= num_slots:
-        raise ValueError(
-            f"{op}: index {high} is out of range for pool '{pool_name}' "
-            f"(valid slots are 0..{num_slots - 1})"
-        )
+    low, high = torch.aminmax(tensor)
+    low_v, high_v = int(low), int(high)
+    if low_v < 0 or high_v >= bound:
+        raise BoundsError(bounds_message(op, pool_name, unit, low_v if low_v < 0 else high_v,
+                                         bound))
+
+
+class BoundsError(ValueError):
+    """An index outside its pool: the op, the pool, the value and the valid range."""
+
+
+def bounds_message(op: str, pool_name: str, unit: str, value: int, bound: int) -> str:
+    what = "negative" if value < 0 else "out of range"
+    return (
+        f"{op}: {unit} {value} is {what} for pool '{pool_name}' (valid {unit}s are "
+        f"0..{bound - 1}); pass only {unit}s this pool handed out"
+    )
 
 
 def check_page_multiple(num_tokens: int, page_size: int, what: str) -> None:

@@ -12,7 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PADDING_SLOT, AttentionKind, IndexSpace, Indices, check_indices
+from .base import (
+    PADDING_SLOT,
+    AttentionKind,
+    ForwardLocs,
+    IndexSpace,
+    Indices,
+    PageTable,
+    check_indices,
+)
+from .bounds import BoundsGuard
 
 LayerWaiter = Callable[[int], None]
 
@@ -91,6 +100,7 @@ class DeviceKVPool:
         # The tensor's device carries the index ("cuda" -> "cuda:0"), as every tensor's does;
         # comparing against a bare "cuda" would reject every index on the GPU.
         self.device = self.data.device
+        self.guard = BoundsGuard(name, self.device)
         self._layer_waiter: LayerWaiter | None = None
 
     @property
@@ -103,11 +113,63 @@ class DeviceKVPool:
         self._layer_waiter = waiter
 
     def check(self, indices: Indices, op: str) -> torch.Tensor:
-        """Validate indices of this pool (space, dtype, device, debug bounds)."""
+        """Validate indices of this pool (space, dtype, device, bounds) and return the raw
+        tensor to use: itself on a CPU, a copy with offenders sent to slot 0 on CUDA (their
+        error is raised by :meth:`raise_if_tripped`)."""
         return check_indices(
             indices, space=self.space, pool_name=self.name, num_slots=self.num_slots,
-            device=self.device, op=op,
+            device=self.device, op=op, guard=self.guard,
         )
+
+    def raise_if_tripped(self) -> None:
+        """Raise the error of a finished CUDA bounds check that found a bad index (the
+        controller's ``poll()`` calls this); no GPU synchronisation."""
+        self.guard.raise_if_tripped()
+
+    def forward_locs(self, locs: Indices) -> ForwardLocs:
+        """Check a forward's new-token slots once, for every layer's :meth:`set_kv`.
+
+        Args:
+            locs: ``[n]`` int32/int64 slots in this pool's space, on its device.
+        Returns:
+            a :class:`ForwardLocs` owning an int64 copy of them.
+        """
+        index = self.check(locs, "forward_locs")
+        owned = Indices(index.to(torch.int64, copy=index is locs.tensor), self.space)
+        return ForwardLocs(owned, None, self, 0)
+
+    def page_slots(self, table: PageTable, row: int) -> Indices:
+        """Slots of every position of row ``row`` of ``table``, which must hold this pool's
+        pages (an SWA pool takes only SWA-space tables).
+
+        Returns:
+            ``[max_pages * page_size]`` int64 slots in this pool's space (padding pages give
+            slots of page 0); bounds-checked like every index of this pool.
+        """
+        if not isinstance(table, PageTable):
+            raise TypeError(
+                f"page_slots on pool '{self.name}': expected a PageTable, got "
+                f"{type(table).__name__}"
+            )
+        if table.space is not self.space:
+            raise ValueError(
+                f"page_slots: pool '{self.name}' reads pages of space {self.space.name}, got a "
+                f"{table.space.name} page table"
+                + ("; translate it with HybridSWAPool.translate_page_table"
+                   if self.space is IndexSpace.DEVICE_SWA else "")
+            )
+        if not 0 <= row < table.num_rows:
+            raise ValueError(f"page_slots: row {row} of a table of {table.num_rows} rows")
+        if table.tensor.device != self.device:
+            raise ValueError(
+                f"page_slots: the table is on {table.tensor.device}, pool '{self.name}' on "
+                f"{self.device}"
+            )
+        pages = self.guard.check(table.tensor[row], bound=self.num_slots // table.page_size,
+                                 op="page_slots", unit="page")
+        offsets = torch.arange(table.page_size, dtype=torch.int64, device=self.device)
+        slots = pages.to(torch.int64)[:, None] * table.page_size + offsets
+        return Indices(slots.reshape(-1), self.space)
 
     def layer_rows(self, component: int, layer: int) -> torch.Tensor:
         """Raw ``[num_slots, row_elems]`` view for the transfer engine (no layer wait)."""
@@ -132,20 +194,37 @@ class DeviceKVPool:
         return self.data[0, layer]
 
     def set_kv(
-        self, layer: int, locs: Indices, k: torch.Tensor, v: torch.Tensor | None = None
+        self, layer: int, locs: Indices | ForwardLocs, k: torch.Tensor,
+        v: torch.Tensor | None = None,
     ) -> None:
         """Write new tokens' rows of ``layer``.
 
         Args:
             layer: local layer id.
-            locs: ``[n]`` slots in this pool's space, on this pool's device.
+            locs: ``[n]`` slots in this pool's space, on this pool's device; or the
+                :class:`ForwardLocs` of this pool (already checked, no check per layer).
             k: ``[n, num_kv_heads, head_dim]`` (MHA) or ``[n, latent_dim]`` (MLA), pool dtype.
             v: ``[n, num_kv_heads, head_dim]`` for MHA; must be ``None`` for MLA.
 
-        Rows aimed at the padding slot are written there and then cleared, so padding never
-        holds garbage that a masked attention tile could read as NaN.
+        Everything is checked before anything is written. Rows aimed at the padding slot
+        (padded batch rows, and on CUDA indices the bounds check redirected) are written
+        there and then cleared, so padding never holds garbage.
         """
-        index = self.check(locs, f"set_kv(layer={layer})")
+        if isinstance(locs, ForwardLocs):
+            if locs.owner is not self:
+                raise ValueError(
+                    f"set_kv(layer={layer}): these ForwardLocs were made by another pool; make "
+                    f"them with forward_locs() of pool '{self.name}'"
+                )
+            index = locs.full.tensor
+        else:
+            index = self.check(locs, f"set_kv(layer={layer})")
+        self.write_rows(layer, index, k, v)
+
+    def write_rows(
+        self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
+    ) -> None:
+        """:meth:`set_kv` with a raw index this pool already checked (for the hybrid pool)."""
         self._check_layer(layer)
         if self.geometry.kind is AttentionKind.MLA and v is not None:
             raise ValueError(f"set_kv on MLA pool '{self.name}': pass only k (the latent row)")
@@ -157,8 +236,9 @@ class DeviceKVPool:
         self._wait(layer)
         if index.numel() == 0:
             return
+        index = index.to(torch.int64)
         for component, flat in enumerate(flats):
-            self.data[component, layer].index_copy_(0, index.to(torch.int64), flat)
+            self.data[component, layer].index_copy_(0, index, flat)
             self.data[component, layer, PADDING_SLOT].zero_()
 
     def _check_rows(self, value: torch.Tensor, num_rows: int, component: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .allocator import PageAllocator
-from .base import IndexSpace, Indices, check_indices
+from .base import ForwardLocs, IndexSpace, Indices, PageTable, check_indices
 from .device import DeviceKVPool, LayerWaiter, RowGeometry
 
 CPU = torch.device("cpu")
@@ -79,8 +79,7 @@ class HybridSWAPool:
         self.device = self.full.device  # with its index ("cuda" -> "cuda:0")
         self.full_to_swa = torch.zeros(self.full.num_slots, dtype=torch.int64, device=self.device)
         self._full_to_swa_host = np.zeros(self.full.num_slots, dtype=np.int64)
-        self._forward_locs: Indices | None = None
-        self._forward_swa_locs: Indices | None = None
+        self.map_version = 0  # bumped by every change of the map (stales ForwardLocs)
         self._layer_waiter: LayerWaiter | None = None
 
     # ---- allocation -------------------------------------------------------------------
@@ -163,7 +162,7 @@ class HybridSWAPool:
     # ---- translation --------------------------------------------------------------------
 
     def translate_full_to_swa(self, full: Indices) -> Indices:
-        """SWA slots of ``full`` slots for attention kernels.
+        """SWA slots of ``full`` slots for attention kernels (bounds-checked, no cache).
 
         Args:
             full: ``[n]`` ``DEVICE_FULL`` indices on the pool's device.
@@ -172,64 +171,75 @@ class HybridSWAPool:
             SWA slot (the padding slot). Empty in, empty out.
         """
         index = self.full.check(full, "translate_full_to_swa")
-        swa = self.full_to_swa[index.to(torch.int64)].to(torch.int32)
-        return Indices(swa, IndexSpace.DEVICE_SWA)
+        return Indices(self._swa_of(index), IndexSpace.DEVICE_SWA)
 
-    def begin_forward(self, out_cache_loc: Indices) -> Indices:
-        """Translate this forward's new-token locations once and cache them until
-        :meth:`end_forward` or any change of the map. ``set_kv`` on SWA layers reuses the
-        cache when handed the same ``Indices`` object."""
-        self._forward_locs = out_cache_loc
-        self._forward_swa_locs = self.translate_full_to_swa(out_cache_loc)
-        return self._forward_swa_locs
-
-    @property
-    def forward_swa_locs(self) -> Indices:
-        """The cached SWA translation of the current forward's locations."""
-        if self._forward_swa_locs is None:
-            raise RuntimeError(
-                "no cached SWA locations: call begin_forward(out_cache_loc) first (the cache "
-                "is dropped by end_forward and by every change of the full-to-SWA map)"
-            )
-        return self._forward_swa_locs
-
-    def end_forward(self) -> None:
-        """Drop the cached translation."""
-        self._forward_locs = None
-        self._forward_swa_locs = None
-
-    def translate_page_table(self, page_table: torch.Tensor) -> torch.Tensor:
-        """Translate a page table of full page ids to SWA page ids (always bounds-checked).
+    def forward_locs(self, out_cache_loc: Indices) -> ForwardLocs:
+        """Check and translate a forward's new-token locations once, for every layer.
 
         Args:
-            page_table: ``[batch, max_pages]`` int32/int64 full-pool page ids on the pool's
-                device; 0 is the padding page.
+            out_cache_loc: ``[n]`` ``DEVICE_FULL`` slots on the pool's device (padded rows 0).
         Returns:
-            ``[batch, max_pages]`` int32 SWA page ids; 0 for padding and for pages whose
-            tokens left the window.
-        Raises:
-            ValueError: wrong dtype/device, or a page id outside the full pool.
+            :class:`ForwardLocs` owning an int64 copy of the full slots and their int32 SWA
+            translation. :meth:`set_kv` takes it for every layer without checking again, and
+            refuses it once the full-to-SWA map has changed (make a new one then). Nothing
+            is cached by the pool: an engine that refills its buffer in place makes a new
+            handle per forward.
         """
-        if page_table.dtype not in (torch.int32, torch.int64) or page_table.device != self.device:
-            raise ValueError(
-                f"translate_page_table: page table must be int32/int64 on {self.device}, got "
-                f"{page_table.dtype} on {page_table.device}"
+        index = self.full.check(out_cache_loc, "forward_locs")
+        owned = index.to(torch.int64, copy=index is out_cache_loc.tensor)
+        return ForwardLocs(
+            Indices(owned, IndexSpace.DEVICE_FULL),
+            Indices(self._swa_of(owned), IndexSpace.DEVICE_SWA), self, self.map_version,
+        )
+
+    def translate_page_table(self, page_table: PageTable) -> PageTable:
+        """Translate a full-space page table to SWA page ids.
+
+        Args:
+            page_table: ``[batch, max_pages]`` ``DEVICE_FULL`` :class:`PageTable` on the
+                pool's device; page 0 is padding.
+        Returns:
+            ``[batch, max_pages]`` int32 ``DEVICE_SWA`` :class:`PageTable`; 0 for padding and
+            for pages whose tokens left the window.
+        Raises:
+            TypeError: a bare tensor (it carries no space).
+            ValueError: an SWA-space table (translating twice), another page size or
+                device; :class:`BoundsError` for a page outside the full pool (on CUDA at
+                the next ``poll()``, the page read as padding meanwhile).
+        """
+        op = "translate_page_table"
+        if not isinstance(page_table, PageTable):
+            raise TypeError(
+                f"{op}: expected a DEVICE_FULL PageTable, got {type(page_table).__name__}; wrap "
+                f"a table of full-pool pages as PageTable(tensor, IndexSpace.DEVICE_FULL, "
+                f"page_size)"
             )
-        if page_table.numel() == 0:
-            return torch.empty(page_table.shape, dtype=torch.int32, device=self.device)
-        num_pages = self.full.num_slots // self.page_size
-        low, high = int(page_table.min().item()), int(page_table.max().item())
-        if low < 0 or high >= num_pages:
-            bad = low if low < 0 else high
+        if page_table.space is not IndexSpace.DEVICE_FULL:
             raise ValueError(
-                f"translate_page_table: page id {bad} is outside the full pool "
-                f"(valid pages are 0..{num_pages - 1}); is this table already in SWA space?"
+                f"{op}: the table is already in {page_table.space.name} space; only full-space "
+                f"tables are translated (translating twice reads another request's pages)"
             )
-        first_slots = page_table.to(torch.int64) * self.page_size
-        return (self.full_to_swa[first_slots] // self.page_size).to(torch.int32)
+        if page_table.page_size != self.page_size or page_table.tensor.device != self.device:
+            raise ValueError(
+                f"{op}: the table has pages of {page_table.page_size} on "
+                f"{page_table.tensor.device}; this pool has pages of {self.page_size} on "
+                f"{self.device}"
+            )
+        table = page_table.tensor
+        if table.numel() == 0:
+            swa = torch.empty(table.shape, dtype=torch.int32, device=self.device)
+        else:
+            pages = self.full.guard.check(table, bound=self.full.num_slots // self.page_size,
+                                          op=op, unit="page")
+            swa = (self.full_to_swa[pages.to(torch.int64) * self.page_size]
+                   // self.page_size).to(torch.int32)
+        return PageTable(swa, IndexSpace.DEVICE_SWA, self.page_size)
 
     def fill_decode_buffer(self, buffer: torch.Tensor, full: Indices) -> Indices:
         """Fill a preallocated (CUDA-graph) buffer with SWA locations and zero the tail.
+
+        Everything is checked before the buffer is written (a refused call leaves it as it
+        was). Nothing is cached: call it again after refilling ``full``.
 
         Args:
             buffer: ``[max_batch]`` int32 on the pool's device; may hold stale values.
@@ -247,10 +257,24 @@ class HybridSWAPool:
                 f"fill_decode_buffer: {len(full)} locations do not fit a buffer of "
                 f"{buffer.numel()}"
             )
-        n = len(full)
-        buffer[:n].copy_(self.translate_full_to_swa(full).tensor)
+        swa = self.translate_full_to_swa(full).tensor
+        n = swa.numel()
+        buffer[:n].copy_(swa)
         buffer[n:].zero_()
         return Indices(buffer, IndexSpace.DEVICE_SWA)
+
+    def raise_if_tripped(self) -> None:
+        """Raise the error of a finished CUDA bounds check of either sub-pool (see
+        :meth:`DeviceKVPool.raise_if_tripped`)."""
+        self.full.raise_if_tripped()
+        self.swa.raise_if_tripped()
+
+    def page_slots(self, layer: int, table: PageTable, row: int) -> Indices:
+        """Slots that model ``layer`` reads for row ``row`` of ``table``: a full layer takes
+        a ``DEVICE_FULL`` table, an SWA layer only a ``DEVICE_SWA`` one (raises otherwise);
+        see :meth:`DeviceKVPool.page_slots`."""
+        pool, _ = self.pool_of(layer)
+        return pool.page_slots(table, row)
 
     # ---- KV access ----------------------------------------------------------------------
 
@@ -281,16 +305,27 @@ class HybridSWAPool:
         return pool.latent_buffer(local)
 
     def set_kv(
-        self, layer: int, locs: Indices, k: torch.Tensor, v: torch.Tensor | None = None
+        self, layer: int, locs: Indices | ForwardLocs, k: torch.Tensor,
+        v: torch.Tensor | None = None,
     ) -> None:
-        """Write new tokens of model ``layer``; ``locs`` are ``DEVICE_FULL``. SWA layers write
-        the translated SWA rows (never the full row index)."""
+        """Write new tokens of model ``layer``. ``locs`` are ``DEVICE_FULL`` :class:`Indices`
+        (checked, and translated for an SWA layer, on every call) or this forward's
+        :class:`ForwardLocs` (checked and translated once). SWA layers write the translated
+        SWA rows, never the full row index."""
+        op = f"set_kv(layer={layer})"
         pool, local = self._waited(layer)
-        if pool is self.swa:
-            self.full.check(locs, f"set_kv(layer={layer})")
-            cached = locs is self._forward_locs and self._forward_swa_locs is not None
-            locs = self.forward_swa_locs if cached else self.translate_full_to_swa(locs)
-        pool.set_kv(local, locs, k, v)
+        if isinstance(locs, ForwardLocs):
+            self._check_handle(locs, op)
+            if pool is self.swa:
+                assert locs.swa is not None
+                index = locs.swa.tensor
+            else:
+                index = locs.full.tensor
+        else:
+            index = self.full.check(locs, op)
+            if pool is self.swa:
+                index = self._swa_of(index)
+        pool.write_rows(local, index, k, v)
 
     # ---- helpers --------------------------------------------------------------------------
 
@@ -316,4 +351,21 @@ class HybridSWAPool:
         full_t = torch.from_numpy(full_slots.copy()).to(self.device, non_blocking=True)
         swa_t = torch.from_numpy(swa_slots.astype(np.int64)).to(self.device, non_blocking=True)
         self.full_to_swa[full_t] = swa_t
-        self.end_forward()
+        self.map_version += 1
+
+    def _swa_of(self, full_index: torch.Tensor) -> torch.Tensor:
+        """int32 SWA slots of checked full slots (one gather; nothing cached)."""
+        return self.full_to_swa[full_index.to(torch.int64)].to(torch.int32)
+
+    def _check_handle(self, locs: ForwardLocs, op: str) -> None:
+        if locs.owner is not self:
+            raise ValueError(
+                f"{op}: these ForwardLocs were made by another pool; make them with this "
+                f"pool's forward_locs()"
+            )
+        if locs.map_version != self.map_version:
+            raise ValueError(
+                f"{op}: the full-to-SWA map changed after these ForwardLocs were made (SWA "
+                f"slots were allocated or freed), so their SWA slots may belong to another "
+                f"request now; call forward_locs() again after changing the map"
+            )

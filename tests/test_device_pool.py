@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.pools import AttentionKind, DeviceKVPool, IndexSpace, Indices, RowGeometry
+from hicache.pools import (
+    AttentionKind,
+    BoundsError,
+    DeviceKVPool,
+    IndexSpace,
+    Indices,
+    RowGeometry,
+)
 
 HEADS, HEAD_DIM, LATENT = 2, 4, 6
 NUM_LAYERS, NUM_SLOTS = 3, 8
@@ -200,13 +207,42 @@ def test_accessor_refuses_negative_layer() -> None:
         pool.key_buffer(-1)
 
 
-def test_debug_checks_refuse_out_of_range_location(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With HICACHE_DEBUG_CHECKS=1 slot 8 of an 8-slot pool names the op, value and bound."""
-    monkeypatch.setenv("HICACHE_DEBUG_CHECKS", "1")
+@pytest.mark.parametrize("slot", [8, 9, -1, -8])
+def test_bounds_refused_without_debug_flag(monkeypatch: pytest.MonkeyPatch, slot: int) -> None:
+    """Slots past an 8-slot pool or negative (-1 aliases the last row, -8 the first) are
+    refused with the flag unset, naming the op, value and bound; no row changes."""
+    monkeypatch.delenv("HICACHE_DEBUG_CHECKS", raising=False)
     pool = _pool()
-    with pytest.raises(ValueError, match=r"set_kv\(layer=0\): index 8 is out of range for "
-                                         r"pool 'full' \(valid slots are 0\.\.7\)"):
-        pool.set_kv(0, _locs(8), _rows(1, 0.0), _rows(1, 0.0))
+    pool.set_kv(0, _locs(7), _rows(1, 5.0), _rows(1, 5.0))
+    before = pool.data.clone()
+    with pytest.raises(BoundsError, match=rf"set_kv\(layer=0\): slot {slot} is "
+                                          rf"(out of range|negative) for pool 'full' "
+                                          rf"\(valid slots are 0\.\.7\)"):
+        pool.set_kv(0, _locs(3, slot), _rows(2, 1.0), _rows(2, 1.0))
+    assert torch.equal(pool.data, before)
+
+
+def test_forward_locs_are_checked_once_and_owned() -> None:
+    """forward_locs checks the slots, copies them (refilling the source changes nothing)
+    and set_kv writes through it."""
+    pool = _pool()
+    buffer = torch.tensor([3, 4], dtype=torch.int32)
+    locs = pool.forward_locs(Indices(buffer, IndexSpace.DEVICE_FULL))
+    buffer.fill_(6)
+    rows = _rows(2, 2.0)
+    pool.set_kv(0, locs, rows, rows)
+    assert torch.equal(pool.key_buffer(0)[3:5], rows)
+    assert pool.key_buffer(0)[6].eq(0).all()
+    with pytest.raises(BoundsError, match=r"forward_locs: slot 8 is out of range"):
+        pool.forward_locs(_locs(8))
+
+
+def test_forward_locs_of_another_pool_are_refused() -> None:
+    """set_kv refuses ForwardLocs made by another pool."""
+    pool, other = _pool(), _pool()
+    locs = other.forward_locs(_locs(3))
+    with pytest.raises(ValueError, match=r"made by another pool"):
+        pool.set_kv(0, locs, _rows(1, 1.0), _rows(1, 1.0))
 
 
 # ---- accessors -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from gpu_shapes import scaled
 
 from hicache.cli import main
 from hicache.config import HiCacheConfig, WritePolicy, config_from_dict
@@ -121,12 +122,9 @@ def _prefill(
         locs += own.tensor[:len(prompt)].tolist()
         logit_rows.append(len(tokens) - 1)
     page_rows = [(own.tensor[::page] // page).tolist() for own in owned]
-    batch = exact_batch(pool, locs, rows, positions, page_rows, max_pages=8)
+    batch = exact_batch(pool, locs, rows, positions, page_rows, max_pages=8, page_size=page)
     kv = PagedKV(pool, batch, model.spec, page)
-    try:
-        return model.forward(tokens, positions, kv, logit_rows), owned
-    finally:
-        pool.end_forward()
+    return model.forward(tokens, positions, kv, logit_rows), owned
 
 
 def test_tokens_do_not_depend_on_batch_composition(default_config: HiCacheConfig) -> None:
@@ -170,25 +168,31 @@ def test_engine_tokens_same_alone_and_in_batches(default_config: HiCacheConfig) 
     assert results[0] == results[1]
 
 
+def _buffers(max_batch: int, max_pages: int, page: int) -> DecodeBuffers:
+    return DecodeBuffers(max_batch=max_batch, max_pages=max_pages, device=torch.device("cpu"),
+                         page_size=page)
+
+
 def test_padded_decode_rows_point_at_slot_zero(default_config: HiCacheConfig) -> None:
     """After a batch of 4 then a batch of 2, rows 2 and 3 of every buffer are padding (0)."""
     pool = _pool(default_config)
     page = default_config.page_size_tokens
     slots = pool.try_alloc(4 * page)
     assert slots is not None
-    buffers = DecodeBuffers(max_batch=4, max_pages=3, device=torch.device("cpu"))
+    buffers = _buffers(4, 3, page)
     locs = [int(slots.tensor[i * page]) for i in range(4)]
     rows = [[locs[i] // page] for i in range(4)]
     buffers.fill(pool, locs, [0] * 4, rows)
     batch = buffers.fill(pool, locs[:2], [0, 0], rows[:2])
-    assert batch.out_cache_loc.tensor.tolist() == [*locs[:2], 0, 0]
-    assert batch.swa_out_cache_loc is not None
-    swa = batch.swa_out_cache_loc.tensor
+    assert batch.locs.full.tensor.tolist() == [*locs[:2], 0, 0]
+    assert batch.locs.swa is not None
+    swa = batch.locs.swa.tensor
     assert swa[2:].tolist() == [0, 0] and bool((swa[:2] != 0).all())
     assert buffers.page_table[2:].eq(0).all()
-    assert batch.swa_page_table is not None and batch.swa_page_table[2:].eq(0).all()
-    assert batch.out_cache_loc.space is IndexSpace.DEVICE_FULL
-    assert batch.swa_out_cache_loc.space is IndexSpace.DEVICE_SWA
+    assert batch.swa_page_table is not None and batch.swa_page_table.tensor[2:].eq(0).all()
+    assert batch.locs.full.space is IndexSpace.DEVICE_FULL
+    assert batch.locs.swa.space is IndexSpace.DEVICE_SWA
+    assert batch.swa_page_table.space is IndexSpace.DEVICE_SWA
 
 
 def test_padded_rows_leave_the_padding_slot_zero(default_config: HiCacheConfig) -> None:
@@ -198,12 +202,65 @@ def test_padded_rows_leave_the_padding_slot_zero(default_config: HiCacheConfig) 
     model = TinyDecoder(ModelSpec.from_config(default_config), seed=1, device="cpu")
     slots = pool.try_alloc(page)
     assert slots is not None
-    buffers = DecodeBuffers(max_batch=4, max_pages=2, device=torch.device("cpu"))
+    buffers = _buffers(4, 2, page)
     loc = int(slots.tensor[0])
     batch = buffers.fill(pool, [loc], [0], [[loc // page]])
     model.forward([7], [0], PagedKV(pool, batch, model.spec, page), [0])
     assert pool.full.data[:, :, 0].eq(0).all() and pool.swa.data[:, :, 0].eq(0).all()
     assert pool.full.data[:, :, loc].ne(0).any()
+
+
+def test_refused_decode_fill_changes_no_buffer(default_config: HiCacheConfig) -> None:
+    """A page row wider than max_pages is refused before out_cache_loc or the page table is
+    written: every buffer keeps the previous batch."""
+    pool = _pool(default_config)
+    page = default_config.page_size_tokens
+    slots = pool.try_alloc(3 * page)
+    assert slots is not None
+    buffers = _buffers(4, 2, page)
+    locs = [int(slots.tensor[i * page]) for i in range(3)]
+    buffers.fill(pool, locs[:2], [0, 0], [[locs[0] // page], [locs[1] // page]])
+    before = buffers.out_cache_loc.clone(), buffers.page_table.clone()
+    with pytest.raises(ValueError, match=r"page table row 1: 3 pages > max_pages 2"):
+        buffers.fill(pool, locs[2:], [0], [[1], [1, 2, 3]])
+    assert torch.equal(buffers.out_cache_loc, before[0])
+    assert torch.equal(buffers.page_table, before[1])
+
+
+def test_more_page_rows_than_max_batch_are_refused(default_config: HiCacheConfig) -> None:
+    """Five page rows for a 4-row buffer name both counts instead of an IndexError."""
+    pool = _pool(default_config)
+    page = default_config.page_size_tokens
+    buffers = _buffers(4, 2, page)
+    before = buffers.page_table.clone()
+    with pytest.raises(ValueError, match=r"5 page-table rows do not fit a table of 4 rows"):
+        buffers.fill(pool, [0], [0], [[0]] * 5)
+    assert torch.equal(buffers.page_table, before)
+
+
+def test_decode_fill_refuses_out_of_range_location(default_config: HiCacheConfig) -> None:
+    """A location past the full pool is refused (seed 004) and the buffers stay as they were."""
+    pool = _pool(default_config)
+    page = default_config.page_size_tokens
+    buffers = _buffers(4, 2, page)
+    with pytest.raises(ValueError, match=r"forward_locs: slot -1 is negative for pool 'full'"):
+        buffers.fill(pool, [-1], [0], [[0]])
+    assert buffers.page_table.eq(0).all()
+    assert pool.full.data.eq(0).all() and pool.swa.data.eq(0).all()
+
+
+def test_gather_past_the_page_table_row_is_refused(default_config: HiCacheConfig) -> None:
+    """A decode position past its page-table row raises instead of attending to fewer keys."""
+    pool = _pool(default_config)
+    page = default_config.page_size_tokens
+    model = TinyDecoder(ModelSpec.from_config(default_config), seed=1, device="cpu")
+    slots = pool.try_alloc(2 * page)
+    assert slots is not None
+    loc = int(slots.tensor[page])  # position `page` lives on the second page
+    batch = _buffers(1, 1, page).fill(pool, [loc], [page], [[int(slots.tensor[0]) // page]])
+    with pytest.raises(ValueError, match=rf"token 0 at position {page} lies past its "
+                                         rf"page-table row \(1 pages"):
+        model.forward([7], [page], PagedKV(pool, batch, model.spec, page), [0])
 
 
 @pytest.mark.gpu
@@ -212,7 +269,10 @@ def test_padded_rows_leave_the_padding_slot_zero(default_config: HiCacheConfig) 
 def test_demo_on_a_gpu(default_config: HiCacheConfig, policy: WritePolicy) -> None:
     """Real streams: the forward on its own producer stream, layer-wise loads on the load
     stream; tokens and loaded pages still verify."""
-    options = DemoOptions(quick=True, device="cuda", write_policy=policy)
+    # Under the sanitizer: 2 conversations of up to 2 turns, the least that still brings
+    # evicted history back from the host (about a quarter of the quick workload's launches).
+    options = DemoOptions(quick=True, device="cuda", write_policy=policy,
+                          conversations=scaled(None, 2), turns=scaled(None, 2))
     report = run_demo(default_config, options)
     assert report.passed, report.failure()
     assert report.host_hit_tokens > 0 and report.pages_checked > 0

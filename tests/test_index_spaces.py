@@ -7,6 +7,7 @@ import torch
 
 from hicache.pools import (
     DEBUG_CHECKS_ENV,
+    BoundsError,
     IndexSpace,
     Indices,
     check_indices,
@@ -102,11 +103,18 @@ def test_wrong_device_raises() -> None:
         _check(indices)
 
 
-@pytest.mark.usefixtures("debug_off")  # a bounds check cannot read values of a meta tensor
 def test_device_none_skips_the_device_check() -> None:
-    """device=None accepts indices on any device."""
-    indices = Indices(torch.empty(3, dtype=torch.int64, device="meta"), IndexSpace.DEVICE_FULL)
+    """device=None accepts CPU indices wherever the pool lives."""
+    indices = _full([1, 2])
     assert _check(indices, device=None) is indices.tensor
+
+
+def test_non_cpu_indices_need_a_guard() -> None:
+    """Indices off the CPU without the pool's bounds guard are refused (they cannot be
+    checked without a synchronisation)."""
+    indices = Indices(torch.empty(3, dtype=torch.int64, device="meta"), IndexSpace.DEVICE_FULL)
+    with pytest.raises(TypeError, match=r"read: indices on meta need the pool's bounds guard"):
+        _check(indices, device=None)
 
 
 def test_bare_tensor_raises_type_error() -> None:
@@ -142,7 +150,7 @@ def test_host_spaces_are_host() -> None:
     assert [s.is_host for s in IndexSpace] == [False, False, True, True]
 
 
-# ---- debug bounds checks -------------------------------------------------------------------
+# ---- bounds checks, always on -------------------------------------------------------------
 
 
 def test_debug_flag_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,31 +163,32 @@ def test_debug_flag_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     assert debug_checks_enabled()
 
 
-@pytest.mark.usefixtures("debug_on")
-def test_debug_out_of_range_index_raises() -> None:
-    """With debug checks a slot past the pool names the op, the pool, the value and the bound."""
-    with pytest.raises(ValueError, match=r"^read: index 16 is out of range for pool 'full' "
-                                         r"\(valid slots are 0\.\.15\)$"):
+@pytest.mark.usefixtures("debug_off")
+def test_out_of_range_index_raises_without_debug_flag() -> None:
+    """A slot past the pool names the op, the pool, the value and the bound, flag unset."""
+    with pytest.raises(BoundsError, match=r"^read: slot 16 is out of range for pool 'full' "
+                                          r"\(valid slots are 0\.\.15\); pass only slots "
+                                          r"this pool handed out$"):
         _check(_full([3, 16, 2]))
 
 
-@pytest.mark.usefixtures("debug_on")
-def test_debug_negative_index_raises() -> None:
-    """With debug checks a negative slot names the pool, the value and the bound."""
-    with pytest.raises(ValueError, match=r"^read: index -1 is negative for pool 'full' "
-                                         r"\(valid slots are 0\.\.15\)$"):
-        _check(_full([3, -1]))
-
-
-@pytest.mark.usefixtures("debug_on")
-def test_debug_checks_accept_the_last_slot_and_empty_input() -> None:
-    """Slot num_slots - 1 and an empty tensor pass the bounds check."""
-    assert _check(_full([0, 15])).tolist() == [0, 15]
-    assert _check(_full([])).numel() == 0
+@pytest.mark.usefixtures("debug_off")
+@pytest.mark.parametrize("value", [-1, -NUM_SLOTS, -NUM_SLOTS - 1])
+def test_negative_index_raises_without_debug_flag(value: int) -> None:
+    """Negative slots (-1 would alias the last slot, -num_slots the first) are refused."""
+    with pytest.raises(BoundsError, match=rf"^read: slot {value} is negative for pool 'full'"):
+        _check(_full([3, value]))
 
 
 @pytest.mark.usefixtures("debug_off")
-def test_cheap_path_does_not_check_bounds() -> None:
-    """Without HICACHE_DEBUG_CHECKS the out-of-range slot passes check_indices: bounds checks
-    cost a device sync, so only debug runs pay for them (allocators check their own ranges)."""
-    assert _check(_full([3, 16, -1])).tolist() == [3, 16, -1]
+def test_bounds_error_is_a_value_error() -> None:
+    """BoundsError is a ValueError, so callers catching ValueError keep working."""
+    with pytest.raises(ValueError, match="out of range"):
+        _check(_full([NUM_SLOTS], torch.int32))
+
+
+@pytest.mark.usefixtures("debug_on")
+def test_checks_accept_the_last_slot_and_empty_input() -> None:
+    """Slot num_slots - 1 and an empty tensor pass the bounds check."""
+    assert _check(_full([0, 15])).tolist() == [0, 15]
+    assert _check(_full([])).numel() == 0

@@ -18,6 +18,7 @@ from hicache.pools import (
     IndexSpace,
     Indices,
     PageAllocator,
+    PageTable,
     RowGeometry,
 )
 
@@ -162,9 +163,11 @@ class HybridSWAMachine(RuleBasedStateMachine):
         pages = [0, *(p for chunk in self.chunks for p in chunk)]
         row = st.lists(st.sampled_from(pages), min_size=3, max_size=3)
         table = data.draw(st.lists(row, min_size=1, max_size=3))
-        out = self.pool.translate_page_table(torch.tensor(table, dtype=torch.int32))
+        full = PageTable(torch.tensor(table, dtype=torch.int32), IndexSpace.DEVICE_FULL,
+                         PAGE_SIZE)
+        out = self.pool.translate_page_table(full)
         expected = [[self.swa_of.get(p * PAGE_SIZE, 0) // PAGE_SIZE for p in r] for r in table]
-        assert out.tolist() == expected
+        assert out.tensor.tolist() == expected
 
     @invariant()
     def consistent(self) -> None:

@@ -18,9 +18,11 @@ import torch
 from hicache.pools import (
     DEBUG_CHECKS_ENV,
     AttentionKind,
+    BoundsError,
     HybridSWAPool,
     IndexSpace,
     Indices,
+    PageTable,
     RowGeometry,
 )
 
@@ -242,14 +244,17 @@ def test_translate_refuses_swa_indices(shifted: HybridSWAPool) -> None:
         shifted.translate_full_to_swa(swa)
 
 
-def test_translate_debug_checks_refuse_slot_past_full_pool(
-    pool: HybridSWAPool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("slot", [14, -1, -14])
+def test_translate_refuses_slot_outside_full_pool(
+    pool: HybridSWAPool, monkeypatch: pytest.MonkeyPatch, slot: int
 ) -> None:
-    """With debug checks, full slot 14 of a 14-slot pool names the pool, value and bound."""
-    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
-    with pytest.raises(ValueError, match=r"index 14 is out of range for pool 'full' "
-                                         r"\(valid slots are 0\.\.13\)"):
-        pool.translate_full_to_swa(_full(14))
+    """With the debug flag unset, slot 14 of a 14-slot pool, -1 (which would alias the last
+    slot's SWA slot) and -14 are refused, naming the pool, value and bound."""
+    monkeypatch.delenv(DEBUG_CHECKS_ENV, raising=False)
+    with pytest.raises(BoundsError, match=rf"translate_full_to_swa: slot {slot} is "
+                                          rf"(out of range|negative) for pool 'full' "
+                                          rf"\(valid slots are 0\.\.13\)"):
+        pool.translate_full_to_swa(_full(3, slot))
 
 
 def test_swa_slots_of_is_cpu_int64(shifted: HybridSWAPool) -> None:
@@ -262,41 +267,83 @@ def test_swa_slots_of_is_cpu_int64(shifted: HybridSWAPool) -> None:
 # ---- page tables ---------------------------------------------------------------------------
 
 
+def _table(rows: list[list[int]], dtype: torch.dtype = torch.int32,
+           space: IndexSpace = IndexSpace.DEVICE_FULL) -> PageTable:
+    """A CPU page table of ``rows`` in ``space``."""
+    return PageTable(torch.tensor(rows, dtype=dtype), space, PAGE_SIZE)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_translate_page_table(shifted: HybridSWAPool, dtype: torch.dtype) -> None:
     """Full pages 3, 4 become SWA pages 1, 2; padding page 0 and left-window pages become 0."""
-    table = torch.tensor([[3, 4, 0], [1, 2, 0], [4, 3, 1]], dtype=dtype)
-    out = shifted.translate_page_table(table)
-    assert out.dtype == torch.int32
-    assert out.tolist() == [[1, 2, 0], [0, 0, 0], [2, 1, 0]]
+    out = shifted.translate_page_table(_table([[3, 4, 0], [1, 2, 0], [4, 3, 1]], dtype))
+    assert (out.space, out.tensor.dtype) == (IndexSpace.DEVICE_SWA, torch.int32)
+    assert out.tensor.tolist() == [[1, 2, 0], [0, 0, 0], [2, 1, 0]]
 
 
-def test_translate_page_table_refuses_page_past_full_pool(shifted: HybridSWAPool) -> None:
-    """Page 7 of a 7-page full pool names the page id and the valid range."""
-    table = torch.tensor([[3, 7]], dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"page id 7 is outside the full pool "
-                                         r"\(valid pages are 0\.\.6\)"):
+def test_translating_twice_is_refused(shifted: HybridSWAPool) -> None:
+    """An SWA-space table (seed 003: a table translated already) is refused, not
+    translated again into another request's pages."""
+    swa = shifted.translate_page_table(_table([[3, 4]]))
+    with pytest.raises(ValueError, match=r"already in DEVICE_SWA space; only full-space tables "
+                                         r"are translated"):
+        shifted.translate_page_table(swa)
+
+
+def test_bare_tensor_page_table_is_refused(shifted: HybridSWAPool) -> None:
+    """A bare tensor carries no space and is refused with the wrapper to use."""
+    with pytest.raises(TypeError, match=r"expected a DEVICE_FULL PageTable, got Tensor"):
+        shifted.translate_page_table(torch.tensor([[3, 4]]))  # type: ignore[arg-type]
+
+
+def test_translate_page_table_refuses_another_page_size(shifted: HybridSWAPool) -> None:
+    """A table of pages of another size names both sizes."""
+    table = PageTable(torch.tensor([[3]]), IndexSpace.DEVICE_FULL, 4)
+    with pytest.raises(ValueError, match=r"pages of 4 on cpu; this pool has pages of 2"):
         shifted.translate_page_table(table)
 
 
-def test_translate_page_table_refuses_negative_page(shifted: HybridSWAPool) -> None:
-    """A negative page id is refused, naming it and the valid range."""
-    table = torch.tensor([[-1, 3]], dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"page id -1 is outside the full pool "
-                                         r"\(valid pages are 0\.\.6\)"):
-        shifted.translate_page_table(table)
+@pytest.mark.parametrize(("page", "what"), [(7, "out of range"), (-1, "negative")])
+def test_translate_page_table_refuses_page_outside_full_pool(
+    shifted: HybridSWAPool, page: int, what: str
+) -> None:
+    """Page 7 of a 7-page full pool, or -1, names the page id and the valid range."""
+    with pytest.raises(BoundsError, match=rf"translate_page_table: page {page} is {what} for "
+                                          rf"pool 'full' \(valid pages are 0\.\.6\)"):
+        shifted.translate_page_table(_table([[3, page]]))
 
 
-def test_translate_page_table_refuses_float_table(pool: HybridSWAPool) -> None:
+def test_page_table_refuses_a_float_table() -> None:
     """A float page table is refused, naming the dtype."""
-    with pytest.raises(ValueError, match=r"page table must be int32/int64 on cpu, got "
-                                         r"torch\.float32 on cpu"):
-        pool.translate_page_table(torch.zeros(1, 2))
+    with pytest.raises(ValueError, match=r"2-D int32/int64 tensor, got torch\.float32"):
+        PageTable(torch.zeros(1, 2), IndexSpace.DEVICE_FULL, PAGE_SIZE)
+
+
+def test_page_slots_refuse_a_table_of_the_wrong_space(shifted: HybridSWAPool) -> None:
+    """An SWA layer reads only SWA-space tables and a full layer only full-space ones."""
+    full = _table([[3, 4]])
+    swa = shifted.translate_page_table(full)
+    assert shifted.page_slots(1, swa, 0).tensor.tolist() == [2, 3, 4, 5]
+    assert shifted.page_slots(0, full, 0).tensor.tolist() == [6, 7, 8, 9]
+    with pytest.raises(ValueError, match=r"pool 'swa' reads pages of space DEVICE_SWA, got a "
+                                         r"DEVICE_FULL page table; translate it"):
+        shifted.page_slots(1, full, 0)
+    with pytest.raises(ValueError, match=r"pool 'full' reads pages of space DEVICE_FULL, got "
+                                         r"a DEVICE_SWA page table"):
+        shifted.page_slots(0, swa, 0)
+
+
+def test_page_slots_refuse_a_page_outside_the_pool(shifted: HybridSWAPool) -> None:
+    """A full-space table naming a page past the pool is refused when read."""
+    with pytest.raises(BoundsError, match=r"page_slots: page 7 is out of range for pool 'full' "
+                                          r"\(valid pages are 0\.\.6\)"):
+        shifted.page_slots(0, _table([[7]]), 0)
 
 
 def test_translate_empty_page_table(pool: HybridSWAPool) -> None:
     """An empty table keeps its shape and comes back int32."""
-    out = pool.translate_page_table(torch.empty(2, 0, dtype=torch.int64))
+    table = PageTable(torch.empty(2, 0, dtype=torch.int64), IndexSpace.DEVICE_FULL, PAGE_SIZE)
+    out = pool.translate_page_table(table).tensor
     assert out.shape == (2, 0) and out.dtype == torch.int32
 
 
@@ -406,51 +453,96 @@ def test_swa_buffers_read_the_rows_set_kv_wrote(shifted: HybridSWAPool) -> None:
     assert torch.equal(shifted.value_buffer(3)[swa_locs], v)
 
 
-def test_set_kv_uses_the_cached_forward_translation(
+def test_forward_locs_translate_once(
     shifted: HybridSWAPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """After begin_forward, set_kv with the same locations does not translate again."""
-    locs = _full(6, 7)
-    assert _ids(shifted.begin_forward(locs)) == [2, 3]
+    """set_kv with ForwardLocs writes the SWA rows they hold without translating again."""
+    locs = shifted.forward_locs(_full(6, 7))
+    assert locs.swa is not None and _ids(locs.swa) == [2, 3]
+    assert (locs.swa.tensor.dtype, locs.full.tensor.dtype) == (torch.int32, torch.int64)
 
-    def no_translation(full: Indices) -> Indices:
-        raise AssertionError("set_kv translated instead of using the cache")
+    def no_translation(index: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("set_kv translated instead of using the handle")
 
-    monkeypatch.setattr(shifted, "translate_full_to_swa", no_translation)
+    monkeypatch.setattr(shifted, "_swa_of", no_translation)
     k, v = _kv(2, 1.0)
     shifted.set_kv(1, locs, k, v)
     assert torch.equal(shifted.swa.key_buffer(0)[2:4], k)
 
 
-def test_begin_forward_cache_is_int32_swa(shifted: HybridSWAPool) -> None:
-    """forward_swa_locs is the int32 DEVICE_SWA translation begin_forward returned."""
-    returned = shifted.begin_forward(_full(9, 8))
-    cached = shifted.forward_swa_locs
-    assert cached is returned
-    assert (cached.tensor.dtype, cached.space, _ids(cached)) == (torch.int32,
-                                                                 IndexSpace.DEVICE_SWA, [5, 4])
+def test_refilled_buffer_writes_every_row_where_it_belongs(shifted: HybridSWAPool) -> None:
+    """Seeds 000/001: an engine refills one out_cache_loc buffer in place between two
+    forwards and passes the same Indices object; every SWA row of the second forward lands
+    at the second batch's SWA slots and the first batch's rows stay intact."""
+    buffer = torch.tensor([6, 7], dtype=torch.int32)
+    locs = Indices(buffer, IndexSpace.DEVICE_FULL)
+    k1, v1 = _kv(2, 1.0)
+    for layer in range(4):
+        shifted.set_kv(layer, locs, k1, v1)
+    buffer.copy_(torch.tensor([8, 9], dtype=torch.int32))  # next batch, same object
+    k2, v2 = _kv(2, 50.0)
+    for layer in range(4):
+        shifted.set_kv(layer, locs, k2, v2)
+    for layer in (1, 3):
+        assert torch.equal(shifted.key_buffer(layer)[2:4], k1)  # SWA slots of 6, 7
+        assert torch.equal(shifted.key_buffer(layer)[4:6], k2)  # SWA slots of 8, 9
+        assert torch.equal(shifted.value_buffer(layer)[4:6], v2)
+    for layer in (0, 2):
+        assert torch.equal(shifted.key_buffer(layer)[6:8], k1)
+        assert torch.equal(shifted.key_buffer(layer)[8:10], k2)
 
 
-def test_end_forward_drops_the_cache(shifted: HybridSWAPool) -> None:
-    """After end_forward, forward_swa_locs raises and says how to refill it."""
-    shifted.begin_forward(_full(6, 7))
-    shifted.end_forward()
-    with pytest.raises(RuntimeError, match=r"call begin_forward\(out_cache_loc\) first"):
-        _ = shifted.forward_swa_locs
+def test_forward_locs_own_their_slots(shifted: HybridSWAPool) -> None:
+    """Refilling the buffer ForwardLocs were made from changes neither their full nor their
+    SWA slots (a new forward makes new ones)."""
+    buffer = torch.tensor([6, 7], dtype=torch.int32)
+    locs = shifted.forward_locs(Indices(buffer, IndexSpace.DEVICE_FULL))
+    buffer.copy_(torch.tensor([8, 9], dtype=torch.int32))
+    assert locs.swa is not None
+    assert (_ids(locs.full), _ids(locs.swa)) == ([6, 7], [2, 3])
 
 
-def test_map_change_drops_the_cache(shifted: HybridSWAPool) -> None:
-    """free_swa changes the map, so the cached translation is dropped."""
-    shifted.begin_forward(_full(6, 7))
-    shifted.free_swa(_full(8, 9))
-    with pytest.raises(RuntimeError, match=r"no cached SWA locations"):
-        _ = shifted.forward_swa_locs
+def test_forward_locs_after_map_change_are_refused(shifted: HybridSWAPool) -> None:
+    """Once free_swa changed the map, set_kv refuses the old handle and writes nothing."""
+    locs = shifted.forward_locs(_full(6, 7))
+    shifted.free_swa(_full(6, 7))
+    _fill_sentinel(shifted)
+    before = shifted.swa.data.clone(), shifted.full.data.clone()
+    k, v = _kv(2, 1.0)
+    for layer in (0, 1):
+        with pytest.raises(ValueError, match=r"full-to-SWA map changed after these ForwardLocs"):
+            shifted.set_kv(layer, locs, k, v)
+    assert torch.equal(shifted.swa.data, before[0]) and torch.equal(shifted.full.data, before[1])
+
+
+def test_forward_locs_of_another_pool_are_refused(shifted: HybridSWAPool) -> None:
+    """A handle made by another pool is refused."""
+    other = _make_pool()
+    locs = other.forward_locs(_full(6, 7))
+    k, v = _kv(2, 1.0)
+    with pytest.raises(ValueError, match=r"made by another pool"):
+        shifted.set_kv(1, locs, k, v)
+
+
+@pytest.mark.parametrize("slot", [-1, 14, -14])
+def test_set_kv_refuses_slot_outside_full_pool(shifted: HybridSWAPool, slot: int) -> None:
+    """Seed 004: slot -1 on an SWA layer would overwrite the last slot's SWA row (a live
+    request's); -1, 14 and -14 are refused with the flag unset and nothing is written."""
+    _fill_sentinel(shifted)
+    before = shifted.swa.data.clone(), shifted.full.data.clone()
+    k, v = _kv(2, 1.0)
+    for layer in (0, 1):
+        with pytest.raises(BoundsError, match=rf"set_kv\(layer={layer}\): slot {slot} is"):
+            shifted.set_kv(layer, _full(6, slot), k, v)
+        with pytest.raises(BoundsError, match=rf"forward_locs: slot {slot} is"):
+            shifted.forward_locs(_full(6, slot))
+    assert torch.equal(shifted.swa.data, before[0]) and torch.equal(shifted.full.data, before[1])
 
 
 def test_set_kv_after_map_change_translates_afresh(shifted: HybridSWAPool) -> None:
-    """Once free_swa unmapped the cached slots, set_kv writes the padding slot, not stale rows."""
+    """Once free_swa unmapped the slots, set_kv with Indices writes the padding slot, not
+    stale rows."""
     locs = _full(6, 7)
-    shifted.begin_forward(locs)
     shifted.free_swa(locs)
     _fill_sentinel(shifted)
     k, v = _kv(2, 1.0)

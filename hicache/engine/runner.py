@@ -73,7 +73,8 @@ class DemoEngine:
             self.window = SlidingWindow(self.pool, model.spec.window_tokens, self.page_size,
                                         self.chunk)
         self.max_pages = -(-max_tokens // self.page_size) + 1
-        self.buffers = DecodeBuffers(max_running, self.max_pages, self.pool.device)
+        self.buffers = DecodeBuffers(max_running, self.max_pages, self.pool.device,
+                                     self.page_size)
         self.audit = audit
         self.stream = stream
         self.running: list[Request] = []
@@ -197,13 +198,9 @@ class DemoEngine:
                 batch = self.buffers.fill(self.pool, plan.locs, plan.positions, plan.page_rows)
             else:
                 batch = exact_batch(self.pool, plan.locs, plan.rows, plan.positions,
-                                    plan.page_rows, self.max_pages)
+                                    plan.page_rows, self.max_pages, self.page_size)
             kv = PagedKV(self.pool, batch, self.model.spec, self.page_size)
-            try:
-                return self.model.forward(plan.tokens, plan.positions, kv, plan.logit_rows)
-            finally:
-                if isinstance(self.pool, HybridSWAPool):
-                    self.pool.end_forward()
+            return self.model.forward(plan.tokens, plan.positions, kv, plan.logit_rows)
 
     def _check_loads(self) -> None:
         """Compare the rows just loaded with their backups, once every layer is in place

@@ -1,0 +1,138 @@
+"""BoundsGuard: immediate checks on the CPU, and the deferred protocol CUDA uses, run on the
+CPU (``deferred=True``) so every path of it is tested without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.pools import DEBUG_CHECKS_ENV, BoundsError, BoundsGuard
+from hicache.pools.bounds import RING_ROWS
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _debug_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The debug flag would make deferred checks immediate."""
+    monkeypatch.delenv(DEBUG_CHECKS_ENV, raising=False)
+
+
+def _deferred() -> BoundsGuard:
+    return BoundsGuard("swa", CPU, deferred=True)
+
+
+def test_immediate_check_returns_the_tensor() -> None:
+    """In range: the same tensor comes back, nothing is recorded."""
+    guard = BoundsGuard("full", CPU)
+    tensor = torch.tensor([0, 3, 7], dtype=torch.int32)
+    assert guard.check(tensor, bound=8, op="op") is tensor
+    assert guard.num_unread == 0
+
+
+def test_immediate_check_raises_at_once() -> None:
+    """A CPU check names the op, the pool, the value and the range."""
+    guard = BoundsGuard("full", CPU)
+    with pytest.raises(BoundsError, match=r"^op: slot 8 is out of range for pool 'full' "
+                                          r"\(valid slots are 0\.\.7\)"):
+        guard.check(torch.tensor([1, 8]), bound=8, op="op")
+
+
+def test_deferred_check_redirects_offenders_to_padding() -> None:
+    """Negative and too-large entries become 0, the rest keep their value, as int64; the
+    caller's tensor is not changed."""
+    guard = _deferred()
+    tensor = torch.tensor([5, -1, 8, 7, -8], dtype=torch.int32)
+    safe = guard.check(tensor, bound=8, op="set_kv(layer=1)")
+    assert safe.dtype == torch.int64
+    assert safe.tolist() == [5, 0, 0, 7, 0]
+    assert tensor.tolist() == [5, -1, 8, 7, -8]
+
+
+def test_deferred_error_surfaces_once_naming_op_value_and_bound() -> None:
+    """The first bad check is raised by raise_if_tripped, once; a clean one raises nothing."""
+    guard = _deferred()
+    guard.check(torch.tensor([1, 2]), bound=8, op="first")
+    guard.check(torch.tensor([1, -3, 9]), bound=8, op="set_kv(layer=1)")
+    with pytest.raises(BoundsError, match=r"^set_kv\(layer=1\): slot -3 is negative for pool "
+                                          r"'swa' \(valid slots are 0\.\.7\).*redirected to "
+                                          r"the padding slot 0"):
+        guard.raise_if_tripped()
+    guard.raise_if_tripped()
+    assert guard.num_unread == 0
+
+
+def test_deferred_error_names_a_value_past_the_end() -> None:
+    """Only a too-large value: the error names it exactly (from its excess)."""
+    guard = _deferred()
+    guard.check(torch.tensor([[3, 12]]), bound=7, op="translate_page_table", unit="page")
+    with pytest.raises(BoundsError, match=r"translate_page_table: page 12 is out of range for "
+                                          r"pool 'swa' \(valid pages are 0\.\.6\)"):
+        guard.raise_if_tripped()
+
+
+def test_every_bad_check_is_reported_in_order() -> None:
+    """Two bad checks give two errors, oldest first."""
+    guard = _deferred()
+    guard.check(torch.tensor([9]), bound=8, op="a")
+    guard.check(torch.tensor([-2]), bound=8, op="b")
+    with pytest.raises(BoundsError, match=r"^a: slot 9"):
+        guard.raise_if_tripped()
+    with pytest.raises(BoundsError, match=r"^b: slot -2"):
+        guard.raise_if_tripped()
+    guard.raise_if_tripped()
+
+
+def test_pending_record_is_not_read() -> None:
+    """A record the device has not written yet (both words still pending, or only one of
+    them) stops the reader; it is read once written."""
+    guard = _deferred()
+    guard.check(torch.tensor([9]), bound=8, op="late")
+    assert guard._records is not None
+    written = guard._records[0].copy()
+    guard._records[0] = (1, -1)
+    guard.raise_if_tripped()
+    guard._records[0] = (0, -1)  # one word landed, the other not yet
+    guard.raise_if_tripped()
+    assert guard.num_unread == 1
+    guard._records[0] = written
+    with pytest.raises(BoundsError, match=r"^late: slot 9"):
+        guard.raise_if_tripped()
+
+
+def test_ring_wraps_and_reads_every_check() -> None:
+    """More checks than ring rows, read as they go: the bad one after the wrap is found."""
+    guard = _deferred()
+    for _ in range(RING_ROWS + 5):
+        guard.check(torch.tensor([1]), bound=8, op="clean")
+        guard.raise_if_tripped()
+    guard.check(torch.tensor([8]), bound=8, op="wrapped")
+    with pytest.raises(BoundsError, match=r"^wrapped: slot 8"):
+        guard.raise_if_tripped()
+
+
+def test_full_ring_reads_before_reusing_a_row() -> None:
+    """A full ring of unread checks is read before a row is reused, so no bad check is lost
+    (the error is raised by the check that needed the row)."""
+    guard = _deferred()
+    guard.check(torch.tensor([-1]), bound=8, op="oldest")
+    for _ in range(RING_ROWS - 1):
+        guard.check(torch.tensor([1]), bound=8, op="clean")
+    with pytest.raises(BoundsError, match=r"^oldest: slot -1"):
+        guard.check(torch.tensor([1]), bound=8, op="clean")
+
+
+def test_empty_input_is_a_no_op() -> None:
+    """Nothing to check: no record, the tensor comes back."""
+    guard = _deferred()
+    empty = torch.empty(0, dtype=torch.int64)
+    assert guard.check(empty, bound=8, op="op") is empty
+    assert guard.num_unread == 0
+
+
+def test_debug_flag_makes_deferred_checks_immediate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HICACHE_DEBUG_CHECKS=1 raises at the offending call instead of at the next poll."""
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
+    guard = _deferred()
+    with pytest.raises(BoundsError, match=r"^op: slot 8"):
+        guard.check(torch.tensor([8]), bound=8, op="op")
