@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
@@ -45,7 +45,7 @@ from .config import EvictionPolicy, WritePolicy
 from .node_io import SlotPair
 from .radix_integrity import check_tree
 from .radix_tiers import TieredRadixTree
-from .radix_tree import Clock, slots_of
+from .radix_tree import Clock, TokenIds, slots_of
 from .tree_node import MatchResult, PendingOp, TreeNode, cat_indices, empty_indices, slice_indices
 
 logger = logging.getLogger(__name__)
@@ -88,14 +88,15 @@ class HiRadixCache(TieredRadixTree):
 
     # ---- matching and insertion ---------------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int]) -> MatchResult:
+    def match_prefix(self, tokens: TokenIds) -> MatchResult:
         """Longest cached page-aligned prefix of ``tokens`` (see :class:`MatchResult`).
 
         Splits a partly matched node at the page boundary, updates the last access and hit
         count of every matched node and, under ``write_through(_selective)``, backs up the
-        device nodes whose hit count reached the threshold.
+        device nodes whose hit count reached the threshold. ``tokens`` as for
+        :meth:`page_key`, which refuses bad ones (``TypeError``/``ValueError``) first.
         """
-        key = self.page_key(tokens)
+        key = self.page_key(tokens, "match")
         path = [node for node, _ in self._descend(key, split=True)]
         now = self._clock()
         for node in path:
@@ -109,22 +110,24 @@ class HiRadixCache(TieredRadixTree):
         self.stats.host_hit_tokens += result.host_hit_tokens
         return result
 
-    def insert(self, tokens: Sequence[int], device_indices: Indices) -> int:
+    def insert(self, tokens: TokenIds, device_indices: Indices) -> int:
         """Cache ``tokens`` whose KV rows the caller wrote at ``device_indices``.
 
         Args:
-            tokens: token ids; only whole pages are cached.
+            tokens: token ids as for :meth:`page_key`; only whole pages are cached.
             device_indices: ``[>= n]`` CPU ``DEVICE_FULL`` slots aligned with ``tokens``
                 (``n`` = whole-page length); the tree takes ``[:n]`` (module docstring).
         Returns:
             how many leading tokens were already cached (on either tier).
         Raises:
-            ValueError: slots of another space or device, too few, or not allocated pages.
+            TypeError: tokens that are not token ids (see :meth:`page_key`).
+            ValueError: a negative token id; slots of another space or device, too few, or
+                not allocated pages.
 
         A slot the tree owns at another position would be freed as a duplicate: the tree
         does not look for that caller bug (``HiCacheService.insert`` refuses it).
         """
-        key = self.page_key(tokens)
+        key = self.page_key(tokens, "insert")
         slots = self._take_slots(device_indices, len(key))
         path, taken, duplicates, cached = self._insert_walk(key, slots)
         duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)

@@ -12,11 +12,19 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
+import torch
+
 from hicache.pools import IndexSpace, Indices
 
-from .tree_node import SLOT_FIELDS, TreeNode, cat_indices, slice_indices
+from .tree_node import SLOT_FIELDS, MatchResult, TreeNode, cat_indices, slice_indices
 
 Clock = Callable[[], float]
+# Token ids as engines hold them: ``[n]`` Python ints, or a 1-D integer tensor / numpy array.
+TokenIds = Sequence[int] | torch.Tensor | np.ndarray
+
+_TOKENS_EXPECTED = "a list or tuple of ints, or a 1-D integer torch tensor or numpy array"
+_tree_ids = itertools.count(1)  # process-wide, so nodes of two trees never share an id
 
 
 class RadixTree:
@@ -34,12 +42,25 @@ class RadixTree:
         ticks = itertools.count(1)
         self._clock: Clock = clock if clock is not None else lambda: float(next(ticks))
         self._node_ids = itertools.count(1)
-        self.root = TreeNode(0, (), None)
+        self.tree_id = next(_tree_ids)
+        self.root = TreeNode(0, (), None, self.tree_id)
 
-    def page_key(self, tokens: Sequence[int]) -> tuple[int, ...]:
-        """``tokens`` truncated to whole pages, as a tuple of ints."""
-        num_tokens = len(tokens) // self.page_size * self.page_size
-        return tuple(int(token) for token in tokens[:num_tokens])
+    def page_key(self, tokens: TokenIds, op: str = "page_key") -> tuple[int, ...]:
+        """``tokens`` truncated to whole pages, as a tuple of Python ints.
+
+        Every token is checked (the partial tail page too), before anything changes.
+
+        Args:
+            tokens: ``[n]`` token ids: a list or tuple of ints (not bools), or a 1-D integer
+                torch tensor (any device; a CUDA tensor is copied to the host) or numpy array.
+            op: the caller's name, for error messages.
+        Raises:
+            TypeError: anything else (``None``, a string, floats, bools, nested lists, a
+                float or bool tensor, a tensor that is not 1-D).
+            ValueError: a negative token id.
+        """
+        ids = token_ids(tokens, op)
+        return ids[:len(ids) // self.page_size * self.page_size]
 
     def nodes(self) -> Iterator[TreeNode]:
         """Every node except the root, parents before children."""
@@ -49,11 +70,11 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def device_prefix(self, tokens: Sequence[int]) -> Indices:
+    def device_prefix(self, tokens: TokenIds) -> Indices:
         """``DEVICE_FULL`` slots of the device-resident prefix of ``tokens``; no side effect
         (no split, no hit, no access time)."""
         parts = []
-        for node, used in self._descend(self.page_key(tokens), split=False):
+        for node, used in self._descend(self.page_key(tokens, "device_prefix"), split=False):
             if node.device is None:
                 break
             parts.append(slice_indices(node.device, 0, used))
@@ -62,15 +83,22 @@ class RadixTree:
     # ---- locks --------------------------------------------------------------------------
 
     def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction (the root is a no-op)."""
+        """Protect ``node`` and its ancestors from eviction (the root is a no-op).
+
+        Raises:
+            TypeError: ``node`` is not a :class:`TreeNode`.
+            ValueError: ``node`` belongs to another tree, or was removed from this one.
+        """
         for ancestor in self._ancestry(node, "lock"):
             ancestor.lock_count += 1
 
-    def unlock(self, node: TreeNode) -> None:
-        """Release one :meth:`lock` of ``node``; raises ``RuntimeError`` if not locked."""
-        chain = list(self._ancestry(node, "unlock"))
+    def unlock(self, node: TreeNode, *, op: str = "unlock") -> None:
+        """Release one :meth:`lock` of ``node``; raises ``RuntimeError`` if not locked (and
+        as :meth:`lock` for a node that is not a live node of this tree). ``op``: the
+        caller's name, for error messages."""
+        chain = list(self._ancestry(node, op))
         if any(ancestor.lock_count <= 0 for ancestor in chain):
-            raise RuntimeError(f"unlock of {node!r}, which is not locked (unbalanced unlock)")
+            raise RuntimeError(f"{op}: {node!r} is not locked (unbalanced {op})")
         for ancestor in chain:
             ancestor.lock_count -= 1
 
@@ -110,9 +138,9 @@ class RadixTree:
         parent = node.parent
         assert parent is not None and 0 < num_tokens < node.num_tokens, "bad split"
         upper = TreeNode(
-            next(self._node_ids), node.key[:num_tokens], parent, lock_count=node.lock_count,
-            hit_count=node.hit_count, last_access=node.last_access, write_op=node.write_op,
-            load_op=node.load_op, evict_on_ack=node.evict_on_ack,
+            next(self._node_ids), node.key[:num_tokens], parent, self.tree_id,
+            lock_count=node.lock_count, hit_count=node.hit_count, last_access=node.last_access,
+            write_op=node.write_op, load_op=node.load_op, evict_on_ack=node.evict_on_ack,
         )
         for name in SLOT_FIELDS:
             value: Indices | None = getattr(node, name)
@@ -128,7 +156,7 @@ class RadixTree:
         return upper
 
     def _new_child(self, parent: TreeNode, key: tuple[int, ...], device: Indices) -> TreeNode:
-        child = TreeNode(next(self._node_ids), key, parent, device=device)
+        child = TreeNode(next(self._node_ids), key, parent, self.tree_id, device=device)
         parent.children[key[:self.page_size]] = child
         return child
 
@@ -140,13 +168,36 @@ class RadixTree:
             gone.is_detached = True
 
     def _ancestry(self, node: TreeNode, op: str) -> Iterator[TreeNode]:
-        """``node`` and its ancestors below the root; raises if ``node`` was removed."""
-        if node.is_detached:
-            raise ValueError(f"{op}: {node!r} was removed from the tree")
+        """``node`` and its ancestors below the root, once :meth:`_check_node` passed (at
+        once: nothing is changed by a caller that gets the error)."""
+        self._check_node(node, op)
+        return self._walk_up(node)
+
+    def _walk_up(self, node: TreeNode) -> Iterator[TreeNode]:
         current: TreeNode | None = node
         while current is not None and current is not self.root:
             yield current
             current = current.parent
+
+    def _check_node(self, node: object, op: str) -> None:
+        """Refuse anything but a live node of this tree; O(1)."""
+        if not isinstance(node, TreeNode):
+            hint = ("; pass its last_device_node (or last_host_node)"
+                    if isinstance(node, MatchResult) else "")
+            raise TypeError(
+                f"{op}: expected a TreeNode of this cache (MatchResult.last_device_node or "
+                f"last_host_node from its match()), got {type(node).__name__}{hint}"
+            )
+        if node.tree_id != self.tree_id:
+            raise ValueError(
+                f"{op}: {node!r} belongs to another cache (tree {node.tree_id}, not "
+                f"{self.tree_id}); pass a node from this cache's own match()"
+            )
+        if node.is_detached:
+            raise ValueError(
+                f"{op}: {node!r} was removed from the tree (evicted or dropped); match() "
+                f"again for a live node"
+            )
 
 
 def slots_of(node: TreeNode, name: str) -> Indices:
@@ -163,3 +214,57 @@ def subtree(node: TreeNode) -> Iterator[TreeNode]:
         current = stack.pop()
         yield current
         stack.extend(current.children.values())
+
+
+def token_ids(tokens: TokenIds, op: str) -> tuple[int, ...]:
+    """Validated ``[n]`` token ids as a tuple of Python ints (see :meth:`RadixTree.page_key`
+    for what is accepted and refused). Lists of Python ints, the common case, take one
+    Python-level pass (the type check); the copy and the sign check run in C."""
+    if isinstance(tokens, (list, tuple)):
+        if not all(type(token) is int for token in tokens):
+            return _mixed_ids(tokens, op)
+        ids = tuple(tokens)
+        if ids and min(ids) < 0:
+            _refuse_negative(np.asarray(ids), op)
+        return ids
+    if isinstance(tokens, torch.Tensor):
+        dtype = tokens.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{op}: token ids must have an integer dtype, got a {dtype} tensor")
+        return _array_ids(tokens.detach().cpu().numpy(), op)
+    if isinstance(tokens, np.ndarray):
+        return _array_ids(tokens, op)
+    if isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes, bytearray)):
+        return token_ids(list(tokens), op)
+    raise TypeError(f"{op}: tokens must be {_TOKENS_EXPECTED}, got {type(tokens).__name__}")
+
+
+def _array_ids(array: np.ndarray, op: str) -> tuple[int, ...]:
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise TypeError(f"{op}: tokens must be {_TOKENS_EXPECTED}, got a {array.ndim}-D "
+                        f"array of {array.dtype}")
+    if array.dtype.kind == "i" and array.size and array.min() < 0:
+        _refuse_negative(array, op)
+    return tuple(array.tolist())
+
+
+def _mixed_ids(tokens: Sequence[object], op: str) -> tuple[int, ...]:
+    """A sequence with some elements that are not Python ints: numpy integers are fine;
+    the first other element (bool, float, None, list, ...) is refused."""
+    ids: list[int] = []
+    for position, token in enumerate(tokens):
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise TypeError(
+                f"{op}: token ids must be ints, got tokens[{position}] = {token!r:.40} "
+                f"({type(token).__name__}); tokens must be {_TOKENS_EXPECTED}"
+            )
+        ids.append(int(token))
+    if ids and min(ids) < 0:
+        _refuse_negative(np.asarray(ids), op)
+    return tuple(ids)
+
+
+def _refuse_negative(array: np.ndarray, op: str) -> None:
+    position = int(np.argmax(array < 0))
+    raise ValueError(f"{op}: token ids must be >= 0, got tokens[{position}] = "
+                     f"{int(array[position])}")

@@ -34,12 +34,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 
+import numpy as np
+
 from hicache.controller import Ack
 from hicache.metrics import MetricsExporter, controller_pool_usage
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, Indices
 
 from .engine_slots import EngineSlots
 from .radix import HiRadixCache
+from .radix_tree import TokenIds
 from .tree_node import MatchResult, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -106,20 +109,33 @@ class HiCacheService:
 
     # ---- scheduler API ------------------------------------------------------------------
 
-    def match(self, tokens: Sequence[int]) -> MatchResult:
-        """:meth:`HiRadixCache.match_prefix`; lock ``last_device_node`` to keep the result."""
+    def match(self, tokens: TokenIds) -> MatchResult:
+        """:meth:`HiRadixCache.match_prefix`; lock ``last_device_node`` to keep the result.
+
+        ``tokens``: ``[n]`` token ids, a list or tuple of ints or a 1-D integer tensor or
+        numpy array; anything else raises ``TypeError``, a negative id ``ValueError``, with
+        nothing changed.
+        """
         with self._call():
             return self.tree.match_prefix(tokens)
 
     def lock(self, node: TreeNode) -> None:
-        """Protect ``node`` and its ancestors from eviction until :meth:`release`."""
+        """Protect ``node`` and its ancestors from eviction until :meth:`release`.
+
+        Raises:
+            TypeError: ``node`` is not a :class:`TreeNode` (pass ``last_device_node`` or
+                ``last_host_node`` of a :meth:`match` of this service).
+            ValueError: ``node`` belongs to another service's cache, or was removed from
+                this one (evicted or dropped): match again. Nothing is changed.
+        """
         with self._call():
             self.tree.lock(node)
 
     def release(self, node: TreeNode) -> None:
-        """Undo one :meth:`lock` of ``node``."""
+        """Undo one :meth:`lock` of ``node``; refuses nodes as :meth:`lock` does, and raises
+        ``RuntimeError`` for a node that is not locked."""
         with self._call():
-            self.tree.unlock(node)
+            self.tree.unlock(node, op="release")
 
     def load_back(
         self, target: MatchResult | TreeNode, device_quota_tokens: int
@@ -135,7 +151,7 @@ class HiCacheService:
         with self._call():
             return self.tree.start_loading()
 
-    def insert(self, tokens: Sequence[int], device_indices: Indices) -> int:
+    def insert(self, tokens: TokenIds, device_indices: Indices) -> int:
         """Give ``device_indices[:n]`` (``n``: whole pages of ``tokens``) to the tree; see
         :meth:`HiRadixCache.insert`. Each of those pages must come from :meth:`alloc_device`
         or be the tree's own page at that position (from a match or a load-back).
@@ -143,25 +159,53 @@ class HiCacheService:
         Returns:
             tokens already cached.
         Raises:
-            ValueError: a page the engine does not hold, at a position the tree does not own.
+            TypeError: ``device_indices`` is not :class:`Indices`; ``tokens`` are not token
+                ids (as for :meth:`match`).
+            ValueError: a negative token id; too few slots; a page the engine does not
+                hold, at a position the tree does not own. Nothing is changed.
         """
         if not isinstance(device_indices, Indices):
             raise TypeError(f"insert: expected DEVICE_FULL Indices, got {type(device_indices)}")
         with self._call():
-            head = self.tree.page_key(tokens)
+            head = self.tree.page_key(tokens, "insert")  # validated once, reused below
             if len(device_indices) < len(head):
                 raise ValueError(f"insert: {len(device_indices)} slots for {len(head)} tokens")
-            pages = self._engine.insertable(self.tree, tokens, device_indices, len(head))
-            cached = self.tree.insert(tokens, device_indices)
+            pages = self._engine.insertable(self.tree, head, device_indices, len(head))
+            cached = self.tree.insert(head, device_indices)
             self._engine.forget(pages)
             return cached
 
     def alloc_device(self, num_tokens: int) -> Indices | None:
         """``num_tokens`` rounded up to whole pages of fresh device slots (with SWA slots for
         a hybrid pool), evicting once if needed; ``None`` when there is still no room (under
-        ``write_back`` retry after :meth:`step`: evicted pages free up when written)."""
+        ``write_back`` retry after :meth:`step`: evicted pages free up when written).
+        ``alloc_device(0)`` returns empty indices.
+
+        Raises:
+            TypeError: ``num_tokens`` is not an int (a bool, float or string).
+            ValueError: ``num_tokens`` is negative, or more than the pool can ever hold (its
+                capacity; for a hybrid pool the smaller of the full and SWA pools). Checked
+                before anything is evicted.
+        """
+        if isinstance(num_tokens, (bool, np.bool_)) or \
+                not isinstance(num_tokens, (int, np.integer)):
+            raise TypeError(f"alloc_device: num_tokens must be an int, got "
+                            f"{type(num_tokens).__name__} {num_tokens!r:.40}")
+        if num_tokens < 0:
+            raise ValueError(f"alloc_device: num_tokens must be >= 0, got {num_tokens}")
+        pool = self.device_pool
+        capacity, pool_name, key = (self.controller.device_allocator.capacity_tokens, "device",
+                                    "device_pool.num_tokens")
+        if isinstance(pool, HybridSWAPool) and pool.swa_allocator.capacity_tokens < capacity:
+            capacity, pool_name, key = (pool.swa_allocator.capacity_tokens, "device SWA",
+                                        "device_pool.swa_num_tokens")
+        if num_tokens > capacity:
+            raise ValueError(
+                f"alloc_device: {num_tokens} tokens exceed the {pool_name} pool's capacity of "
+                f"{capacity} tokens; allocate at most {capacity} tokens per call, or raise {key}"
+            )
         page = self.tree.page_size
-        rounded = -(-num_tokens // page) * page
+        rounded = -(-int(num_tokens) // page) * page
         with self._call():
             slots = self.tree.io.try_alloc_device(rounded)
             if slots is None:
@@ -219,7 +263,14 @@ class HiCacheService:
     # ---- life cycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the background thread (and the metrics endpoint); no-op when running."""
+        """Start the background thread (and the metrics endpoint); no-op when running.
+
+        Raises:
+            OSError: the metrics address cannot be bound (the port is taken, the host does
+                not resolve); the message names ``host:port`` and the fix, ``errno`` is
+                kept. Nothing is started: ``start`` may be called again once the port is
+                free, and ``stop`` works as usual.
+        """
         self._raise_if_failed()
         if self._stopped:
             raise RuntimeError("the service was stopped; build a new one")

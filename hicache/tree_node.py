@@ -46,14 +46,18 @@ class PendingOp:
 class TreeNode:
     """One radix-tree node; see the module docstring for the slot fields.
 
-    ``lock_count`` counts locks held on this node or any descendant (locks propagate to the
-    ancestors), so a node with ``lock_count > 0`` is never evicted. ``write_op`` /
-    ``load_op`` are set while a backup / load-back of this node's slots is in flight.
+    ``tree_id`` names the tree that made the node, so a tree refuses (in O(1)) a node of
+    another one. ``lock_count`` counts locks held on this node or any descendant (locks
+    propagate to the ancestors), so a node with ``lock_count > 0`` is never evicted.
+    ``write_op`` / ``load_op`` are set while a backup / load-back of this node's slots is in
+    flight. ``is_detached`` is set when the node leaves the tree (evicted from the host, or
+    dropped); such a node is never locked or loaded again.
     """
 
     node_id: int
     key: tuple[int, ...]
     parent: TreeNode | None
+    tree_id: int
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
     device: Indices | None = None
     host: Indices | None = None

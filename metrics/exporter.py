@@ -87,7 +87,10 @@ class MetricsExporter:
         Raises:
             RuntimeError: already serving (call :meth:`stop` first).
             ValueError: ``port`` outside 0..65535.
-            OSError: the address cannot be bound (e.g. the port is taken).
+            OSError: the address cannot be bound (the port is taken, the host does not
+                resolve); the message names ``host:port`` and the fix, the original
+                ``errno`` is kept and the original error is the ``__cause__``. Nothing is
+                left serving.
         """
         if self._server is not None:
             raise RuntimeError(f"metrics endpoint already serving on port {self.port}; "
@@ -95,7 +98,7 @@ class MetricsExporter:
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port {port} is not a TCP port; use 0..65535 "
                              f"(0 picks a free port)")
-        server = _MetricsServer(host, port)
+        server = _bind(host, port)
         server.set_app(make_wsgi_app(self.registry))
         thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": _SHUTDOWN_POLL_S},
@@ -137,6 +140,21 @@ class MetricsExporter:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _bind(host: str, port: int) -> _MetricsServer:
+    """The server bound to ``host:port``, or an ``OSError`` that says what to change."""
+    try:
+        return _MetricsServer(host, port)
+    except socket.gaierror as exc:
+        raise OSError(exc.errno, f"metrics endpoint: host {host!r} does not resolve "
+                                 f"({exc.strerror}); set service.metrics_host to an address "
+                                 f"of this machine") from exc
+    except OSError as exc:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        raise OSError(exc.errno, f"metrics endpoint: cannot bind {address} "
+                                 f"({exc.strerror}); set service.metrics_port to a free "
+                                 f"port, or 0 to pick one") from exc
 
 
 class _QuietHandler(WSGIRequestHandler):
