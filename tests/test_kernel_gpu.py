@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from gpu_shapes import scaled
 
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available, transfer_rows
 from hicache.pools import (
@@ -34,10 +35,12 @@ pytestmark = [
     pytest.mark.skipif(not kernel_available(), reason="needs Triton"),
 ]
 
-NUM_LAYERS = 4
+# Under the sanitizer (gpu_shapes.scaled): 2 layers, 20 pages, 65 pairs (a tile-size tail and
+# past 64), still with padding pairs; geometries, layouts and index dtypes stay the same.
+NUM_LAYERS = scaled(4, 2)
 PAGE_SIZE = 16
-NUM_PAGES = 320  # 5136 slots with the reserved page
-NUM_PAIRS = 4099  # not a multiple of the tile
+NUM_PAGES = scaled(320, 20)  # 5136 (336) device slots with the reserved page
+NUM_PAIRS = scaled(4099, 65)  # not a multiple of the tile
 SENTINEL_BITS = -7  # an int16 pattern no source value has (sources are non-negative)
 GEOMETRIES = {
     "mha-1024": RowGeometry(AttentionKind.MHA, num_kv_heads=8, head_dim=128, latent_dim=0,

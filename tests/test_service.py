@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_shapes import scaled
 from radix_helpers import expected_rows, read_rows, write_rows
 
 from hicache.config import HiCacheConfig, config_from_dict
@@ -191,7 +192,7 @@ def test_random_traffic_beside_the_background_thread(policy: str, hybrid: bool, 
 def test_random_traffic_on_a_gpu(policy: str, hybrid: bool, backend: str) -> None:
     """The same traffic with real asynchronous copies; loaded rows checked after the waits."""
     config = make_config(policy, hybrid, interval_s=0.005, device="cuda", io_backend=backend)
-    run_random_traffic(build_service(config), seed=5, num_ops=1500)
+    run_random_traffic(build_service(config), seed=5, num_ops=scaled(1500, 300))
 
 
 @pytest.mark.gpu
