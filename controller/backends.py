@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from collections.abc import Sequence
 
 import torch
@@ -117,6 +118,25 @@ class KernelBackend(TransferBackend):
             raise ValueError(f"kernel backend: num_programs must be >= 1, got {num_programs}")
         self.num_programs = num_programs
 
+    def check_device(self, device: torch.device) -> None:
+        """CUDA pools with Triton, or CPU pools under the Triton interpreter
+        (``TRITON_INTERPRET=1``, the tests' setting); anything else raises ``ValueError``."""
+        from .kernel import INTERPRET_ENV, kernel_available
+
+        interpreting = os.environ.get(INTERPRET_ENV, "0") == "1"
+        if device.type != "cuda" and not (device.type == "cpu" and interpreting):
+            raise ValueError(
+                f"io_backend 'kernel' cannot serve pools on device {device}: the kernel "
+                f"addresses pinned host memory from a CUDA device (a CPU runs it only in the "
+                f"Triton interpreter, {INTERPRET_ENV}=1); choose io_backend: torch or auto for "
+                f"CPU pools"
+            )
+        if not kernel_available():
+            raise ValueError(
+                "io_backend 'kernel' needs Triton with a CUDA device (or TRITON_INTERPRET=1 on "
+                "a CPU); install triton or choose io_backend: torch"
+            )
+
     def index_devices(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
     ) -> tuple[torch.device, torch.device]:
@@ -163,7 +183,11 @@ def make_backend(name: BackendName | str, device: torch.device, num_programs: in
 
     ``auto`` is ``torch`` on a CPU; on a GPU it chooses per op from the measured table
     (``controller/auto_table.json``), falling back to ``kernel`` (or ``staged`` without
-    Triton).
+    Triton). ``kernel`` and ``staged`` need CUDA pools (``kernel`` also runs on CPU pools in
+    the Triton interpreter, for tests).
+
+    Raises:
+        ValueError: an unknown name, or a backend that cannot serve pools on ``device``.
     """
     from .kernel import kernel_available
 
@@ -180,10 +204,15 @@ def make_backend(name: BackendName | str, device: torch.device, num_programs: in
     if choice is BackendName.TORCH:
         return TorchBackend()
     if choice is BackendName.KERNEL:
-        if not kernel_available():
-            raise ValueError(
-                "io_backend 'kernel' needs Triton with a CUDA device (or TRITON_INTERPRET=1 on "
-                "a CPU); install triton or choose io_backend: torch"
-            )
-        return KernelBackend(num_programs)
+        kernel = KernelBackend(num_programs)
+        kernel.check_device(device)
+        return kernel
+    if device.type != "cuda":
+        # StagedBackend runs on CPU pools as a test of its chunking, but a configured
+        # 'staged' there would only be a slow torch: refuse the configuration.
+        raise ValueError(
+            f"io_backend 'staged' cannot serve pools on device {device}: it gathers rows into "
+            f"a CUDA staging buffer and copies them with the GPU's copy engine; choose "
+            f"io_backend: torch or auto for CPU pools"
+        )
     return StagedBackend(staging_tokens)

@@ -80,7 +80,10 @@ class TransferOp:
     """One submitted move. Owns its tensors until acknowledged.
 
     ``layer_events`` (loads only) has one event per model layer; ``finish_event`` is the
-    last one for loads and a dedicated event for writes.
+    last one for loads and a dedicated event for writes. ``held`` lists the transfers of
+    every queued call this op carries (one call's transfers, or every merged call's): the
+    in-flight counts are taken and given back per entry, where no slot repeats, whereas
+    the merged ``transfers`` may name a host slot twice (two loads of one page).
     """
 
     op_id: int
@@ -95,6 +98,7 @@ class TransferOp:
     finish_event: Event | None = None
     layer_events: list[Event] = field(default_factory=list)
     event_set: int | None = None
+    held: list[PoolTransfer] = field(default_factory=list)
 
     @property
     def primary(self) -> PoolTransfer:
@@ -152,6 +156,12 @@ class TransferBackend(ABC):
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
     ) -> tuple[torch.device, torch.device]:
         """Where this backend wants (host indices, device indices)."""
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ``ValueError`` (naming the backend, ``device`` and the fix) when this backend
+        cannot move rows of pools on ``device``. The controller calls it when it is built;
+        the default accepts every device."""
+        return None
 
     def select(self, direction: Direction, layout: HostLayout, num_tokens: int,
                layer_wise: bool) -> TransferBackend:

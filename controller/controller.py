@@ -7,7 +7,7 @@ Protocol (names in call order)::
     load(host_indices)     -> device indices or None  queue a host-to-device op
     start_loading()        -> event set id or None    issue layer by layer on the load stream
     wait_until(layer)                                 current stream waits for that layer (GPU-side)
-    poll()                 -> [Ack]                   finished ops, FIFO per direction, query() only
+    poll()                 -> [Ack]                   pools' bounds errors, then finished ops (FIFO)
     evict_device / evict_host                         free slots that are not in flight
     drain()                                           shutdown: issue and finish everything
 
@@ -17,7 +17,21 @@ stream does the same, so loads into reused slots never race the forward pass. Ev
 a side stream reads (moved indices and temporaries) is recorded on that stream and held by
 its op until the op is acknowledged. Slots in flight cannot be evicted.
 
-Thread ownership: one thread (the engine's scheduler) calls everything here.
+Refusals (``ValueError``, nothing allocated or queued): ``write`` takes only allocated device
+pages that no queued or in-flight op touches (a second backup of a page is a caller bug, and
+a write of a page a load still fills would race it: the write stream does not wait for the
+load stream); ``load`` takes only allocated host pages that no write is still filling (the
+load stream does not wait for the write stream). Two loads may read one host page. In-flight
+counts are kept per direction and index space and given back per queued call, so merged ops
+balance them exactly.
+
+Reading a layer while loads are queued but not started raises ``RuntimeError`` in
+:meth:`CacheController.wait_until` (which every pool accessor calls) instead of starting
+them: the accessor may run on any thread without the service lock, and issuing a transfer
+from inside it would hide the ordering bug. Call ``start_loading()`` before the forward.
+
+Thread ownership: one thread (the engine's scheduler) calls everything here, except
+``wait_until``, which only reads.
 """
 
 from __future__ import annotations
@@ -42,11 +56,11 @@ from hicache.pools import (
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import Event, LayerEventRing
+from .inflight import InFlightSlots
 from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
 CPU = torch.device("cpu")
-
 
 class CacheController:
     """Moves pages of one full-attention pool pair.
@@ -55,7 +69,8 @@ class CacheController:
         device_pool: the device KV pool (``DEVICE_FULL``).
         device_allocator: allocator of ``device_pool``'s slots.
         host_pool: the pinned host pool (``HOST_FULL``), with its own allocator.
-        backend: how rows cross (see ``controller.backends``).
+        backend: how rows cross (see ``controller.backends``); must serve the pools' device
+            (``TransferBackend.check_device``), else ``ValueError`` here.
         producer_streams: streams that write KV (the engine's forward stream); writes and
             loads wait on all of them. More can be added with :meth:`register_producer_stream`.
         event_ring_size: per-layer event sets for loads (>= 2).
@@ -81,6 +96,7 @@ class CacheController:
         self.host_pool = host_pool
         self.backend = backend
         self.device = device_pool.device
+        backend.check_device(self.device)
         # Model layer ids held by the full pools; a hybrid model adds its SWA layers.
         self.full_layers = tuple(full_layers if full_layers is not None
                                  else range(device_pool.num_layers))
@@ -95,9 +111,7 @@ class CacheController:
         self._op_ids = itertools.count()
         self._queued: dict[Direction, list[TransferOp]] = {d: [] for d in Direction}
         self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
-        self._busy: dict[IndexSpace, np.ndarray] = {}
-        for pool in self._pools():
-            self._busy[pool.space] = np.zeros(pool.num_slots, dtype=np.int32)
+        self._held = InFlightSlots(self._pools())
 
     # ---- configuration ------------------------------------------------------------------
 
@@ -117,8 +131,12 @@ class CacheController:
         Returns:
             ``[n]`` CPU int64 ``HOST_FULL`` slots aligned with ``device_indices``, or
             ``None`` when the host pool is full (nothing queued). Empty in, empty out.
+        Raises:
+            ValueError: ``device_indices`` are not whole, distinct, allocated pages of the
+                device pool, or a queued or in-flight op touches one of them (nothing is
+                allocated or queued then).
         """
-        self._check_cpu(device_indices, self.device_pool, "write")
+        self._check_writable(device_indices, "write")
         host = self.host_pool.allocator.try_alloc(len(device_indices))
         if host is None:
             return None
@@ -153,8 +171,12 @@ class CacheController:
             ``[n]`` CPU int64 ``DEVICE_FULL`` slots, or ``None`` when the device pool is
             full (nothing queued). The rows are valid only after :meth:`wait_until` for
             each layer (or the op's ack).
+        Raises:
+            ValueError: ``host_indices`` are not whole, distinct, allocated pages of the host
+                pool, or a queued or in-flight write is still filling one of them (nothing
+                is allocated or queued then).
         """
-        self._check_cpu(host_indices, self.host_pool, "load")
+        self._check_loadable(host_indices, self.host_pool.allocator, "load")
         device = self.device_allocator.try_alloc(len(host_indices))
         if device is None:
             return None
@@ -193,7 +215,23 @@ class CacheController:
 
     def wait_until(self, layer: int) -> None:
         """Make the caller's current stream wait until ``layer`` of the latest load is in
-        place. A GPU-side wait: the CPU is not blocked. No-op when nothing was loaded."""
+        place. A GPU-side wait: the CPU is not blocked. No-op when nothing was loaded.
+
+        Safe from any thread without the service lock: it only reads. It raises rather than
+        starting queued loads itself, because a transfer issued from inside a pool accessor
+        would run unlocked on whatever thread reads and would hide the ordering bug. O(1).
+
+        Raises:
+            RuntimeError: loads are queued but not started (their rows are not there yet).
+            ValueError: ``layer`` is not a model layer (once a load exists).
+        """
+        queued = self._queued[Direction.HOST_TO_DEVICE]
+        if queued:
+            raise RuntimeError(
+                f"layer {layer} is read while {len(queued)} queued load(s) have not been "
+                f"started; call start_loading() (service.start_loading()) before the forward "
+                f"that reads them"
+            )
         self.layer_events.wait_until(layer)
 
     def set_consumer(self, event_set: int | None) -> None:
@@ -203,7 +241,14 @@ class CacheController:
     # ---- completion ---------------------------------------------------------------------
 
     def poll(self) -> list[Ack]:
-        """Acknowledge finished ops, FIFO per direction, using ``query()`` only.
+        """Raise a pending bounds error of a device pool (:meth:`raise_if_tripped`), then
+        acknowledge finished ops (:meth:`poll_acks`)."""
+        self.raise_if_tripped()
+        return self.poll_acks()
+
+    def poll_acks(self) -> list[Ack]:
+        """Acknowledge finished ops, FIFO per direction, using ``query()`` only; never
+        raises a pool's bounds error (for a background poller).
 
         Acknowledging releases the op's tensors, its in-flight protection and (for loads)
         its event set.
@@ -215,6 +260,15 @@ class CacheController:
                 acks.append(self._acknowledge(queue.popleft()))
         return acks
 
+    def raise_if_tripped(self) -> None:
+        """Raise :class:`~hicache.pools.BoundsError` for the oldest CUDA bounds check of a
+        device pool that the GPU has run and that found an index out of range (each is
+        reported once; the offending rows went to the padding slot). Reads pinned host
+        memory only: no synchronisation."""
+        for pool in self._pools():
+            if isinstance(pool, DeviceKVPool):
+                pool.raise_if_tripped()
+
     def drain(self) -> list[Ack]:
         """Shutdown: issue everything queued, block until it finished, acknowledge it all."""
         self.start_writing()
@@ -223,7 +277,7 @@ class CacheController:
             for op in queue:
                 assert op.finish_event is not None
                 op.finish_event.synchronize()
-        acks = self.poll()
+        acks = self.poll_acks()
         assert not any(self._in_flight.values()), "drain left ops in flight"
         return acks
 
@@ -247,13 +301,15 @@ class CacheController:
         self.host_pool.allocator.free(host_indices)
 
     def is_in_flight(self, indices: Indices) -> bool:
-        """True when any of ``indices`` belongs to an op not yet acknowledged."""
-        busy = self._busy[indices.space]
-        return bool(busy[indices.tensor.numpy()].any()) if len(indices) else False
+        """True when any of ``indices`` (CPU, any space this controller has a pool in, values
+        in ``[0, num_slots)``) belongs to a queued or issued op not yet acknowledged.
+        Raises ``ValueError`` for another space or an out-of-range slot."""
+        slots = self._slots(indices, "is_in_flight")
+        return bool(self._held.mask(indices.space, slots).any())
 
     def busy_slots(self, space: IndexSpace) -> np.ndarray:
         """Slots of ``space`` held by ops in flight (for integrity checks)."""
-        return np.flatnonzero(self._busy[space])
+        return self._held.held_slots(space)
 
     # ---- index movement -----------------------------------------------------------------
 
@@ -275,7 +331,8 @@ class CacheController:
         Returns:
             (host index, device index) raw int64 tensors of equal length.
         """
-        host_pool, device_pool = self._pool(host_indices.space), self._pool(device_indices.space)
+        host_pool = self._pool(host_indices.space, "move_indices")
+        device_pool = self._pool(device_indices.space, "move_indices")
         if not isinstance(host_pool, HostKVPool) or not isinstance(device_pool, DeviceKVPool):
             raise ValueError(
                 f"move_indices: expected (host, device) indices, got spaces "
@@ -307,11 +364,8 @@ class CacheController:
     def _pools(self) -> list[DeviceKVPool | HostKVPool]:
         return [self.device_pool, self.host_pool]
 
-    def _pool(self, space: IndexSpace) -> DeviceKVPool | HostKVPool:
-        for pool in self._pools():
-            if pool.space is space:
-                return pool
-        raise ValueError(f"controller has no pool in index space {space.name}")
+    def _pool(self, space: IndexSpace, op: str) -> DeviceKVPool | HostKVPool:
+        return self._held.pool(space, op)
 
     def _full_transfer(self, host: Indices, device: Indices) -> PoolTransfer:
         return PoolTransfer(
@@ -327,10 +381,32 @@ class CacheController:
             device=CPU, op=op,
         )
 
+    def _slots(self, indices: Indices, op: str) -> np.ndarray:
+        """Raw numpy slots of ``indices``: CPU, a space this controller has, every value in
+        range (numpy would wrap a negative index around)."""
+        if not isinstance(indices, Indices):
+            raise TypeError(f"{op}: expected hicache.pools.Indices, got {type(indices).__name__}")
+        return self._check_cpu(indices, self._pool(indices.space, op), op).numpy()
+
+    def _check_writable(self, device_indices: Indices, op: str) -> None:
+        """Device slots to back up: whole, distinct, allocated pages that no op holds."""
+        slots = _owned_slots(device_indices, self.device_allocator, op,
+                             "back up only device slots that are allocated and hold rows")
+        self._refuse_busy(device_indices.space, slots, op, Direction.DEVICE_TO_HOST)
+
+    def _check_loadable(self, host_indices: Indices, allocator: PageAllocator, op: str) -> None:
+        """Host slots to load: whole, distinct, allocated pages that no write still fills."""
+        slots = _owned_slots(host_indices, allocator, op,
+                             "load only host slots that write() returned and were not evicted")
+        self._refuse_busy(host_indices.space, slots, op, Direction.HOST_TO_DEVICE)
+
+    def _refuse_busy(self, space: IndexSpace, slots: np.ndarray, op: str,
+                     new_op: Direction) -> None:
+        self._held.refuse_conflicts(space, slots, op, new_op)
+
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object) -> None:
-        op = TransferOp(next(self._op_ids), direction, transfers, [tag])
-        for transfer in transfers:
-            self._mark_busy(transfer, +1)
+        op = TransferOp(next(self._op_ids), direction, transfers, [tag], held=list(transfers))
+        self._held.add(op, +1)
         self._queued[direction].append(op)
 
     def _merge(self, direction: Direction) -> TransferOp | None:
@@ -351,7 +427,7 @@ class CacheController:
         executor = self.backend.select(direction, self.host_pool.layout, merged[0].num_tokens,
                                        layer_wise=direction is Direction.HOST_TO_DEVICE)
         op = TransferOp(next(self._op_ids), direction, merged, tags, backend=executor.name,
-                        executor=executor)
+                        executor=executor, held=[t for part in queued for t in part.held])
         op.moved = self.move_op_indices(op)
         return op
 
@@ -386,8 +462,7 @@ class CacheController:
         )
 
     def _acknowledge(self, op: TransferOp) -> Ack:
-        for transfer in op.transfers:
-            self._mark_busy(transfer, -1)
+        self._held.add(op, -1)
         if op.event_set is not None:
             self.layer_events.release(op.event_set)
         duration = (
@@ -405,23 +480,14 @@ class CacheController:
         op.keep_alive.clear()
         return ack
 
-    def _mark_busy(self, transfer: PoolTransfer, delta: int) -> None:
-        for indices in (transfer.host_indices, transfer.device_indices):
-            slots = indices.tensor.numpy()
-            # Fancy-index += counts a slot repeated within one op once, on submit and on ack
-            # alike, so the count stays balanced; np.add.at would cost ~6 ms per 32k slots.
-            self._busy[indices.space][slots[slots != 0]] += delta
-
     def _check_not_busy(self, indices: Indices, op: str) -> None:
-        if indices.space not in self._busy:
-            raise ValueError(f"{op}: controller has no pool in index space {indices.space.name}")
-        pool = self._pool(indices.space)
-        slots = self._check_cpu(indices, pool, op).numpy()
-        busy = slots[self._busy[indices.space][slots] > 0]
+        slots = self._slots(indices, op)
+        busy = slots[self._held.mask(indices.space, slots)]
         if busy.size:
             raise ValueError(
-                f"{op}: slot {int(busy[0])} of pool '{pool.name}' belongs to a transfer in "
-                f"flight; evict it after poll() acknowledged that transfer"
+                f"{op}: slot {int(busy[0])} of pool '{self._pool(indices.space, op).name}' "
+                f"belongs to a transfer in flight; evict it after poll() acknowledged that "
+                f"transfer"
             )
 
     @contextmanager
@@ -431,6 +497,18 @@ class CacheController:
             return
         with torch.cuda.stream(stream):
             yield
+
+
+def _owned_slots(indices: Indices, allocator: PageAllocator, op: str, fix: str) -> np.ndarray:
+    """Raw numpy slots of ``indices`` once they are whole, distinct pages of ``allocator``'s
+    pool (space, range, page 0: ``PageAllocator.pages_of``) and every page is allocated."""
+    slot = allocator.first_unallocated(indices, op=op)
+    if slot is not None:
+        raise ValueError(
+            f"{op}: {allocator.space.name} slot {slot} of pool '{allocator.name}' is not "
+            f"allocated (never allocated, or already freed); {fix}"
+        )
+    return indices.tensor.numpy()
 
 
 def _cat(parts: list[Indices]) -> Indices:

@@ -66,10 +66,16 @@ class HybridCacheController(CacheController):
         Returns:
             host :class:`HybridSlots` (``HOST_FULL``, ``HOST_SWA`` with 0 for tokens without
             an SWA slot), or ``None`` when either host pool is full (nothing allocated).
+        Raises:
+            ValueError: as :meth:`CacheController.write`, for the full slots and for the SWA
+                slots they map to (nothing is allocated or queued then).
         """
-        self._check_cpu(device_indices, self.device_pool, "write")
+        self._check_writable(device_indices, "write")
         device_swa = self.hybrid_pool.swa_slots_of(device_indices)
         mapped = device_swa.tensor != 0
+        swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
+        self._refuse_busy(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write",
+                          Direction.DEVICE_TO_HOST)
         host_full = self.host_pool.allocator.try_alloc(len(device_indices))
         if host_full is None:
             return None
@@ -81,8 +87,7 @@ class HybridCacheController(CacheController):
         if len(host_full):
             transfers = [
                 self._full_transfer(host_full, device_indices),
-                self._swa_transfer(host_swa_part, Indices(device_swa.tensor[mapped],
-                                                          IndexSpace.DEVICE_SWA)),
+                self._swa_transfer(host_swa_part, swa_part),
             ]
             self._queue(Direction.DEVICE_TO_HOST, transfers, tag)
         return HybridSlots(host_full, host_swa)
@@ -102,6 +107,10 @@ class HybridCacheController(CacheController):
             device :class:`HybridSlots` (``DEVICE_FULL``, ``DEVICE_SWA`` aligned, 0 outside
             the tail), or ``None`` when either device pool is short; then nothing stays
             allocated.
+        Raises:
+            ValueError: misaligned ``host_swa``, a tail token without an SWA host slot, or
+                (as :meth:`CacheController.load`) full or tail SWA host slots that are not
+                allocated pages or that a write is still filling; nothing allocated then.
         """
         self._check_cpu(host_indices, self.host_pool, "load")
         swa_host = self._check_cpu(host_swa, self.host_swa, "load")
@@ -116,6 +125,9 @@ class HybridCacheController(CacheController):
                 "load: a token of the window tail has no SWA host slot; its SWA rows were "
                 "never backed up, so it cannot be restored (recompute it instead)"
             )
+        self._check_loadable(host_indices, self.host_pool.allocator, "load")
+        swa_tail = Indices(swa_host[tail], IndexSpace.HOST_SWA)
+        self._check_loadable(swa_tail, self.host_swa.allocator, "load")
         device_full = self.device_allocator.try_alloc(len(host_indices))
         if device_full is None:
             return None
@@ -127,7 +139,7 @@ class HybridCacheController(CacheController):
         if len(device_full):
             transfers = [
                 self._full_transfer(host_indices, device_full),
-                self._swa_transfer(Indices(swa_host[tail], IndexSpace.HOST_SWA), device_swa_part),
+                self._swa_transfer(swa_tail, device_swa_part),
             ]
             self._queue(Direction.HOST_TO_DEVICE, transfers, tag)
         return HybridSlots(

@@ -236,8 +236,16 @@ class HiCacheService:
             return self.tree.evict_host(num_tokens)
 
     def step(self) -> int:
-        """Apply finished ops (queued by the thread, or polled here); returns how many."""
+        """Apply finished ops (queued by the thread, or polled here); returns how many.
+
+        Raises:
+            BoundsError: a CUDA bounds check of a device pool (``set_kv``, a translation, a
+                page table) that the GPU has run since the last step found an index out of
+                range; nothing live was written (see :mod:`hicache.pools.bounds`). Raised
+                before anything is applied; the next step goes on normally.
+        """
         with self._call():
+            self.controller.raise_if_tripped()
             acks = self._collect_acks()
             self._apply(acks)
             return len(acks)
@@ -334,7 +342,7 @@ class HiCacheService:
 
     def _poll_once(self) -> bool:
         with self.service_lock:
-            acks = self.controller.poll()
+            acks = self.controller.poll_acks()  # bounds errors go to step(), not this thread
             self.stats.polls += 1
             if self.exporter is not None:
                 self.exporter.refresh()
@@ -379,7 +387,7 @@ class HiCacheService:
 
     def _collect_acks(self) -> list[Ack]:
         """Queued acks first (older), then whatever the controller finished since."""
-        acks = self._drain_queue() + self.controller.poll()
+        acks = self._drain_queue() + self.controller.poll_acks()
         if self.exporter is not None:
             self.exporter.refresh()
         return acks

@@ -136,3 +136,58 @@ def test_debug_flag_makes_deferred_checks_immediate(monkeypatch: pytest.MonkeyPa
     guard = _deferred()
     with pytest.raises(BoundsError, match=r"^op: slot 8"):
         guard.check(torch.tensor([8]), bound=8, op="op")
+
+
+# ---- where deferred errors surface: the controller's poll() and the service's step() -------
+
+
+def test_controller_poll_raises_a_deferred_error_and_keeps_its_acks() -> None:
+    """A bad slot in set_kv raises nothing at the call (deferred, as on CUDA); poll() raises
+    it naming the op, and the next poll() returns the acks it held back."""
+    from controller_helpers import make_controller
+
+    from hicache.controller import TorchBackend
+    from hicache.pools import IndexSpace, Indices
+
+    ctrl = make_controller(TorchBackend())
+    pool = ctrl.device_pool
+    pool.guard = BoundsGuard("full", CPU, deferred=True)
+    slots = ctrl.device_allocator.try_alloc(2)
+    assert slots is not None and ctrl.write(slots) is not None
+    ctrl.start_writing()
+    rows = torch.zeros(2, 2, 4)
+    before = pool.data.clone()
+    bad = Indices(torch.tensor([5, -1]), IndexSpace.DEVICE_FULL)
+    pool.set_kv(0, bad, rows, rows)
+    expected = before.clone()
+    expected[:, 0, 5] = 0  # the valid row; -1 went to the padding row, which was cleared
+    expected[:, 0, 0] = 0
+    assert torch.equal(pool.data, expected)  # the last slot (-1) untouched
+    with pytest.raises(BoundsError, match=r"set_kv\(layer=0\): slot -1 is negative for pool "
+                                          r"'full'"):
+        ctrl.poll()
+    assert len(ctrl.poll()) == 1
+    ctrl.raise_if_tripped()
+
+
+def test_service_step_raises_a_deferred_error_not_the_background_thread() -> None:
+    """The background poller never raises a bounds error (the service stays usable); step()
+    raises it once, and the next step() works."""
+    from test_service import full_pool, make_config, wait_for
+
+    from hicache.factory import build_service
+    from hicache.pools import IndexSpace, Indices
+
+    with build_service(make_config(interval_s=0.01)) as service:
+        pool = full_pool(service)
+        pool.guard = BoundsGuard("full", CPU, deferred=True)
+        rows = torch.zeros(1, 1, 2)
+        pool.set_kv(1, Indices(torch.tensor([pool.num_slots]), IndexSpace.DEVICE_FULL),
+                    rows, rows)
+        polls = service.stats.polls
+        wait_for(lambda: service.stats.polls > polls + 2)
+        assert service.stats.background_errors == 0
+        with pytest.raises(BoundsError, match=rf"slot {pool.num_slots} is out of range"):
+            service.step()
+        assert service.step() == 0
+        service.check_integrity()

@@ -244,7 +244,7 @@ def test_background_error_surfaces_on_the_next_call(
     plain: HiCacheService, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A failing poll is counted and raised, wrapped, by every later scheduler call."""
-    monkeypatch.setattr(plain.controller, "poll", _fail)
+    monkeypatch.setattr(plain.controller, "poll_acks", _fail)
     plain.start()
     wait_for(lambda: plain.stats.background_errors == 1)
     for _ in range(2):
@@ -258,7 +258,7 @@ def test_background_error_surfaces_on_the_next_call(
 
 def test_unsurfaced_background_error_is_raised_by_stop(monkeypatch: pytest.MonkeyPatch) -> None:
     service = build_service(make_config())
-    monkeypatch.setattr(service.controller, "poll", _fail)
+    monkeypatch.setattr(service.controller, "poll_acks", _fail)
     service.start()
     wait_for(lambda: service.stats.background_errors == 1)
     monkeypatch.undo()
