@@ -55,6 +55,9 @@ class BoundsGuard:
         self._pinned: torch.Tensor | None = None  # the pinned rows themselves
         self._device_rows: torch.Tensor | None = None  # [RING_ROWS, 2] int64 on the device
         self._record_low = self._record_high = torch.empty(0)
+        self._captured: torch.Tensor | None = None  # [2] sticky record of graph replays
+        self._captured_pinned = torch.empty(0, dtype=torch.int64)
+        self._captured_ops: list[str] = []
         self._what: list[tuple[str, str, int]] = [("", "", 0)] * RING_ROWS
         self._next = 0  # sequence number of the next check
         self._read = 0  # checks before this one have been read
@@ -85,6 +88,7 @@ class BoundsGuard:
         """Raise :class:`BoundsError` for the oldest finished CUDA check that found an
         offending value (each such check is reported once). Reads pinned host memory only:
         checks the GPU has not run yet are left for a later call."""
+        self._raise_if_captured_tripped()
         if self._records is None or self._read == self._next:
             return
         first, last = self._read, self._next
@@ -114,6 +118,8 @@ class BoundsGuard:
 
     def _check_on_device(self, tensor: torch.Tensor, bound: int, op: str, unit: str
                          ) -> torch.Tensor:
+        if tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self._check_captured(tensor, bound, op, unit)
         pinned, device_rows = self._ring(tensor.device)
         if self._next - self._read >= RING_ROWS:
             self._wait_for_oldest()
@@ -132,6 +138,41 @@ class BoundsGuard:
         self._what[row] = (op, unit, bound)
         self._next += 1
         return safe
+
+    def _check_captured(self, tensor: torch.Tensor, bound: int, op: str, unit: str
+                        ) -> torch.Tensor:
+        """A check recorded into a CUDA graph: every replay folds its excess into one sticky
+        device record, copied to pinned memory after each replay's check (a ring row would
+        be overwritten by replays long after the CPU read it)."""
+        if self._captured is None:
+            self._captured = torch.zeros(2, dtype=torch.int64, device=tensor.device)
+            self._captured_pinned = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        values = tensor.to(torch.int64)
+        safe = values.clamp(0, bound - 1)
+        excess = values - safe
+        safe.masked_fill_(excess != 0, PADDING_SLOT)
+        low, high = torch.aminmax(excess)
+        torch.minimum(self._captured[0], low, out=self._captured[0])
+        torch.maximum(self._captured[1], high, out=self._captured[1])
+        self._captured_pinned.copy_(self._captured, non_blocking=True)
+        self._captured_ops.append(f"{op} ({unit}s 0..{bound - 1})")
+        return safe
+
+    def _raise_if_captured_tripped(self) -> None:
+        if self._captured is None:
+            return
+        low, high = (int(v) for v in self._captured_pinned.numpy())
+        if low == 0 and high == 0:
+            return
+        self._captured.zero_()  # queued on the current stream: later replays start clean
+        self._captured_pinned.zero_()
+        found = f"a value {low}" if low < 0 else f"a value {high} past its bound"
+        raise BoundsError(
+            f"a bounds check captured in a CUDA graph found {found} in pool "
+            f"'{self.pool_name}' (captured checks: {', '.join(self._captured_ops)}); the "
+            f"offending entries were redirected to the padding index 0, so nothing live was "
+            f"written, but that replay's result is wrong"
+        )
 
     def _ring(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._pinned is None or self._device_rows is None:

@@ -1,0 +1,174 @@
+"""What the always-on bounds checks cost: ``python -m hicache.bench_checks``.
+
+Each row times one call shape, with its reference measured in the same run (the same work
+without the check):
+
+- ``set_kv`` of a decode batch into one layer: with plain ``Indices`` (checked on every
+  call), with the forward's ``ForwardLocs`` (checked once per forward, so no check per
+  layer), and the bare ``index_copy_`` of the same rows (no check at all). ``forward_locs``
+  itself is the once-per-forward check and translation.
+- ``translate_page_table`` of a decode batch's table, against the bare gather.
+- the CPU-side validation of a 32k-token transfer (the controller's ``write``: index checks
+  and page ownership), against issuing the same write with the checks skipped is not
+  possible, so the reference is the copy of the rows it queues (GPU) or the whole
+  ``write`` + ``start_writing`` (CPU).
+
+CPU time is the scheduler thread's cost per call (calls issued back to back, the device
+synchronised once at the end); GPU time is from CUDA events around the same loop. Prints a
+table; ``--json PATH`` writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from hicache.controller import CacheController, TorchBackend
+from hicache.pools import (
+    AttentionKind,
+    HostKVPool,
+    HostLayout,
+    HybridSWAPool,
+    IndexSpace,
+    Indices,
+    PageTable,
+    RowGeometry,
+)
+
+GEOMETRY = RowGeometry(AttentionKind.MHA, 8, 128, 0, torch.bfloat16)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> tuple[float, float]:
+    """(CPU us per call, GPU us per call or nan) over ``repeats`` back-to-back calls."""
+    for _ in range(3):
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    began = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    cpu_us = (time.perf_counter() - began) / repeats * 1e6
+    if not cuda:
+        return cpu_us, float("nan")
+    end.record()
+    torch.cuda.synchronize(device)
+    return cpu_us, start.elapsed_time(end) / repeats * 1e3
+
+
+def decode_rows(device: torch.device, batch: int, max_pages: int, repeats: int
+                ) -> list[tuple[str, float, float]]:
+    """set_kv, forward_locs and translate_page_table of one decode batch."""
+    page = 16
+    pool = HybridSWAPool(num_layers=2, swa_layers=[1], full_pages=4096, swa_pages=4096,
+                         page_size=page, geometry=GEOMETRY, device=device)
+    slots = pool.try_alloc(batch * page)
+    assert slots is not None
+    locs = Indices(slots.tensor[::page].to(device), IndexSpace.DEVICE_FULL)
+    k = torch.randn(batch, 8, 128, device=device).to(torch.bfloat16)
+    handle = pool.forward_locs(locs)
+    index = handle.full.tensor
+    rows = pool.full.data[0, 0]
+    table = PageTable(torch.randint(1, 4097, (batch, max_pages), dtype=torch.int32,
+                                    device=device), IndexSpace.DEVICE_FULL, page)
+    first_slots = table.tensor.to(torch.int64) * page
+    results = [
+        ("set_kv, Indices (checked per call)", *timed(lambda: pool.set_kv(0, locs, k, k), device,
+                                                      repeats)),
+        ("set_kv, ForwardLocs (checked per forward)",
+         *timed(lambda: pool.set_kv(0, handle, k, k), device, repeats)),
+        ("reference: 2 x index_copy_ + padding clear",
+         *timed(lambda: _bare_write(rows, index, k), device, repeats)),
+        ("forward_locs (check + SWA translation)",
+         *timed(lambda: pool.forward_locs(locs), device, repeats)),
+        (f"translate_page_table [{batch}, {max_pages}]",
+         *timed(lambda: pool.translate_page_table(table), device, repeats)),
+        ("reference: the bare gather of that table",
+         *timed(lambda: (pool.full_to_swa[first_slots] // page).to(torch.int32), device,
+                repeats)),
+    ]
+    pool.raise_if_tripped()
+    return results
+
+
+def _bare_write(rows: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> None:
+    flat = k.flatten(1)
+    for _ in range(2):
+        rows.index_copy_(0, index, flat)
+        rows[0].zero_()
+
+
+def transfer_rows(device: torch.device, tokens: int, repeats: int
+                  ) -> list[tuple[str, float, float]]:
+    """The CPU-side validation of a ``tokens``-token write, and the whole issue of it."""
+    from hicache.pools import DeviceKVPool, PageAllocator
+
+    page, layers = 16, 2
+    allocator = PageAllocator(tokens // page, page, IndexSpace.DEVICE_FULL, "full")
+    pool = DeviceKVPool(name="full", space=IndexSpace.DEVICE_FULL, num_layers=layers,
+                        num_slots=allocator.num_slots, geometry=GEOMETRY, device=device)
+    host = HostKVPool(name="full", space=IndexSpace.HOST_FULL, num_layers=layers,
+                      num_pages=tokens // page, page_size=page, geometry=GEOMETRY,
+                      layout=HostLayout.LAYER_FIRST)
+    controller = CacheController(device_pool=pool, device_allocator=allocator, host_pool=host,
+                                 backend=TorchBackend())
+    slots = allocator.try_alloc(tokens)
+    assert slots is not None
+
+    def write() -> None:
+        host_slots = controller.write(slots)
+        assert host_slots is not None
+        controller.start_writing()
+        controller.drain()
+        controller.evict_host(host_slots)
+
+    def validate() -> None:
+        controller._check_cpu(slots, pool, "write")
+        allocator.pages_of(slots, op="write")
+
+    try:
+        return [
+            (f"write of {tokens} tokens: index checks only", *timed(validate, device, repeats)),
+            (f"reference: write + start_writing + drain ({layers} layers)",
+             *timed(write, device, max(1, repeats // 10))),
+        ]
+    finally:
+        host.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hicache.bench_checks",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--batch", type=int, default=64, help="decode batch rows")
+    parser.add_argument("--max-pages", type=int, default=256, help="page-table columns")
+    parser.add_argument("--tokens", type=int, default=32768, help="tokens of the transfer")
+    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    rows = decode_rows(device, args.batch, args.max_pages, args.repeats)
+    rows += transfer_rows(device, args.tokens, args.repeats)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}; decode batch {args.batch} rows of 8 x 128 bf16 "
+          f"per K and V; {args.repeats} calls per row")
+    print(f"{'call':<52} {'CPU us':>9} {'GPU us':>9}")
+    print("-" * 72)
+    for label, cpu_us, gpu_us in rows:
+        print(f"{label:<52} {cpu_us:>9.1f} {gpu_us:>9.1f}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(
+            {"device": name, "torch": torch.__version__, "batch": args.batch,
+             "rows": [{"call": c, "cpu_us": a, "gpu_us": b} for c, a, b in rows]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
