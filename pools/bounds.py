@@ -6,11 +6,12 @@ that pool (``set_kv``, translations, page tables, decode-buffer fills) passes th
 
 - **CPU tensors** are checked at once: a negative value or one ``>= bound`` raises
   :class:`BoundsError` before anything is written.
-- **CUDA tensors** are checked on the GPU, asynchronously, by a few small
-  elementwise kernels on the caller's stream: offending entries are redirected to the
+- **CUDA tensors** are checked on the GPU, asynchronously, on the caller's stream, by one
+  Triton launch (:mod:`hicache.pools.bounds_kernel`; a few torch ops without Triton, for very
+  large tensors and inside CUDA-graph capture): offending entries are redirected to the
   padding slot (slot or page 0, whose rows are cleared after every write, so nothing live is
-  written) and the check's smallest and largest excess are copied, without blocking, into a
-  pinned host record. :meth:`BoundsGuard.raise_if_tripped` reads those records on the CPU
+  written) and the check's smallest and largest excess land, without blocking, in a pinned
+  host record. :meth:`BoundsGuard.raise_if_tripped` reads those records on the CPU
   (no synchronisation); the controller's ``poll()`` and the service's ``step()`` call it, so
   the error surfaces at the first of those calls after the GPU ran the check, naming the op,
   the pool, the value and the bound. Nothing raises a device-side assert.
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from .base import PADDING_SLOT, BoundsError, bounds_message, check_now, debug_checks_enabled
+from .bounds_kernel import check_with_kernel, kernel_check_available
 
 RING_ROWS = 4096
 _PENDING = (1, -1)  # impossible words: a record's first is never > 0, its second never < 0
@@ -125,6 +127,11 @@ class BoundsGuard:
             self._wait_for_oldest()
         assert self._records is not None
         row = self._next % RING_ROWS
+        self._records[row] = _PENDING
+        self._what[row] = (op, unit, bound)
+        self._next += 1
+        if kernel_check_available(tensor):
+            return check_with_kernel(tensor, bound, pinned[row])
         values = tensor.to(torch.int64)
         safe = values.clamp(0, bound - 1)
         excess = values - safe
@@ -133,10 +140,7 @@ class BoundsGuard:
         torch.aminmax(excess, out=(record[0], record[1]))
         # (min(low, 0), max(high, 0)): the words pending marks can never occur
         torch.clamp(record, min=self._record_low, max=self._record_high, out=record)
-        self._records[row] = _PENDING
-        pinned[row].copy_(device_rows[row], non_blocking=True)
-        self._what[row] = (op, unit, bound)
-        self._next += 1
+        pinned[row].copy_(record, non_blocking=True)
         return safe
 
     def _check_captured(self, tensor: torch.Tensor, bound: int, op: str, unit: str

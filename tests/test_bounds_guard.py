@@ -3,19 +3,32 @@ CPU (``deferred=True``) so every path of it is tested without a GPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from hicache.pools import DEBUG_CHECKS_ENV, BoundsError, BoundsGuard
 from hicache.pools.bounds import RING_ROWS
+from hicache.pools.bounds_kernel import kernel_check_available
 
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _debug_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The debug flag would make deferred checks immediate."""
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def _path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs the deferred check through the Triton kernel (in the interpreter, as
+    CI runs it) and through the torch ops; the debug flag is off (it makes checks
+    immediate)."""
     monkeypatch.delenv(DEBUG_CHECKS_ENV, raising=False)
+    if request.param == "kernel":
+        if request.node.get_closest_marker("ring_only"):
+            pytest.skip("ring bookkeeping: the torch path covers it (the interpreter is slow)")
+        if os.environ.get("TRITON_INTERPRET") != "1" or not kernel_check_available(
+                torch.zeros(1)):
+            pytest.skip("the kernel path runs on a CPU only under TRITON_INTERPRET=1")
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
 
 
 def _deferred() -> BoundsGuard:
@@ -100,6 +113,7 @@ def test_pending_record_is_not_read() -> None:
         guard.raise_if_tripped()
 
 
+@pytest.mark.ring_only
 def test_ring_wraps_and_reads_every_check() -> None:
     """More checks than ring rows, read as they go: the bad one after the wrap is found."""
     guard = _deferred()
@@ -111,6 +125,7 @@ def test_ring_wraps_and_reads_every_check() -> None:
         guard.raise_if_tripped()
 
 
+@pytest.mark.ring_only
 def test_full_ring_reads_before_reusing_a_row() -> None:
     """A full ring of unread checks is read before a row is reused, so no bad check is lost
     (the error is raised by the check that needed the row)."""
