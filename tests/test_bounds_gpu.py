@@ -3,6 +3,7 @@ nothing live written, and the error raised at the next poll()/step()."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -146,6 +147,8 @@ def test_refilled_buffer_on_cuda_is_bit_exact(pool: HybridSWAPool) -> None:
     pool.raise_if_tripped()
 
 
+@pytest.mark.skipif(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1",
+                    reason="CUDA graph capture needs the caching allocator")
 def test_captured_check_reports_a_bad_replay(pool: HybridSWAPool) -> None:
     """set_kv inside a CUDA graph: a replay with a bad slot writes nothing live and is
     reported at the next read; a clean replay afterwards reports nothing."""
