@@ -160,7 +160,9 @@ main() {
     echo "gpu_check: no GPU-marked tests found under tests/" >&2
     return 1
   fi
-  pytest_cmd=(python3 -m pytest -q -m gpu -p no:cacheprovider "${gpu_files[@]}")
+  # -v: every finished test is a line of the log, so a run killed at its limit still shows
+  # where the time went; --durations lists the slowest at the end.
+  pytest_cmd=(python3 -m pytest -v --durations=15 -m gpu -p no:cacheprovider "${gpu_files[@]}")
   sanitizer=$(find_sanitizer) || sanitizer=""
   local status=0
   for run in $runs; do

@@ -140,7 +140,10 @@ def test_interleaved_moves_with_concurrent_forward(backend: TransferBackend) -> 
     for step in range(24):
         with torch.cuda.stream(forward):
             ctrl.device_pool.data[:, :, other_index] = float(step)
-        if step % 3 != 2 or not backed:
+        # Only acknowledged backups can be loaded (the load stream does not wait for the
+        # write stream, so the controller refuses a host page a write still fills).
+        ready = [entry for entry in backed if not ctrl.is_in_flight(entry[0])]
+        if step % 3 != 2 or not ready:
             device = ctrl.device_allocator.try_alloc(8)
             assert device is not None
             rows = device_rows(ctrl.device_pool)[device.tensor]
@@ -149,8 +152,8 @@ def test_interleaved_moves_with_concurrent_forward(backend: TransferBackend) -> 
             ctrl.start_writing()
             backed.append((host, rows))
         else:
-            pick = int(torch.randint(len(backed), (1,), generator=generator))
-            host, rows = backed[pick]
+            pick = int(torch.randint(len(ready), (1,), generator=generator))
+            host, rows = ready[pick]
             target = ctrl.load(host)
             if target is not None:
                 ctrl.start_loading()
