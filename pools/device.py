@@ -100,6 +100,10 @@ class DeviceKVPool:
         # The tensor's device carries the index ("cuda" -> "cuda:0"), as every tensor's does;
         # comparing against a bare "cuda" would reject every index on the GPU.
         self.device = self.data.device
+        # Views made once: set_kv runs per layer per forward, and each view costs a few us.
+        self._rows = [[self.data[c, layer] for layer in range(num_layers)]
+                      for c in range(geometry.num_components)]
+        self._padding = [[rows[PADDING_SLOT] for rows in component] for component in self._rows]
         self.guard = BoundsGuard(name, self.device)
         self._layer_waiter: LayerWaiter | None = None
 
@@ -238,8 +242,8 @@ class DeviceKVPool:
             return
         index = index.to(torch.int64)
         for component, flat in enumerate(flats):
-            self.data[component, layer].index_copy_(0, index, flat)
-            self.data[component, layer, PADDING_SLOT].zero_()
+            self._rows[component][layer].index_copy_(0, index, flat)
+            self._padding[component][layer].zero_()
 
     def _check_rows(self, value: torch.Tensor, num_rows: int, component: int) -> torch.Tensor:
         expected = self.geometry.row_elems
