@@ -26,9 +26,10 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def make_config(policy: str = "write_through", hybrid: bool = False, interval_s: float = 1.0,
-                device: str = "cpu", io_backend: str = "torch", metrics: bool = False
-                ) -> HiCacheConfig:
-    """A 2-layer model, 32 device tokens in pages of 2, host twice as large, no metrics."""
+                device: str = "cpu", io_backend: str = "torch", metrics: bool = False,
+                metrics_port: int = 0) -> HiCacheConfig:
+    """A 2-layer model, 32 device tokens in pages of 2 (16 SWA tokens when hybrid), host
+    twice as large; metrics only when asked for (port 0: a free one)."""
     model: dict[str, Any] = {"num_layers": 2, "attention": "mha", "num_kv_heads": 1,
                              "head_dim": 2, "dtype": "float32"}
     pool: dict[str, Any] = {"num_tokens": 32, "device": device}
@@ -40,7 +41,7 @@ def make_config(policy: str = "write_through", hybrid: bool = False, interval_s:
         "host": {"ratio": 2.0, "ram_reserve_gib": 0.0},
         "controller": {"io_backend": io_backend, "write_policy": policy,
                        "load_back_threshold_tokens": 0},
-        "service": {"metrics_enabled": metrics, "metrics_port": 0,
+        "service": {"metrics_enabled": metrics, "metrics_port": metrics_port,
                     "integrity_check_interval_s": interval_s},
     })
 

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_service import make_config as service_config
 
-from hicache.config import HiCacheConfig, config_from_dict
+from hicache.config import HiCacheConfig
 from hicache.factory import build_service
 from hicache.pools import IndexSpace, Indices
 from hicache.service import HiCacheService
@@ -25,22 +26,9 @@ B = [4, 4, 5, 5]
 
 
 def make_config(hybrid: bool = False, metrics_port: int | None = None) -> HiCacheConfig:
-    """A 2-layer model, 32 device tokens in pages of 2 (16 SWA tokens when hybrid), host
-    twice as large, write-through, metrics only when a port is given."""
-    model: dict[str, Any] = {"num_layers": 2, "attention": "mha", "num_kv_heads": 1,
-                             "head_dim": 2, "dtype": "float32"}
-    pool: dict[str, Any] = {"num_tokens": 32, "device": "cpu"}
-    if hybrid:
-        model.update(swa_layers=[1], window_tokens=3)
-        pool["swa_num_tokens"] = 16
-    return config_from_dict({
-        "page_size_tokens": PAGE, "model": model, "device_pool": pool,
-        "host": {"ratio": 2.0, "ram_reserve_gib": 0.0},
-        "controller": {"io_backend": "torch", "write_policy": "write_through",
-                       "load_back_threshold_tokens": 0},
-        "service": {"metrics_enabled": metrics_port is not None,
-                    "metrics_port": metrics_port or 0},
-    })
+    """test_service's small config, write-through; metrics only when a port is given."""
+    return service_config(hybrid=hybrid, metrics=metrics_port is not None,
+                          metrics_port=metrics_port or 0)
 
 
 def put(service: HiCacheService, tokens: list[int]) -> None:
