@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
 
-from .bench_cli import add_bench_parser
+from .bench import add_bench_parser
 from .config import (
     GIB,
     ConfigError,
@@ -21,7 +21,7 @@ from .config import (
     available_ram_bytes,
     load_config,
 )
-from .sizing import PoolSize, pool_layers, pool_sizes, staging_bytes
+from .config.sizing import PoolSize, pool_layers, pool_sizes, staging_bytes
 
 USAGE_ERROR = 2
 FAILED = 1

@@ -17,7 +17,7 @@ import torch
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
 
-from .radix_tree import RadixTree
+from .radix import RadixTree
 
 
 class EngineSlots:

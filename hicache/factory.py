@@ -1,6 +1,6 @@
 """Build a :class:`~hicache.service.HiCacheService` from a validated configuration.
 
-Assembly order: backend, device pool(s), host pool(s) sized by :mod:`hicache.sizing`, the
+Assembly order: backend, device pool(s), host pool(s) sized by :mod:`hicache.config.sizing`, the
 controller (registered as the device pool's layer waiter, so every attention accessor waits
 for layer-wise loads by construction), the radix tree, the service. Nothing starts a thread
 or opens a socket here; ``service.start()`` (or ``with build_service(config) as service``)
@@ -22,9 +22,9 @@ from hicache.controller import (
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, PageAllocator
 
 from .config import GIB, HiCacheConfig
+from .config.sizing import PoolName, device_num_pages, host_num_pages, pool_layers, pool_sizes
 from .radix import HiRadixCache
 from .service import HiCacheService
-from .sizing import PoolName, device_num_pages, host_num_pages, pool_layers, pool_sizes
 
 logger = logging.getLogger(__name__)
 

@@ -41,9 +41,7 @@ from hicache.metrics import MetricsExporter, controller_pool_usage
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, Indices
 
 from .engine_slots import EngineSlots
-from .radix import HiRadixCache
-from .radix_tree import TokenIds
-from .tree_node import MatchResult, TreeNode
+from .radix import HiRadixCache, MatchResult, TokenIds, TreeNode
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ class TransferSource(Protocol):
 
 
 class CacheSource(Protocol):
-    """Cumulative radix-tree counters in tokens (``hicache.tree_node.CacheStats``)."""
+    """Cumulative radix-tree counters in tokens (``hicache.radix.CacheStats``)."""
 
     @property
     def matched_tokens(self) -> int:

@@ -23,8 +23,7 @@ from hicache.pools import (
     PageAllocator,
     RowGeometry,
 )
-from hicache.radix import HiRadixCache
-from hicache.tree_node import TreeNode
+from hicache.radix import HiRadixCache, TreeNode
 
 GEOMETRY = RowGeometry(AttentionKind.MHA, 1, 2, 0, torch.float32)  # rows of 2 elements
 NUM_LAYERS = 3

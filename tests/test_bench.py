@@ -13,14 +13,14 @@ import torch
 from gpu_shapes import under_sanitizer
 
 from hicache.bench import main
-from hicache.bench_auto import auto_table, choose_rows, pick_backend
-from hicache.bench_cli import add_bench_parser, check_args, parse_args
-from hicache.bench_plot import have_matplotlib
-from hicache.bench_report import render, targets
-from hicache.bench_results import BenchResult, Ceiling, Measurement, load_json, save_json
-from hicache.bench_timing import split_spans
-from hicache.bench_verify import Verifier, randomize
-from hicache.bench_workload import (
+from hicache.bench.auto import auto_table, choose_rows, pick_backend
+from hicache.bench.cli import add_bench_parser, check_args, parse_args
+from hicache.bench.plot import have_matplotlib
+from hicache.bench.report import render, targets
+from hicache.bench.results import BenchResult, Ceiling, Measurement, load_json, save_json
+from hicache.bench.timing import split_spans
+from hicache.bench.verify import Verifier, randomize
+from hicache.bench.workload import (
     BenchmarkError,
     Session,
     Shape,

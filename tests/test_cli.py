@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache import config as config_module
 from hicache.cli import main
+from hicache.config import loading
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def test_ram_check_can_be_skipped(
     in_repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--skip-ram-check accepts host pools larger than this machine's free RAM."""
-    monkeypatch.setattr(config_module, "available_ram_bytes", lambda: 0)
+    monkeypatch.setattr(loading, "available_ram_bytes", lambda: 0)
     assert main(["check-config", "config.yaml"]) == 2
     assert "host.ratio = 4.0: host pools need" in capsys.readouterr().err
     assert main(["check-config", "--skip-ram-check", "config.yaml"]) == 0

@@ -1,4 +1,4 @@
-"""Strict config loading (hicache.config) and pool sizes (hicache.sizing)."""
+"""Strict config loading (hicache.config) and pool sizes (hicache.config.sizing)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 import torch
 
-from hicache import config as config_module
 from hicache.config import (
     GIB,
     ConfigError,
@@ -27,9 +26,10 @@ from hicache.config import (
     WritePolicy,
     config_from_dict,
     load_config,
+    loading,
 )
+from hicache.config.sizing import PoolSize, host_num_pages, pool_layers, pool_sizes
 from hicache.pools import AttentionKind, HostLayout
-from hicache.sizing import PoolSize, host_num_pages, pool_layers, pool_sizes
 
 MISSING = object()
 
@@ -259,7 +259,7 @@ def test_host_size_gib_smaller_than_one_page() -> None:
 
 def test_host_larger_than_available_ram(monkeypatch: pytest.MonkeyPatch) -> None:
     """Host pools beyond available RAM minus the reserve name the key, figures and fix."""
-    monkeypatch.setattr(config_module, "available_ram_bytes", lambda: 3 * GIB)
+    monkeypatch.setattr(loading, "available_ram_bytes", lambda: 3 * GIB)
     data = edited(edited(dense(), "host.ratio", MISSING), "host.size_gib", 1.5)
     with pytest.raises(ConfigError, match=r"host\.size_gib = 1\.5: host pools need 1\.50 GiB "
                        r"but 3\.00 GiB of RAM is available and host\.ram_reserve_gib keeps "
@@ -269,7 +269,7 @@ def test_host_larger_than_available_ram(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_host_within_available_ram(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same host tier fits once the reserve is lowered."""
-    monkeypatch.setattr(config_module, "available_ram_bytes", lambda: 3 * GIB)
+    monkeypatch.setattr(loading, "available_ram_bytes", lambda: 3 * GIB)
     data = edited(edited(dense(), "host.ratio", MISSING), "host.size_gib", 1.5)
     config = config_from_dict(edited(data, "host.ram_reserve_gib", 1.0))
     assert config.host.size_gib == 1.5
@@ -277,7 +277,7 @@ def test_host_within_available_ram(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_ram_check_can_be_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """check_ram=False validates everything but the RAM."""
-    monkeypatch.setattr(config_module, "available_ram_bytes", lambda: 0)
+    monkeypatch.setattr(loading, "available_ram_bytes", lambda: 0)
     assert config_from_dict(dense(), check_ram=False).host.ratio == 2.5
     with pytest.raises(ConfigError, match=r"host\.ratio = 2\.5: host pools need"):
         config_from_dict(dense())
@@ -287,15 +287,15 @@ def test_unknown_ram_is_not_checked(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """When available RAM cannot be read, loading warns and goes on."""
-    monkeypatch.setattr(config_module, "available_ram_bytes", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="hicache.config"):
+    monkeypatch.setattr(loading, "available_ram_bytes", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="hicache.config.loading"):
         config_from_dict(dense())
     assert "cannot read available RAM" in caplog.text
 
 
 def test_available_ram_is_read() -> None:
     """This machine reports a positive amount of available RAM."""
-    available = config_module.available_ram_bytes()
+    available = loading.available_ram_bytes()
     assert available is not None and available > 0
 
 

@@ -21,7 +21,7 @@ from radix_helpers import (
 )
 
 from hicache.config import EvictionPolicy, WritePolicy
-from hicache.radix_tree import slots_of
+from hicache.radix.tree import slots_of
 
 A = [1, 2, 3, 4, 5, 6, 7, 8]
 WT, WTS, WB = WritePolicy.WRITE_THROUGH, WritePolicy.WRITE_THROUGH_SELECTIVE, WritePolicy.WRITE_BACK

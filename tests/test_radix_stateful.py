@@ -22,7 +22,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 from radix_helpers import HybridRig, Rig, ids
 
 from hicache.config import EvictionPolicy, WritePolicy
-from hicache.tree_node import TreeNode
+from hicache.radix import TreeNode
 
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=10)
 SETTINGS = settings(

@@ -18,8 +18,8 @@ from hicache.config import HiCacheConfig, config_from_dict
 from hicache.controller import HybridCacheController
 from hicache.factory import build_service
 from hicache.pools import DeviceKVPool, HybridSWAPool, IndexSpace, Indices
+from hicache.radix import TreeNode
 from hicache.service import HiCacheService, ServiceError
-from hicache.tree_node import TreeNode
 
 PAGE = 2
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -19,8 +19,8 @@ import torch
 
 from hicache.config import HiCacheConfig, WritePolicy
 from hicache.factory import build_service
+from hicache.radix import CacheStats
 from hicache.service import HiCacheService
-from hicache.tree_node import CacheStats
 
 from .model import ModelSpec, TinyDecoder
 from .reference import reference_tokens

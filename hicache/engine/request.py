@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.pools import IndexSpace, Indices
-from hicache.tree_node import TreeNode
+from hicache.radix import TreeNode
 
 from .workload import Turn
 

@@ -1,4 +1,4 @@
-"""What the always-on bounds checks cost: ``python -m hicache.bench_checks``.
+"""What the always-on bounds checks cost: ``python -m hicache.bench.checks``.
 
 Each row times one call shape, with its reference measured in the same run (the same work
 without the check):
@@ -144,7 +144,7 @@ def transfer_rows(device: torch.device, tokens: int, repeats: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hicache.bench_checks",
+    parser = argparse.ArgumentParser(prog="python -m hicache.bench.checks",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=64, help="decode batch rows")

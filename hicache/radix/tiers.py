@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import heapq
 
+from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import CacheController, Direction, HybridCacheController
 
-from .config import EvictionPolicy, WritePolicy
+from .node import CacheStats, PendingOp, TreeNode
 from .node_io import HybridNodeIO, NodeIO
-from .radix_tree import Clock, RadixTree, slots_of, subtree
-from .tree_node import CacheStats, PendingOp, TreeNode
+from .tree import Clock, RadixTree, slots_of, subtree
 
 _HeapEntry = tuple[tuple[float, ...], int, TreeNode]
 

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .bench_results import LOAD, WRITE, Measurement
+from .results import LOAD, WRITE, Measurement
 
 DEFAULT_MAX_SLOWDOWN_PCT = 5.0
 DEFAULT_MIN_SHARE_OF_BEST = 0.8

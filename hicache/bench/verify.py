@@ -12,7 +12,7 @@ import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
-from .bench_workload import BenchmarkError, Issued, Session
+from .workload import BenchmarkError, Issued, Session
 
 SENTINEL_BITS = -7  # int16 pattern of every unwritten bf16 element
 

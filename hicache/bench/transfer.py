@@ -1,5 +1,5 @@
-"""Transfer benchmark through the real cache controller: ``python -m hicache.bench`` or
-``hicache bench`` (options: :mod:`hicache.bench_cli`).
+"""Transfer benchmark through the real cache controller: the GPU run behind
+``python -m hicache.bench`` and ``hicache bench`` (options: :mod:`hicache.bench.cli`).
 
 One run on one GPU measures, for an MHA model's KV rows at random page-granular device slots:
 
@@ -13,9 +13,9 @@ One run on one GPU measures, for an MHA model's KV rows at random page-granular 
 4. how much a concurrent bf16 matmul loop on its own stream slows during each transfer;
 5. the staged backend's staging memory;
 6. writes and loads of smaller sizes for ``kernel`` and ``staged``, from which the ``auto``
-   table is chosen (:mod:`hicache.bench_auto`); ``auto`` is then measured with that table.
+   table is chosen (:mod:`hicache.bench.auto`); ``auto`` is then measured with that table.
 
-Every configuration is verified bit for bit once (:mod:`hicache.bench_verify`); a mismatch
+Every configuration is verified bit for bit once (:mod:`hicache.bench.verify`); a mismatch
 aborts the run. Ops go through ``CacheController.write/start_writing`` and
 ``load/start_loading``, so index movement, events and stream waits are in what is timed.
 """
@@ -28,7 +28,6 @@ import functools
 import logging
 import math
 import statistics
-import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,9 +42,9 @@ from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
-from .bench_auto import auto_table, candidate_measurements, choose_rows
-from .bench_results import BOTH, LOAD, WRITE, BenchResult, Ceiling, Measurement
-from .bench_timing import (
+from .auto import auto_table, candidate_measurements, choose_rows
+from .results import BOTH, LOAD, WRITE, BenchResult, Ceiling, Measurement
+from .timing import (
     WARMUP_MATMULS,
     CeilingBuffers,
     MatmulLoop,
@@ -57,8 +56,8 @@ from .bench_timing import (
     run_batches,
     time_copy,
 )
-from .bench_verify import Verifier, randomize
-from .bench_workload import (
+from .verify import Verifier, randomize
+from .workload import (
     BenchmarkError,
     Session,
     Shape,
@@ -85,7 +84,7 @@ class Context:
 
 
 def run_benchmark(args: argparse.Namespace) -> BenchResult:
-    """Run every configuration of ``args`` (see :mod:`hicache.bench_cli`) on the GPU.
+    """Run every configuration of ``args`` (see :mod:`hicache.bench.cli`) on the GPU.
 
     Raises:
         BenchmarkError: no CUDA device (or no Triton for ``kernel``), or a backend moved
@@ -306,14 +305,3 @@ def _host_pool(shape: Shape, layout: HostLayout) -> Iterator[HostKVPool]:
     finally:
         torch.cuda.synchronize()
         pool.close()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hicache.bench``: see :mod:`hicache.bench_cli` for the options."""
-    from .bench_cli import parse_args, run_bench
-
-    return run_bench(parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

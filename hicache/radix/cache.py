@@ -4,7 +4,7 @@ A node's KV rows sit on the device (``DEVICE_FULL`` slots), on the host (``HOST_
 both; hybrid models add aligned SWA slots. Device-resident nodes form an ancestor-closed
 set and every other node has a complete host copy, so a match is a device prefix followed
 by a host-only run that :meth:`HiRadixCache.load_back` can bring back. Policies (write and
-eviction) live in :mod:`hicache.radix_tiers`, the tree's shape in :mod:`hicache.radix_tree`.
+eviction) live in :mod:`hicache.radix.tiers`, the tree's shape in :mod:`hicache.radix.tree`.
 
 Slot ownership (the contract with the engine):
 
@@ -38,15 +38,15 @@ from collections.abc import Iterable
 
 import torch
 
+from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import Ack, CacheController, Direction
 from hicache.pools import IndexSpace, Indices
 
-from .config import EvictionPolicy, WritePolicy
+from .integrity import check_tree
+from .node import MatchResult, PendingOp, TreeNode, cat_indices, empty_indices, slice_indices
 from .node_io import SlotPair
-from .radix_integrity import check_tree
-from .radix_tiers import TieredRadixTree
-from .radix_tree import Clock, TokenIds, slots_of
-from .tree_node import MatchResult, PendingOp, TreeNode, cat_indices, empty_indices, slice_indices
+from .tiers import TieredRadixTree
+from .tree import Clock, TokenIds, slots_of
 
 logger = logging.getLogger(__name__)
 

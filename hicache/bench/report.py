@@ -1,6 +1,6 @@
 """The benchmark's printed report: header, main table, target check and auto table.
 
-Pure formatting of a :class:`~hicache.bench_results.BenchResult`; runs without a GPU (for
+Pure formatting of a :class:`~hicache.bench.results.BenchResult`; runs without a GPU (for
 ``--from-json``). The targets are the H100 goals of the transfer engine (DESIGN section 5).
 """
 
@@ -10,8 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .bench_auto import CANDIDATES, worst_by_backend
-from .bench_results import BOTH, LOAD, WRITE, BenchResult, Measurement
+from .auto import CANDIDATES, worst_by_backend
+from .results import BOTH, LOAD, WRITE, BenchResult, Measurement
 
 TARGET_BACKENDS = ("staged", "auto")
 BACKEND_ORDER = ("torch", "kernel", "staged", "auto")

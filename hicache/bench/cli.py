@@ -1,9 +1,10 @@
 """``hicache bench``: arguments and the command's handler.
 
 :func:`add_bench_parser` registers the subcommand on the ``hicache`` parser (its handler is
-``args.run``); ``python -m hicache.bench`` parses the same arguments with :func:`parse_args`.
-The GPU part lives in :mod:`hicache.bench` and is imported only when a run needs it, so
-``--from-json`` re-renders a saved result (table, plot, auto table) on any machine.
+``args.run``); ``python -m hicache.bench`` (:func:`main`) parses the same arguments with
+:func:`parse_args`. The GPU part lives in :mod:`hicache.bench.transfer` and is imported only
+when a run needs it, so ``--from-json`` re-renders a saved result (table, plot, auto table)
+on any machine.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .bench_auto import DEFAULT_MAX_SLOWDOWN_PCT, DEFAULT_MIN_SHARE_OF_BEST
-from .bench_plot import have_matplotlib, plot
-from .bench_report import render
-from .bench_results import BenchResult, load_json, save_json
+from .auto import DEFAULT_MAX_SLOWDOWN_PCT, DEFAULT_MIN_SHARE_OF_BEST
+from .plot import have_matplotlib, plot
+from .report import render
+from .results import BenchResult, load_json, save_json
 
 USAGE_ERROR = 2
 FAILED = 1
@@ -99,6 +100,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hicache.bench``: parse ``argv`` (default ``sys.argv[1:]``) and run."""
+    return run_bench(parse_args(argv))
+
+
 def resolve_sizes(args: argparse.Namespace) -> None:
     """Fill the size options left unset: the ``--quick`` values or the full ones. What the
     command line names always wins."""
@@ -144,8 +150,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s",
                             datefmt="%H:%M:%S")
-    from .bench import run_benchmark
-    from .bench_workload import BenchmarkError
+    from .transfer import run_benchmark
+    from .workload import BenchmarkError
 
     try:
         result = run_benchmark(args)

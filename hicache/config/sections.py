@@ -1,52 +1,26 @@
-"""Strict configuration: YAML -> frozen dataclasses, one per component, validated on load.
+"""The sections of the configuration: one frozen dataclass per component, and its choices.
 
 The YAML file has the sections ``model``, ``device_pool``, ``host``, ``controller`` and
 ``service`` plus the top-level ``page_size_tokens``. Every field carries its unit in its name
-and a docstring; closed choices are enums with string values. Loading is strict: an unknown
-key, a missing required key, a wrong type (``true`` is not an integer; an integer is a fine
-float), a bad choice or an impossible size raises :class:`ConfigError`, whose one-line
-message names the dotted key (``host.layout``), the value and the fix.
+and a docstring; closed choices are enums with string values. Each section checks its own
+fields on construction and raises :class:`~hicache.config.parse.ConfigError`, whose one-line
+message names the dotted key (``host.layout``), the value and the fix. Checks that span
+sections live in :class:`~hicache.config.hicache.HiCacheConfig`.
 
-Validation is pure arithmetic: nothing is allocated. Constructing :class:`HiCacheConfig`
-checks every size, down to each host pool holding at least one page (the sizes come from
-:mod:`hicache.sizing`); :func:`config_from_dict` and :func:`load_config` then check that the
-host pools fit in the RAM available now, minus ``host.ram_reserve_gib``.
-
-This module holds what the config is: the enums, the section dataclasses, loading and the
-RAM check. The generic machinery (strict YAML, typed conversion, the check helpers and
-:class:`ConfigError` itself, re-exported here) lives in :mod:`hicache.config_parse`.
+Validation is pure arithmetic: nothing is allocated.
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
-import logging
-import math
-import os
 import re
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
-import yaml
 
-from .config_parse import (
-    ConfigError,
-    StrictLoader,
-    build_section,
-    check_min,
-    check_positive,
-    fail,
-    forbid,
-    require,
-    yaml_reason,
-)
-from .pools import AttentionKind, HostLayout, RowGeometry
+from hicache.pools import AttentionKind, HostLayout, RowGeometry
 
-logger = logging.getLogger(__name__)
-
-GIB = 2**30
+from .parse import ConfigError, check_min, check_positive, fail, forbid, require
 
 
 class DType(enum.Enum):
@@ -84,9 +58,6 @@ class EvictionPolicy(enum.Enum):
 
     LRU = "lru"
     LFU = "lfu"
-
-
-# ---- components ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,154 +254,3 @@ class ServiceConfig:
                         "use 0..65535 (0 picks a free port)")
         check_min("service.integrity_check_interval_s", self.integrity_check_interval_s, 0)
 
-
-@dataclass(frozen=True, kw_only=True)
-class HiCacheConfig:
-    """The whole configuration; cross-component sizes are checked here."""
-
-    model: ModelConfig
-    device_pool: DevicePoolConfig
-    page_size_tokens: int
-    """Tokens per page (>= 1): the unit of allocation, matching and transfer."""
-    host: HostTierConfig
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    service: ServiceConfig = field(default_factory=ServiceConfig)
-
-    def __post_init__(self) -> None:
-        check_min("page_size_tokens", self.page_size_tokens, 1)
-        pool = self.device_pool
-        self._check_pages("device_pool.num_tokens", pool.num_tokens)
-        if not self.is_hybrid:
-            forbid("device_pool.swa_num_tokens", pool.swa_num_tokens,
-                    "model.swa_layers is empty, so there is no SWA pool")
-        else:
-            self._check_swa_pool()
-        self._check_host_pages()
-
-    def _check_swa_pool(self) -> None:
-        pool = self.device_pool
-        window = self.model.window_tokens
-        assert window is not None, "ModelConfig requires window_tokens with swa_layers"
-        min_swa = -(-window // self.page_size_tokens) * self.page_size_tokens
-        if window > pool.num_tokens:
-            raise fail("model.window_tokens", window, "window larger than the device pool",
-                        f"raise device_pool.num_tokens ({pool.num_tokens}) to at least "
-                        f"{min_swa} or shrink the window")
-        if pool.swa_num_tokens is None:
-            raise ConfigError(
-                f"device_pool.swa_num_tokens: missing; the model has sliding-window layers "
-                f"{list(self.model.swa_layers)}, so add it (at least {min_swa} tokens)",
-                key="device_pool.swa_num_tokens",
-            )
-        self._check_pages("device_pool.swa_num_tokens", pool.swa_num_tokens)
-        if pool.swa_num_tokens < window:
-            raise fail("device_pool.swa_num_tokens", pool.swa_num_tokens,
-                        f"SWA pool smaller than the window (model.window_tokens = {window})",
-                        f"set it to at least {min_swa}")
-        if pool.swa_num_tokens > pool.num_tokens:
-            raise fail("device_pool.swa_num_tokens", pool.swa_num_tokens,
-                        f"larger than device_pool.num_tokens ({pool.num_tokens}); every SWA "
-                        f"slot belongs to a full slot, so the rest would never be used",
-                        f"set it to at most {pool.num_tokens}")
-
-    def _check_host_pages(self) -> None:
-        from .sizing import pool_sizes  # sizing imports this module
-
-        pool_sizes(self)  # raises when a host pool would be smaller than one page
-
-    def _check_pages(self, key: str, num_tokens: int) -> None:
-        page = self.page_size_tokens
-        if num_tokens % page:
-            low = num_tokens // page * page
-            options = f"{low} or {low + page}" if low else f"{page}"
-            raise fail(key, num_tokens,
-                        f"not a multiple of page_size_tokens ({page})", f"use {options}")
-
-    @property
-    def is_hybrid(self) -> bool:
-        """True when the model has sliding-window layers (full + SWA pools)."""
-        return self.model.is_hybrid
-
-
-# ---- loading ------------------------------------------------------------------------------
-
-
-def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCacheConfig:
-    """Read and validate a YAML config file.
-
-    Args:
-        path: the YAML file.
-        check_ram: also check that the host pools fit in the RAM available now.
-    Raises:
-        ConfigError: unreadable file, invalid YAML, or any invalid setting; the message is
-            one line starting with ``path``.
-    """
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
-        raise ConfigError(f"{path}: cannot read the config file ({reason})") from None
-    try:
-        data = yaml.load(text, Loader=StrictLoader)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML{yaml_reason(exc)}") from None
-    try:
-        return config_from_dict(data, check_ram=check_ram)
-    except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}", key=exc.key) from None
-
-
-def config_from_dict(data: object, *, check_ram: bool = True) -> HiCacheConfig:
-    """Build and validate a config from a parsed YAML mapping (see the module docstring).
-
-    Raises:
-        ConfigError: the message names the dotted key, the value and the fix.
-    """
-    if data is None:
-        raise ConfigError("the config is empty; it needs at least the sections model, "
-                          "device_pool, host and the key page_size_tokens")
-    config: HiCacheConfig = build_section(HiCacheConfig, data, "")
-    if check_ram:
-        check_host_memory(config)
-    return config
-
-
-def available_ram_bytes() -> int | None:
-    """RAM available to new allocations now, in bytes (``MemAvailable``); ``None`` if unknown."""
-    with (
-        contextlib.suppress(OSError, ValueError, IndexError),
-        open("/proc/meminfo", encoding="ascii") as meminfo,
-    ):
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def check_host_memory(config: HiCacheConfig) -> None:
-    """Raise ``ConfigError`` unless all host pools fit in available RAM minus the reserve."""
-    from .sizing import pool_sizes  # sizing imports this module
-
-    need = sum(size.size_bytes for size in pool_sizes(config) if size.tier == "host")
-    available = available_ram_bytes()
-    if available is None:
-        logger.warning("cannot read available RAM; host pools of %.2f GiB are not checked",
-                       need / GIB)
-        return
-    reserve = int(config.host.ram_reserve_gib * GIB)
-    budget = available - reserve
-    if need <= budget:
-        return
-    key, value = config.host.size_key
-    most = math.floor(value * max(budget, 0) / need * 100) / 100
-    raise fail(
-        key, value,
-        f"host pools need {need / GIB:.2f} GiB but {available / GIB:.2f} GiB of RAM is "
-        f"available and host.ram_reserve_gib keeps {reserve / GIB:.2f} GiB of it",
-        f"lower {key} to at most {most}, lower host.ram_reserve_gib, or free memory",
-    )

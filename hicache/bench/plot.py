@@ -7,7 +7,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from .bench_results import BOTH, LOAD, WRITE, BenchResult
+from .results import BOTH, LOAD, WRITE, BenchResult
 
 PANELS = [
     ("write (d2h, all layers): % of ceiling", WRITE, "pct_of_ceiling"),

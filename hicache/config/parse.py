@@ -1,12 +1,12 @@
 """Generic machinery of strict config loading: YAML, typed conversion, checks and messages.
 
-:class:`ConfigError` lives here so that both this module and :mod:`hicache.config` can raise
-it; :mod:`hicache.config` re-exports it. ``StrictLoader`` reads YAML refusing duplicate keys;
+:class:`ConfigError` lives here so that both this module and the sections can raise it;
+:mod:`hicache.config` re-exports it. ``StrictLoader`` reads YAML refusing duplicate keys;
 ``build_section`` turns a parsed mapping into a frozen dataclass, field by field, from its type
 hints: exact types, except that an integer is a fine float and ``null`` is ``None``. The
 ``check_*``, ``require`` and ``forbid`` helpers raise a :class:`ConfigError` whose one-line
 message names the dotted key, the value as the YAML file spells it, the problem and the fix.
-Nothing here knows the config's sections; :mod:`hicache.config` does.
+Nothing here knows the config's sections; :mod:`hicache.config.sections` does.
 """
 
 from __future__ import annotations

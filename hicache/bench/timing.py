@@ -19,7 +19,7 @@ import torch
 
 from hicache.controller import Event
 
-from .bench_workload import Issued, Session
+from .workload import Issued, Session
 
 CUDA = torch.device("cuda")
 # The loop runs this many matmuls (~0.14 s at 8192^3 on an H100) before a transfer is issued,

@@ -18,10 +18,10 @@ import torch
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
 
-from .tree_node import SLOT_FIELDS, TreeNode
+from .node import SLOT_FIELDS, TreeNode
 
 if TYPE_CHECKING:
-    from .radix_tiers import TieredRadixTree
+    from .tiers import TieredRadixTree
 
 _Owned = list[tuple[int, np.ndarray]]  # (node id, pages)
 

@@ -17,7 +17,7 @@ import torch
 
 from hicache.pools import IndexSpace, Indices
 
-from .tree_node import SLOT_FIELDS, MatchResult, TreeNode, cat_indices, slice_indices
+from .node import SLOT_FIELDS, MatchResult, TreeNode, cat_indices, slice_indices
 
 Clock = Callable[[], float]
 # Token ids as engines hold them: ``[n]`` Python ints, or a 1-D integer tensor / numpy array.

@@ -19,9 +19,14 @@ full-to-SWA slot map of a hybrid device pool (8 bytes per full slot) is not coun
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from .config import GIB, ConfigError, HiCacheConfig
+from .parse import ConfigError
+
+if TYPE_CHECKING:  # HiCacheConfig checks its host pools with pool_sizes at construction
+    from .hicache import HiCacheConfig
+
+GIB = 2**30
 
 Tier = Literal["device", "host"]
 PoolName = Literal["full", "swa"]

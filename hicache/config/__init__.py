@@ -1,0 +1,66 @@
+"""Strict configuration: YAML -> frozen dataclasses, one per component, validated on load.
+
+- :mod:`~hicache.config.sections`: the choices (enums) and one dataclass per section
+  (``model``, ``device_pool``, ``host``, ``controller``, ``service``);
+- :mod:`~hicache.config.hicache`: :class:`HiCacheConfig`, the sections together and the
+  checks that span them;
+- :mod:`~hicache.config.loading`: :func:`load_config`, :func:`config_from_dict` and the
+  check of the host pools against available RAM;
+- :mod:`~hicache.config.sizing`: the size of every pool a config asks for, allocating
+  nothing;
+- :mod:`~hicache.config.parse`: the generic machinery (strict YAML, typed conversion, the
+  check helpers and :class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+from .hicache import HiCacheConfig
+from .loading import available_ram_bytes, check_host_memory, config_from_dict, load_config
+from .parse import ConfigError
+from .sections import (
+    ControllerConfig,
+    DevicePoolConfig,
+    DType,
+    EvictionPolicy,
+    HostTierConfig,
+    IOBackend,
+    ModelConfig,
+    ServiceConfig,
+    WritePolicy,
+)
+from .sizing import (
+    GIB,
+    PoolName,
+    PoolSize,
+    device_num_pages,
+    host_num_pages,
+    pool_layers,
+    pool_sizes,
+    staging_bytes,
+)
+
+__all__ = [
+    "GIB",
+    "ConfigError",
+    "ControllerConfig",
+    "DType",
+    "DevicePoolConfig",
+    "EvictionPolicy",
+    "HiCacheConfig",
+    "HostTierConfig",
+    "IOBackend",
+    "ModelConfig",
+    "PoolName",
+    "PoolSize",
+    "ServiceConfig",
+    "WritePolicy",
+    "available_ram_bytes",
+    "check_host_memory",
+    "config_from_dict",
+    "device_num_pages",
+    "host_num_pages",
+    "load_config",
+    "pool_layers",
+    "pool_sizes",
+    "staging_bytes",
+]

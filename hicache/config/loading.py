@@ -1,0 +1,103 @@
+"""Loading a configuration: a YAML file or a parsed mapping -> a validated HiCacheConfig.
+
+Loading is strict: an unknown key, a missing required key, a wrong type (``true`` is not an
+integer; an integer is a fine float), a bad choice or an impossible size raises
+:class:`~hicache.config.parse.ConfigError`, whose one-line message names the dotted key, the
+value and the fix. :func:`config_from_dict` and :func:`load_config` then check that the host
+pools fit in the RAM available now, minus ``host.ram_reserve_gib``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from pathlib import Path
+
+import yaml
+
+from .hicache import HiCacheConfig
+from .parse import ConfigError, StrictLoader, build_section, fail, yaml_reason
+from .sizing import GIB, pool_sizes
+
+logger = logging.getLogger(__name__)
+
+
+def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCacheConfig:
+    """Read and validate a YAML config file.
+
+    Args:
+        path: the YAML file.
+        check_ram: also check that the host pools fit in the RAM available now.
+    Raises:
+        ConfigError: unreadable file, invalid YAML, or any invalid setting; the message is
+            one line starting with ``path``.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise ConfigError(f"{path}: cannot read the config file ({reason})") from None
+    try:
+        data = yaml.load(text, Loader=StrictLoader)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: invalid YAML{yaml_reason(exc)}") from None
+    try:
+        return config_from_dict(data, check_ram=check_ram)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}", key=exc.key) from None
+
+
+def config_from_dict(data: object, *, check_ram: bool = True) -> HiCacheConfig:
+    """Build and validate a config from a parsed YAML mapping (see the module docstring).
+
+    Raises:
+        ConfigError: the message names the dotted key, the value and the fix.
+    """
+    if data is None:
+        raise ConfigError("the config is empty; it needs at least the sections model, "
+                          "device_pool, host and the key page_size_tokens")
+    config: HiCacheConfig = build_section(HiCacheConfig, data, "")
+    if check_ram:
+        check_host_memory(config)
+    return config
+
+
+def available_ram_bytes() -> int | None:
+    """RAM available to new allocations now, in bytes (``MemAvailable``); ``None`` if unknown."""
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        open("/proc/meminfo", encoding="ascii") as meminfo,
+    ):
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_host_memory(config: HiCacheConfig) -> None:
+    """Raise ``ConfigError`` unless all host pools fit in available RAM minus the reserve."""
+    need = sum(size.size_bytes for size in pool_sizes(config) if size.tier == "host")
+    available = available_ram_bytes()
+    if available is None:
+        logger.warning("cannot read available RAM; host pools of %.2f GiB are not checked",
+                       need / GIB)
+        return
+    reserve = int(config.host.ram_reserve_gib * GIB)
+    budget = available - reserve
+    if need <= budget:
+        return
+    key, value = config.host.size_key
+    most = math.floor(value * max(budget, 0) / need * 100) / 100
+    raise fail(
+        key, value,
+        f"host pools need {need / GIB:.2f} GiB but {available / GIB:.2f} GiB of RAM is "
+        f"available and host.ram_reserve_gib keeps {reserve / GIB:.2f} GiB of it",
+        f"lower {key} to at most {most}, lower host.ram_reserve_gib, or free memory",
+    )

@@ -1,0 +1,31 @@
+"""The hierarchical radix tree: cached prefixes of token ids whose KV rows live on two tiers.
+
+- :mod:`~hicache.radix.cache`: :class:`HiRadixCache`, what the service drives (match,
+  insert, load-back, acks, integrity);
+- :mod:`~hicache.radix.tiers`: :class:`TieredRadixTree`, the write and eviction policies;
+- :mod:`~hicache.radix.tree`: :class:`RadixTree`, the tree's shape (pages, matching, splits);
+- :mod:`~hicache.radix.node`: :class:`TreeNode`, :class:`MatchResult` and the counters;
+- :mod:`~hicache.radix.node_io`: how nodes' slots move through the controller;
+- :mod:`~hicache.radix.integrity`: the conservation check behind ``check_integrity``.
+
+Bookkeeping only: nothing here touches a stream (the controller does).
+"""
+
+from __future__ import annotations
+
+from .cache import HiRadixCache
+from .node import CacheStats, MatchResult, PendingOp, TreeNode
+from .tiers import TieredRadixTree
+from .tree import Clock, RadixTree, TokenIds
+
+__all__ = [
+    "CacheStats",
+    "Clock",
+    "HiRadixCache",
+    "MatchResult",
+    "PendingOp",
+    "RadixTree",
+    "TieredRadixTree",
+    "TokenIds",
+    "TreeNode",
+]
