@@ -85,10 +85,18 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``hicache bench``; its handler is ``args.run`` (returns the exit code)."""
-    parser = subparsers.add_parser("bench", help="transfer bandwidth against the ceiling",
-                                   description=DESCRIPTION)
+    parser = subparsers.add_parser(
+        "bench", help="transfer bandwidth against the ceiling (GPU); 'bench scheduler': the "
+        "scheduler thread's costs (CPU)", description=DESCRIPTION)
     add_bench_arguments(parser)
     parser.set_defaults(run=run_bench)
+    from . import scheduler_cli
+
+    kinds = parser.add_subparsers(dest="bench_kind", metavar="scheduler")
+    scheduler = kinds.add_parser("scheduler", help=scheduler_cli.DESCRIPTION,
+                                 description=scheduler_cli.DESCRIPTION)
+    scheduler_cli.add_arguments(scheduler)
+    scheduler.set_defaults(run=scheduler_cli.run)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

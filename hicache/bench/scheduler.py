@@ -1,0 +1,247 @@
+"""``hicache bench scheduler``: what hicache costs the engine's scheduler thread, on a CPU.
+
+Every figure is a call an engine makes between GPU steps, timed one call at a time
+(``time.perf_counter_ns``) through the real service over CPU pools of a tiny row geometry
+(so the copies of a CPU "transfer" are a few bytes and bookkeeping dominates), at trees of
+several sizes (tokens cached on the device). Reported per figure: min, median and max over
+the repeats, and the log-log slope of the median against the tree size (0: flat; 1: linear).
+
+The workload is chat-like: system prompts of ``SYSTEM_TOKENS`` shared by conversations whose
+turns extend their history, cut into whole pages, inserted until the tree holds the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import random
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+
+import torch
+
+from hicache.config import config_from_dict
+from hicache.factory import build_service
+from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.service import HiCacheService
+
+PAGE = 16
+SYSTEM_TOKENS = 1024
+TURN_TOKENS = 512
+VOCAB = 50_000
+
+
+@dataclasses.dataclass
+class Figure:
+    """One row of the table: a call and its per-size timings (microseconds)."""
+
+    name: str
+    target_us: float | None
+    by_size: dict[int, list[float]] = dataclasses.field(default_factory=dict)
+
+    def summary(self, size: int) -> tuple[float, float, float]:
+        values = self.by_size[size]
+        return min(values), statistics.median(values), max(values)
+
+    def slope(self) -> float | None:
+        """Log-log slope of the median against the tree size (``None`` for one size)."""
+        sizes = sorted(self.by_size)
+        if len(sizes) < 2:
+            return None
+        medians = [max(self.summary(s)[1], 1e-3) for s in sizes]
+        return math.log(medians[-1] / medians[0]) / math.log(sizes[-1] / sizes[0])
+
+
+def make_service(capacity_tokens: int, host_ratio: float = 1.0, interval_s: float = 3600.0,
+                 page_size: int = PAGE) -> HiCacheService:
+    """A plain CPU service, one layer of 2-element rows, write-through; the background
+    thread (when started) checks integrity every ``interval_s`` while idle."""
+    return build_service(config_from_dict({
+        "page_size_tokens": page_size,
+        "model": {"num_layers": 1, "attention": "mha", "num_kv_heads": 1, "head_dim": 2,
+                  "dtype": "float32"},
+        "device_pool": {"num_tokens": capacity_tokens, "device": "cpu"},
+        "host": {"ratio": host_ratio, "ram_reserve_gib": 0.0},
+        "controller": {"io_backend": "torch", "write_policy": "write_through",
+                       "load_back_threshold_tokens": 0},
+        "service": {"metrics_enabled": False, "integrity_check_interval_s": interval_s},
+    }))
+
+
+class ChatWorkload:
+    """Deterministic chat prompts: ``num_systems`` system prompts, conversations growing by
+    ``TURN_TOKENS`` a turn."""
+
+    def __init__(self, seed: int, num_systems: int = 1000) -> None:
+        self.rng = random.Random(seed)
+        self.systems = [self._tokens(SYSTEM_TOKENS) for _ in range(num_systems)]
+        self.histories: list[list[int]] = []
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(VOCAB) for _ in range(n)]
+
+    def next_prompt(self) -> list[int]:
+        """A new conversation (40%) or the next turn of an earlier one."""
+        if not self.histories or self.rng.random() < 0.4:
+            history = list(self.rng.choice(self.systems))
+            self.histories.append(history)
+        else:
+            history = self.rng.choice(self.histories)
+        history += self._tokens(TURN_TOKENS)
+        return list(history)
+
+
+def serve(service: HiCacheService, tokens: list[int]) -> None:
+    """One request's bookkeeping cycle: match, lock, alloc, insert, release, apply acks."""
+    match = service.match(tokens)
+    service.lock(match.last_device_node)
+    have = match.device_hit_tokens
+    new = service.alloc_device(len(tokens) - have)
+    assert new is not None, "the benchmark's device pool is too small"
+    slots = Indices(torch.cat([match.device_indices.tensor, new.tensor]), IndexSpace.DEVICE_FULL)
+    service.insert(tokens, slots)
+    whole = len(tokens) // PAGE * PAGE
+    if len(slots) > whole:
+        service.free_device(Indices(slots.tensor[whole:], IndexSpace.DEVICE_FULL))
+    service.release(match.last_device_node)
+    service.step()
+
+
+def fill(service: HiCacheService, workload: ChatWorkload, target_tokens: int) -> None:
+    """Serve prompts until the tree caches ``target_tokens`` (whole pages)."""
+    while service.tree.stats.inserted_tokens < target_tokens:
+        serve(service, workload.next_prompt())
+
+
+def timed(call: Callable[[], object], repeats: int,
+          before: Callable[[], object] | None = None) -> list[float]:
+    """Microseconds of ``call`` per repeat (``before`` runs untimed before each)."""
+    out = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter_ns()
+        call()
+        out.append((time.perf_counter_ns() - start) / 1e3)
+    return out
+
+
+def measure_tree(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
+    """Every tree-size-dependent figure at a tree of ``size`` cached tokens."""
+    service = make_service(capacity_tokens=2 * size + 65_536, host_ratio=1.0)
+    try:
+        workload = ChatWorkload(seed)
+        gc.collect()
+        tracemalloc.start()
+        fill(service, workload, size)
+        tree_bytes = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        pages = max(1, service.tree.stats.inserted_tokens // PAGE)
+        cached = workload.next_prompt()
+        serve(service, cached)
+        prompt_2k = cached[:SYSTEM_TOKENS] + workload._tokens(1024)
+        prompt_32k = (cached * (32_768 // len(cached) + 1))[:32_768]
+        out = {
+            "match of a 2k-token prompt": timed(lambda: service.match(prompt_2k), repeats),
+            "match of a 32k-token prompt": timed(lambda: service.match(prompt_32k),
+                                                 max(3, repeats // 10)),
+            "one request's cycle (2k tokens)": timed(
+                lambda: serve(service, workload.next_prompt()[-2048:]), repeats),
+            "evict one page": timed(lambda: service.evict(PAGE), repeats),
+            "evict 10% of the tree": timed(lambda: service.evict(size // 10), 1),
+            "check_integrity()": timed(service.check_integrity, 1),
+            "Python bytes per cached page": [tree_bytes / pages],
+        }
+        return out
+    finally:
+        service.stop()
+
+
+def measure_allocator(repeats: int) -> dict[str, list[float]]:
+    """One-page allocations from a 1M-token pool, fresh and fragmented."""
+    fresh = PageAllocator(65_536, PAGE, IndexSpace.DEVICE_FULL, "full")
+    holey = PageAllocator(65_536, PAGE, IndexSpace.DEVICE_FULL, "full")
+    every = holey.try_alloc(65_536 * PAGE)
+    assert every is not None
+    holey.free(Indices(every.tensor.view(-1, 2 * PAGE)[:, :PAGE].reshape(-1),
+                       IndexSpace.DEVICE_FULL))
+
+    def one(allocator: PageAllocator) -> Callable[[], None]:
+        def call() -> None:
+            got = allocator.try_alloc(PAGE)
+            assert got is not None
+            allocator.free(got)
+        return call
+
+    return {"allocate + free 1 page, 1M-token pool": timed(one(fresh), repeats),
+            "the same, pool fragmented": timed(one(holey), repeats)}
+
+
+def measure_controller(repeats: int) -> dict[str, list[float]]:
+    """Controller bookkeeping of one write op (1 and 256 pages: write, start_writing, the
+    poll that acknowledges it; rows of 8 bytes, so the CPU copy is negligible) and the poll
+    per acknowledged op."""
+    service = make_service(capacity_tokens=1 << 16, host_ratio=1.0)
+    controller = service.controller
+    out: dict[str, list[float]] = {}
+    try:
+        for num_pages in (1, 256):
+            device = controller.device_allocator.try_alloc(num_pages * PAGE)
+            assert device is not None
+            host: list[Indices] = []
+
+            def cycle(device: Indices = device, host: list[Indices] = host) -> None:
+                slots = controller.write(device)
+                assert slots is not None
+                controller.start_writing()
+                assert controller.poll()
+                host.append(slots)
+
+            def release(host: list[Indices] = host) -> None:
+                while host:
+                    controller.evict_host(host.pop())
+
+            out[f"controller op bookkeeping, {num_pages} page(s)"] = timed(
+                cycle, repeats, before=release)
+            release()
+        device = controller.device_allocator.try_alloc(PAGE)
+        assert device is not None
+        polls = []
+        for _ in range(repeats):
+            slots = controller.write(device)
+            assert slots is not None
+            controller.start_writing()
+            start = time.perf_counter_ns()
+            assert len(controller.poll()) == 1
+            polls.append((time.perf_counter_ns() - start) / 1e3)
+            controller.evict_host(slots)
+        out["poll() per acknowledged op"] = polls
+        return out
+    finally:
+        service.stop()
+
+
+def measure_thread_latency(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
+    """p99 and max of a 2k-token match with the background thread off, then running (it
+    polls and runs its idle integrity check every 10 ms)."""
+    service = make_service(capacity_tokens=2 * size + 65_536, interval_s=0.01)
+    try:
+        workload = ChatWorkload(seed)
+        fill(service, workload, size)
+        prompt = workload.next_prompt()[:2048]
+        off = timed(lambda: service.match(prompt), repeats)
+        service.start()
+        on = timed(lambda: service.match(prompt), repeats)
+        return {"2k match, background thread off (p99)": [_p99(off)],
+                "2k match, background thread on (p99)": [_p99(on)],
+                "2k match, background thread on (max)": [max(on)]}
+    finally:
+        service.stop()
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]

@@ -1,0 +1,158 @@
+"""``hicache bench scheduler`` (also ``python -m hicache.bench.scheduler_cli``): arguments,
+the run, the printed tables and the JSON file. See :mod:`hicache.bench.scheduler` for what
+each figure times and :mod:`hicache.bench.trace` for the trace replay."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the measuring modules import torch: only a run loads them
+    from .scheduler import Figure
+    from .trace import ReplayRow
+
+# Targets of the scheduler-path issue, in microseconds (bytes for the memory row).
+TARGETS_US = {
+    "match of a 2k-token prompt": 20.0,
+    "match of a 32k-token prompt": 300.0,
+    "one request's cycle (2k tokens)": 60.0,
+    "evict one page": 50.0,
+    "evict 10% of the tree": 3000.0,
+    "check_integrity()": 1000.0,
+    "Python bytes per cached page": 400.0,
+    "allocate + free 1 page, 1M-token pool": 5.0,
+    "the same, pool fragmented": 5.0,
+    "controller op bookkeeping, 1 page(s)": 20.0,
+    "controller op bookkeeping, 256 page(s)": 30.0,
+    "poll() per acknowledged op": 5.0,
+}
+DESCRIPTION = (
+    "Time what hicache costs the engine's scheduler thread, on a CPU: matches, a request's "
+    "cycle, eviction, integrity checks, allocation, controller bookkeeping, polls, the "
+    "background thread's effect on call latency; optionally replay a request trace."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000],
+                        help="tree sizes in cached tokens")
+    parser.add_argument("--repeats", type=int, default=200, help="calls per figure")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace", type=Path, metavar="JSONL",
+                        help="a Mooncake trace (e.g. ../shared/data/"
+                        "mooncake_conversation_trace.jsonl) to replay")
+    parser.add_argument("--trace-requests", type=int, default=1000,
+                        help="requests of the trace to replay")
+    parser.add_argument("--capacities", nargs="+", default=["5000:5000", "5000:20000",
+                                                            "20000:20000"],
+                        help="device:host capacities of the replay, in 512-token blocks")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: sizes 10000 and 100000, 30 repeats")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures here")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.sizes, args.repeats = [10_000, 100_000], min(args.repeats, 30)
+    if min(args.sizes) < 1_000 or args.repeats < 1 or args.trace_requests < 1:
+        print("hicache bench scheduler: error: --sizes >= 1000 and --repeats, "
+              "--trace-requests >= 1", file=sys.stderr)
+        return 2
+    try:
+        capacities = [tuple(int(x) for x in c.split(":")) for c in args.capacities]
+    except ValueError:
+        print("hicache bench scheduler: error: --capacities are DEVICE:HOST block counts",
+              file=sys.stderr)
+        return 2
+    import torch
+
+    from .trace import read_trace, replay
+
+    figures = _measure(args)
+    print(f"hicache bench scheduler: {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}, page size 16, medians of {args.repeats} calls")
+    print(render(figures, args.sizes))
+    rows: list[ReplayRow] = []
+    if args.trace is not None:
+        requests = read_trace(args.trace, args.trace_requests)
+        rows = [replay(requests, d, h, page_size=16) for d, h in capacities]
+        print(render_replay(rows, args.trace.name))
+    if args.json is not None:
+        args.json.write_text(json.dumps({
+            "figures": [{"name": f.name, "target": f.target_us, "by_size": f.by_size}
+                        for f in figures],
+            "replay": [r.__dict__ for r in rows]}, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> list[Figure]:
+    from .scheduler import (
+        Figure,
+        measure_allocator,
+        measure_controller,
+        measure_thread_latency,
+        measure_tree,
+    )
+
+    figures: dict[str, Figure] = {}
+
+    def add(size: int, values: dict[str, list[float]]) -> None:
+        for name, timings in values.items():
+            figure = figures.setdefault(name, Figure(name, TARGETS_US.get(name)))
+            figure.by_size[size] = timings
+
+    for size in args.sizes:
+        print(f"  tree of {size} tokens ...", file=sys.stderr, flush=True)
+        add(size, measure_tree(size, args.repeats, args.seed))
+    largest = max(args.sizes)
+    add(largest, measure_thread_latency(largest, 10 * args.repeats, args.seed))
+    add(0, measure_allocator(args.repeats))
+    add(0, measure_controller(args.repeats))
+    return list(figures.values())
+
+
+def render(figures: list[Figure], sizes: Sequence[int]) -> str:
+    """One row per figure and tree size: min / median / max, target, slope."""
+    lines = [f"{'figure':<42} {'tree':>9} {'min':>10} {'median':>10} {'max':>10} "
+             f"{'target':>8} {'slope':>6}", "-" * 101]
+    for figure in figures:
+        slope = figure.slope()
+        for size in sorted(figure.by_size):
+            low, mid, high = figure.summary(size)
+            target = "-" if figure.target_us is None else f"{figure.target_us:g}"
+            tree = "-" if size == 0 else str(size)
+            lines.append(f"{figure.name:<42} {tree:>9} {low:>10.1f} {mid:>10.1f} "
+                         f"{high:>10.1f} {target:>8} "
+                         f"{'' if slope is None else f'{slope:.2f}':>6}")
+    lines.append("(microseconds, except bytes per cached page; slope: log-log of the median "
+                 "against the tree size)")
+    return "\n".join(lines)
+
+
+def render_replay(rows: list[ReplayRow], name: str) -> str:
+    lines = [f"replay of {name}: {rows[0].requests} requests" if rows else "no replay",
+             f"{'device:host blocks':>18} {'hit rate':>9} {'device':>8} {'host':>8} "
+             f"{'req/s':>8} {'LRU blocks':>10} {'LRU hit':>8}"]
+    for row in rows:
+        lines.append(
+            f"{row.device_blocks:>8}:{row.host_blocks:<9} {row.hit_rate:>9.1%} "
+            f"{row.device_hit_tokens / max(1, row.input_tokens):>8.1%} "
+            f"{row.host_hit_tokens / max(1, row.input_tokens):>8.1%} "
+            f"{row.requests_per_s:>8.1f} {row.lru_blocks:>10} {row.lru_hit_rate:>8.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hicache bench scheduler", description=DESCRIPTION)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,149 @@
+"""Replay of a Mooncake request trace through the service: bookkeeping requests/s and the
+prefix hit rate, next to a block-level LRU cache of the same capacity replayed over the same
+requests in the same run (the reference).
+
+Trace format (one JSON object a line): ``input_length`` tokens and ``hash_ids``, one id per
+512-token block; two requests that share a leading run of ids share that prefix. Block ``b``
+expands to the token ids ``b * 512 .. b * 512 + 511`` (distinct for distinct blocks), cut at
+``input_length``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from hicache.pools import IndexSpace, Indices
+from hicache.service import HiCacheService
+
+from .scheduler import make_service
+
+BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceRequest:
+    input_length: int
+    hash_ids: tuple[int, ...]
+
+    def tokens(self) -> list[int]:
+        out = [b * BLOCK + i for b in self.hash_ids for i in range(BLOCK)]
+        return out[: self.input_length]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayRow:
+    """One capacity: hicache's hit rate and speed, and the LRU reference's hit rate."""
+
+    device_blocks: int
+    host_blocks: int
+    requests: int
+    input_tokens: int
+    device_hit_tokens: int
+    host_hit_tokens: int
+    seconds: float
+    lru_blocks: int
+    lru_hit_rate: float
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.device_hit_tokens + self.host_hit_tokens) / max(1, self.input_tokens)
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / max(self.seconds, 1e-9)
+
+
+def read_trace(path: Path, limit: int) -> list[TraceRequest]:
+    """The first ``limit`` requests of a trace file."""
+    requests: list[TraceRequest] = []
+    with path.open(encoding="utf-8") as lines:
+        for line in lines:
+            if len(requests) >= limit:
+                break
+            record = json.loads(line)
+            requests.append(TraceRequest(int(record["input_length"]),
+                                         tuple(int(h) for h in record["hash_ids"])))
+    return requests
+
+
+def replay(requests: list[TraceRequest], device_blocks: int, host_blocks: int,
+           page_size: int) -> ReplayRow:
+    """Serve every request (match, lock, load back the host run, allocate the rest,
+    insert, release, apply acks) through a CPU service of the given capacities."""
+    service = make_service(device_blocks * BLOCK, host_blocks / device_blocks,
+                           page_size=page_size)
+    device_hits = host_hits = total = 0
+    start = time.perf_counter()
+    try:
+        for request in requests:
+            tokens = request.tokens()
+            total += len(tokens)
+            hit = _serve(service, tokens)
+            device_hits += hit[0]
+            host_hits += hit[1]
+        seconds = time.perf_counter() - start
+    finally:
+        service.stop()
+    lru = max(device_blocks, host_blocks)
+    return ReplayRow(device_blocks, host_blocks, len(requests), total, device_hits, host_hits,
+                     seconds, lru, lru_hit_rate(requests, lru))
+
+
+def _serve(service: HiCacheService, tokens: list[int]) -> tuple[int, int]:
+    """One request; returns (device hit tokens, host hit tokens loaded back)."""
+    match = service.match(tokens)
+    node = match.last_host_node
+    service.lock(node)
+    prefix = match.device_indices.tensor
+    host_hit = 0
+    if match.host_hit_tokens:
+        loaded = service.load_back(match, service.controller.device_allocator.capacity_tokens)
+        if loaded is not None:
+            service.start_loading()
+            prefix = torch.cat([prefix, loaded.tensor])
+            host_hit = len(loaded)
+    need = max(0, len(tokens) - len(prefix))
+    new = service.alloc_device(need) if need else None
+    if need and new is None:  # the pools cannot hold this request: count it, cache nothing
+        service.release(node)
+        service.step()
+        return match.device_hit_tokens, host_hit
+    slots = prefix if new is None else torch.cat([prefix, new.tensor])
+    service.insert(tokens, Indices(slots, IndexSpace.DEVICE_FULL))
+    whole = len(tokens) // service.tree.page_size * service.tree.page_size
+    if new is not None and len(slots) > whole:
+        tail = slots[max(whole, len(prefix)):]
+        if len(tail):
+            service.free_device(Indices(tail, IndexSpace.DEVICE_FULL))
+    service.release(node)
+    service.step()
+    return match.device_hit_tokens, host_hit
+
+
+def lru_hit_rate(requests: list[TraceRequest], capacity_blocks: int) -> float:
+    """Prefix hits of a block-level LRU cache of ``capacity_blocks`` (hit tokens capped at
+    the input length), over ``requests``."""
+    cache: OrderedDict[tuple[int, ...], None] = OrderedDict()
+    hit = total = 0
+    for request in requests:
+        total += request.input_length
+        prefix_hit = 0
+        for i in range(len(request.hash_ids)):
+            key = request.hash_ids[: i + 1]
+            if key not in cache:
+                break
+            prefix_hit += 1
+        hit += min(prefix_hit * BLOCK, request.input_length)
+        for i in range(len(request.hash_ids)):
+            key = request.hash_ids[: i + 1]
+            cache[key] = None
+            cache.move_to_end(key)
+        while len(cache) > capacity_blocks:
+            cache.popitem(last=False)
+    return hit / max(1, total)

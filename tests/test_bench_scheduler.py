@@ -1,0 +1,77 @@
+"""hicache bench scheduler: the CPU benchmark runs, writes its JSON, and its trace replay and
+LRU reference count hits exactly on a hand-made trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.bench.scheduler_cli import main
+from hicache.bench.trace import lru_hit_rate, read_trace, replay
+from hicache.cli import main as cli_main
+
+# Requests 2, 3 and 5 share whole blocks with request 1; request 4 shares nothing.
+TRACE = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]},
+    {"timestamp": 1, "input_length": 1536, "output_length": 1, "hash_ids": [1, 2, 3]},
+    {"timestamp": 2, "input_length": 512, "output_length": 1, "hash_ids": [1]},
+    {"timestamp": 3, "input_length": 1024, "output_length": 1, "hash_ids": [4, 5]},
+    {"timestamp": 4, "input_length": 512, "output_length": 1, "hash_ids": [1]},
+]
+HITS, TOKENS = 1024 + 512 + 512, 4608
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TRACE), encoding="utf-8")
+    return path
+
+
+def test_lru_reference_counts_prefix_blocks(trace: Path) -> None:
+    """Unlimited: 1024 + 512 + 512 hit tokens of 4608; room for one block: the newest
+    prefix only, which no later request starts with, so nothing hits."""
+    requests = read_trace(trace, 10)
+    assert lru_hit_rate(requests, 100) == pytest.approx(HITS / TOKENS)
+    assert lru_hit_rate(requests, 1) == 0.0
+
+
+def test_replay_matches_the_lru_reference_when_nothing_is_evicted(trace: Path) -> None:
+    """With room for everything the service hits exactly the shared prefixes."""
+    row = replay(read_trace(trace, 10), device_blocks=16, host_blocks=16, page_size=16)
+    assert (row.requests, row.input_tokens) == (5, TOKENS)
+    assert row.device_hit_tokens + row.host_hit_tokens == HITS
+    assert row.hit_rate == pytest.approx(row.lru_hit_rate)
+
+
+def test_replay_counts_host_hits_after_device_eviction(trace: Path) -> None:
+    """A device of 2 blocks: request 2 does not fit (its hits count, nothing is cached),
+    request 4 evicts blocks 1 and 2 to the host (write-through), and request 5's block 1
+    comes back from there."""
+    row = replay(read_trace(trace, 10), device_blocks=2, host_blocks=8, page_size=16)
+    assert (row.device_hit_tokens, row.host_hit_tokens) == (1024 + 512, 512)
+
+
+def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two tiny trees, two repeats, the replay: every figure is in the table and the JSON."""
+    out = tmp_path / "scheduler.json"
+    code = main(["--sizes", "1000", "2000", "--repeats", "2", "--trace", str(trace),
+                 "--capacities", "16:16", "--json", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    for name in ("match of a 32k-token prompt", "evict one page", "poll() per acknowledged op",
+                 "replay of trace.jsonl: 5 requests"):
+        assert name in printed
+    saved = json.loads(out.read_text(encoding="utf-8"))
+    names = {f["name"] for f in saved["figures"]}
+    assert {"one request's cycle (2k tokens)", "check_integrity()"} <= names
+    assert saved["replay"][0]["input_tokens"] == TOKENS
+
+
+def test_cli_dispatches_bench_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
+    """`hicache bench scheduler` reaches this benchmark (bad sizes: exit 2, one line)."""
+    assert cli_main(["bench", "scheduler", "--sizes", "10"]) == 2
+    assert "--sizes >= 1000" in capsys.readouterr().err
