@@ -3,7 +3,8 @@
 Bookkeeping only: plain CPU data, no stream, no device tensor. Requests are placed in runs
 of consecutive pages wherever the free list allows (see ``try_alloc``), so copies of a page
 set are long (the copy engine needs contiguous host runs). Page 0 is reserved for padding
-and is never handed out.
+and is never handed out. An index of the free runs (:class:`FreeRuns`) finds the run to use
+without scanning the pool, so an allocation or a free costs per run it touches.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from .base import IndexSpace, Indices, check_indices, check_page_multiple
+from .free_runs import FreeRuns
 
 CPU = torch.device("cpu")
 
@@ -42,6 +44,7 @@ class PageAllocator:
         self._is_free = np.ones(num_pages + 1, dtype=bool)
         self._is_free[0] = False
         self._num_free_pages = num_pages
+        self._runs = FreeRuns(num_pages)
         self._page_offsets = np.arange(page_size, dtype=np.int64)
 
     @property
@@ -68,8 +71,10 @@ class PageAllocator:
         """Allocate ``num_tokens`` slots (a page multiple), in runs of consecutive pages.
 
         Run-friendly: the smallest free run that holds the whole request is used (lowest
-        first among equals); if no run is long enough, the longest runs are taken first, so
-        a copy of the result needs as few contiguous pieces as the free list allows.
+        first among equals); if no run is long enough, the longest runs are taken first (lower
+        first among equals) and the request gets their lowest pages, so a copy of the result
+        needs as few contiguous pieces as the free list allows. Costs a
+        few sorted-index operations per run used, never a pass over the pool.
 
         Returns:
             int64 CPU :class:`Indices` of shape ``[num_tokens]`` in ascending slot order, or
@@ -79,10 +84,18 @@ class PageAllocator:
         num_pages = num_tokens // self.page_size
         if num_pages > self._num_free_pages:
             return None
-        pages = self._pick_pages(num_pages)
-        self._is_free[pages] = False
+        if num_pages == 0:
+            return Indices(torch.empty(0, dtype=torch.int64), self.space)
+        start = self._runs.best_fit(num_pages)
+        if start is None:
+            pages = self._take_longest_runs(num_pages)
+            return Indices(torch.from_numpy(self._slots_of(pages)), self.space)
+        self._runs.take(start, num_pages)
+        self._is_free[start : start + num_pages] = False
         self._num_free_pages -= num_pages
-        return Indices(torch.from_numpy(self._slots_of(pages)), self.space)
+        slots = np.arange(start * self.page_size, (start + num_pages) * self.page_size,
+                          dtype=np.int64)
+        return Indices(torch.from_numpy(slots), self.space)
 
     def free(self, indices: Indices) -> None:
         """Return whole pages to the pool.
@@ -104,6 +117,8 @@ class PageAllocator:
             )
         self._is_free[pages] = True
         self._num_free_pages += int(pages.size)
+        for start, length in zip(*_runs_of(pages), strict=True):
+            self._runs.add(start, length)
 
     def pages_of(self, indices: Indices, *, op: str) -> np.ndarray:
         """Page ids of slot ``indices`` that must be whole pages in order; raises otherwise."""
@@ -118,16 +133,20 @@ class PageAllocator:
             )
         if slots.size == 0:
             return np.empty(0, dtype=np.int64)
-        by_page = slots.reshape(-1, self.page_size)
-        pages = by_page[:, 0] // self.page_size
-        if not np.array_equal(by_page, self._slots_of(pages).reshape(-1, self.page_size)):
-            raise ValueError(
-                f"{op}: slots must come in whole, ordered pages of {self.page_size}"
-            )
-        if (pages == 0).any():
+        if self.page_size == 1:
+            pages = slots.copy()  # every slot is a whole page; copied so we never alias the caller
+        else:
+            by_page = slots.reshape(-1, self.page_size)
+            pages = by_page[:, 0] // self.page_size
+            if not (by_page == pages[:, None] * self.page_size + self._page_offsets).all():
+                raise ValueError(
+                    f"{op}: slots must come in whole, ordered pages of {self.page_size}"
+                )
+        # Ascending pages (what allocations hand out) are distinct without a sort, and their
+        # lowest is the first. Few numpy calls: this is on every free.
+        ascending = pages.size == 1 or bool((pages[1:] > pages[:-1]).all())
+        if pages[0] == 0 if ascending else (pages == 0).any():
             raise ValueError(f"{op}: page 0 of pool '{self.name}' is reserved for padding")
-        # Ascending pages (what allocations hand out) are distinct without a sort.
-        ascending = bool((pages[1:] > pages[:-1]).all())
         if not ascending and np.unique(pages).size != pages.size:
             raise ValueError(f"{op}: the same page appears twice")
         return pages
@@ -154,27 +173,29 @@ class PageAllocator:
         return used[used != 0]
 
     def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(first page, length)`` of every run of consecutive free pages, lowest first."""
-        padded = np.concatenate(([False], self._is_free, [False]))
-        edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
-        starts, ends = edges[0::2], edges[1::2]
-        return starts, ends - starts
+        """``(first page, length)`` of every run of consecutive free pages, lowest first:
+        int64 arrays of shape ``[num_runs]``."""
+        return self._runs.as_arrays()
 
-    def _pick_pages(self, num_pages: int) -> np.ndarray:
-        if num_pages == 0:
-            return np.empty(0, dtype=np.int64)
-        starts, lengths = self.free_runs()
-        fitting = np.flatnonzero(lengths >= num_pages)
-        if fitting.size:
-            best = fitting[np.argmin(lengths[fitting])]  # argmin takes the lowest among ties
-            return np.arange(starts[best], starts[best] + num_pages, dtype=np.int64)
-        order = np.argsort(-lengths, kind="stable")
-        taken = np.cumsum(lengths[order])
-        used = order[: int(np.searchsorted(taken, num_pages)) + 1]
-        return np.sort(_expand_runs(starts[used], lengths[used]))[:num_pages]
+    def _take_longest_runs(self, num_pages: int) -> np.ndarray:
+        """Allocate ``num_pages`` pages from the longest runs (no run holds them all): the
+        lowest ``num_pages`` pages of the fewest longest runs that cover them, ascending."""
+        runs = sorted(self._runs.longest_first(num_pages))
+        starts = np.array([start for start, _ in runs], dtype=np.int64)
+        lengths = np.array([length for _, length in runs], dtype=np.int64)
+        # The lowest num_pages pages of the chosen runs: the surplus is shorter than the
+        # shortest chosen run, so it is the top of the highest-starting one, left free.
+        lengths[-1] -= int(lengths.sum()) - num_pages
+        for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
+            self._runs.take(start, length)
+        pages = _expand_runs(starts, lengths)
+        self._is_free[pages] = False
+        self._num_free_pages -= num_pages
+        return pages
 
     def check_integrity(self) -> None:
-        """Raise ``RuntimeError`` unless free + used == capacity and page 0 is reserved."""
+        """Raise ``RuntimeError`` unless free + used == capacity, page 0 is reserved and the
+        free-run index lists exactly the runs of the free map (a scan of the pool)."""
         num_free = int(self._is_free.sum())
         if self._is_free[0]:
             raise RuntimeError(f"pool '{self.name}': reserved page 0 is marked free")
@@ -189,6 +210,15 @@ class PageAllocator:
                 f"pool '{self.name}': free {num_free} + used {num_used} pages != "
                 f"capacity {self.num_pages} pages"
             )
+        self._runs.check_integrity(self.name)
+        starts, lengths = self._runs.as_arrays()
+        scanned_starts, scanned_lengths = _scan_runs(self._is_free)
+        if not (np.array_equal(starts, scanned_starts)
+                and np.array_equal(lengths, scanned_lengths)):
+            raise RuntimeError(
+                f"pool '{self.name}': the free-run index ({starts.size} runs) differs from "
+                f"the free map ({scanned_starts.size} runs)"
+            )
 
     def _slots_of(self, pages: np.ndarray) -> np.ndarray:
         return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)
@@ -199,3 +229,22 @@ def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     size 1 pool may have tens of thousands of one-page runs)."""
     run_offsets = np.cumsum(lengths) - lengths
     return np.repeat(starts - run_offsets, lengths) + np.arange(int(lengths.sum()))
+
+
+def _runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
+    """``(starts, lengths)`` of the runs of consecutive pages among distinct ``pages``."""
+    if pages.size == 1:
+        return [int(pages[0])], [1]
+    pages = np.sort(pages)
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = pages[np.concatenate(([0], breaks))]
+    ends = pages[np.concatenate((breaks - 1, [pages.size - 1]))] + 1
+    return starts.tolist(), (ends - starts).tolist()
+
+
+def _scan_runs(is_free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of the runs of ``True`` in ``is_free``, by a pass over it."""
+    padded = np.concatenate(([False], is_free, [False]))
+    edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
+    starts, ends = edges[0::2], edges[1::2]
+    return starts, ends - starts

@@ -269,3 +269,20 @@ def test_integrity_detects_reserved_page_marked_free() -> None:
     allocator._is_free[0] = True
     with pytest.raises(RuntimeError, match=r"reserved page 0 is marked free"):
         allocator.check_integrity()
+
+
+def test_integrity_detects_run_index_behind_the_free_map() -> None:
+    """A free map changed behind the run index (counts still right) raises RuntimeError."""
+    allocator = _corruptible()
+    allocator._is_free[[1, 3]] = [True, False]
+    with pytest.raises(RuntimeError, match=r"pool 'full': the free-run index \(1 runs\) differs "
+                       r"from the free map \(2 runs\)"):
+        allocator.check_integrity()
+
+
+def test_integrity_detects_run_index_views_disagreeing() -> None:
+    """A run index whose by-start and by-end views disagree raises RuntimeError."""
+    allocator = _corruptible()
+    allocator._runs._start_of_end.clear()
+    with pytest.raises(RuntimeError, match=r"pool 'full': free-run index views disagree"):
+        allocator.check_integrity()

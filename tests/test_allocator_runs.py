@@ -56,6 +56,39 @@ def test_longest_runs_first_when_nothing_fits() -> None:
     allocator.check_integrity()
 
 
+def test_equal_longest_runs_go_lowest_first() -> None:
+    """With no run long enough, equal longest runs are taken lower start first and the
+    surplus stays at the top of the highest run taken."""
+    allocator = PageAllocator(12, 1, IndexSpace.HOST_FULL, "host")
+    assert allocator.try_alloc(12) is not None
+    allocator.free(pages(allocator, [2, 3, 6, 7, 10, 11]))
+    got = allocator.try_alloc(3)
+    assert got is not None and got.tensor.tolist() == [2, 3, 6]
+    starts, lengths = allocator.free_runs()
+    assert starts.tolist() == [7, 10] and lengths.tolist() == [1, 2]
+    allocator.check_integrity()
+
+
+def test_free_merges_with_both_neighbours() -> None:
+    """Freeing the pages between two free runs leaves one run over all three."""
+    allocator = holey()
+    allocator.free(pages(allocator, [4]))
+    allocator.free(pages(allocator, [9]))
+    starts, lengths = allocator.free_runs()
+    assert starts.tolist() == [2] and lengths.tolist() == [9]
+    allocator.check_integrity()
+
+
+def test_scattered_unordered_free_makes_one_run_per_gap() -> None:
+    """Pages freed out of order and apart join the runs they touch, one run per gap."""
+    allocator = PageAllocator(12, 2, IndexSpace.HOST_FULL, "host")
+    assert allocator.try_alloc(24) is not None
+    allocator.free(pages(allocator, [7, 1, 12, 3, 2]))
+    starts, lengths = allocator.free_runs()
+    assert starts.tolist() == [1, 7, 12] and lengths.tolist() == [3, 1, 1]
+    allocator.check_integrity()
+
+
 def test_fresh_pool_gives_one_run() -> None:
     """A fresh pool hands out consecutive pages from the bottom."""
     allocator = PageAllocator(16, 4, IndexSpace.DEVICE_FULL, "full")

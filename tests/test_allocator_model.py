@@ -1,0 +1,98 @@
+"""PageAllocator's free-run index against a scan-based model of its placement rule (CPU)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.pools.free_runs import SortedInts
+
+
+class ScanModel:
+    """The placement rule over a plain list of free flags, scanning every page per call."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.is_free = [False] + [True] * num_pages  # page 0 is reserved
+
+    def runs(self) -> list[tuple[int, int]]:
+        """``(start, length)`` of every run of free pages, lowest first."""
+        runs: list[tuple[int, int]] = []
+        for page, free in enumerate(self.is_free):
+            if free and runs and sum(runs[-1]) == page:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            elif free:
+                runs.append((page, 1))
+        return runs
+
+    def alloc(self, num_pages: int) -> list[int] | None:
+        """The smallest run that holds the request (lowest among equals), its first pages;
+        else the lowest pages of the fewest longest runs (lower start first among equals)."""
+        if num_pages > sum(self.is_free):
+            return None
+        runs = self.runs()
+        fitting = [run for run in runs if run[1] >= num_pages]
+        if fitting:
+            start = min(fitting, key=lambda run: run[1])[0]
+            pages = list(range(start, start + num_pages))
+        else:
+            taken: list[int] = []
+            for start, length in sorted(runs, key=lambda run: -run[1]):
+                if len(taken) >= num_pages:
+                    break
+                taken += range(start, start + length)
+            pages = sorted(taken)[:num_pages]
+        for page in pages:
+            self.is_free[page] = False
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            self.is_free[page] = True
+
+
+def _slots(pages: list[int], page_size: int) -> list[int]:
+    return [p * page_size + o for p in pages for o in range(page_size)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_pages=st.integers(1, 64), page_size=st.integers(1, 4), data=st.data())
+def test_allocator_matches_the_scan_model(num_pages: int, page_size: int,
+                                          data: st.DataObject) -> None:
+    """Random allocs and scattered, unordered frees give the model's pages, counts and runs,
+    with the run index over sortedcontainers or over its bisect-list stand-in."""
+    allocator = PageAllocator(num_pages, page_size, IndexSpace.HOST_FULL, "host")
+    if data.draw(st.booleans(), label="bisect list"):
+        allocator._runs._by_size = _rebuilt(allocator._runs._by_size)
+    model = ScanModel(num_pages)
+    used: list[int] = []
+    for _ in range(data.draw(st.integers(0, 40), label="steps")):
+        if not used or data.draw(st.booleans(), label="alloc"):
+            want = data.draw(st.integers(0, num_pages + 1), label="num_pages")
+            got = allocator.try_alloc(want * page_size)
+            expected = model.alloc(want)
+            assert (got is None) == (expected is None)
+            if got is not None and expected is not None:
+                assert got.tensor.tolist() == _slots(expected, page_size)
+                used += expected
+        else:
+            chosen = data.draw(st.lists(st.sampled_from(used), min_size=1, unique=True),
+                               label="free")
+            allocator.free(Indices(torch.tensor(_slots(chosen, page_size)),
+                                   IndexSpace.HOST_FULL))
+            model.free(chosen)
+            used = [page for page in used if page not in chosen]
+        starts, lengths = allocator.free_runs()
+        assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == model.runs()
+        assert allocator.num_free_tokens == sum(model.is_free) * page_size
+        assert sorted(allocator.used_pages().tolist()) == sorted(used)
+        allocator.check_integrity()
+
+
+def _rebuilt(keys: object) -> SortedInts:
+    """The same keys in the stand-in used where sortedcontainers is not installed."""
+    out = SortedInts()
+    for key in keys:  # type: ignore[attr-defined]
+        out.add(key)
+    return out
