@@ -67,7 +67,9 @@ class HiCacheService:
         tree: the radix tree, with its controller.
         device_pool: the pool the engine writes KV into (plain or hybrid).
         host_pools: host pools to close (unpin) at :meth:`stop`.
-        integrity_check_interval_s: seconds between idle integrity checks of the thread.
+        integrity_check_interval_s: seconds between integrity checks of the thread, which
+            runs one only after that long with neither a finished transfer nor a scheduler
+            call (the check holds the lock for a walk of the whole tree).
         poll_interval_s: sleep of the background thread between polls.
         metrics_address: ``(host, port)`` to serve Prometheus metrics on from :meth:`start`,
             or ``None`` for no endpoint.
@@ -97,6 +99,7 @@ class HiCacheService:
         self._error_raised = False
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._last_call_s = 0.0  # monotonic time of the latest scheduler call
         self._stopped = False
         self._metrics_address = metrics_address
         self.exporter = None if metrics_address is None else MetricsExporter(
@@ -329,8 +332,11 @@ class HiCacheService:
                 now = time.monotonic()
                 if self._poll_once():
                     last_ack = now
-                elif min(now - last_ack, now - last_check) >= self._check_interval_s \
-                        and self._try_check():
+                # Idle: no ack and no scheduler call for an interval. The check walks the
+                # whole tree under the lock, so a scheduler that keeps calling (only
+                # matching, say) must not be made to wait for it.
+                elif min(now - last_ack, now - self._last_call_s, now - last_check) \
+                        >= self._check_interval_s and self._try_check():
                     last_check = now
                 self._stopping.wait(self._poll_interval_s)
         except BaseException as exc:  # recorded and raised on the scheduler thread
@@ -365,6 +371,7 @@ class HiCacheService:
         self._raise_if_failed()
         if self._stopped:
             raise RuntimeError("the service was stopped")
+        self._last_call_s = time.monotonic()
         with self.service_lock:
             yield
 

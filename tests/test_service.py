@@ -284,6 +284,22 @@ def test_idle_integrity_check_catches_a_planted_double_owner() -> None:
     service.stop()
 
 
+def test_integrity_check_waits_while_the_scheduler_keeps_calling() -> None:
+    """A scheduler that only matches (no acks) is never made to wait for the idle check:
+    none runs while it calls, one runs once it stops."""
+    service = build_service(make_config(interval_s=0.05))
+    assert put(service, [1, 1])
+    service.step()
+    service.start()
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        service.match([1, 1])
+        time.sleep(0.002)
+    assert service.stats.integrity_checks == 0
+    wait_for(lambda: service.stats.integrity_checks > 0)
+    service.stop()
+
+
 # ---- engine contract and life cycle -------------------------------------------------------
 
 
