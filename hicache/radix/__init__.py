@@ -3,6 +3,7 @@
 - :mod:`~hicache.radix.cache`: :class:`HiRadixCache`, what the service drives (match,
   insert, load-back, acks, integrity);
 - :mod:`~hicache.radix.tiers`: :class:`TieredRadixTree`, the write and eviction policies;
+- :mod:`~hicache.radix.eviction`: the per-tier heaps of eviction candidates;
 - :mod:`~hicache.radix.tree`: :class:`RadixTree`, the tree's shape (pages, matching, splits);
 - :mod:`~hicache.radix.node`: :class:`TreeNode`, :class:`MatchResult` and the counters;
 - :mod:`~hicache.radix.node_io`: how nodes' slots move through the controller;

@@ -102,6 +102,7 @@ class HiRadixCache(TieredRadixTree):
         for node in path:
             node.last_access = now
             node.hit_count += 1
+            self._touch(node)
         if self.backup_hits is not None:
             self._backup_nodes([n for n in path if n.hit_count >= self.backup_hits], path)
         result = self._result(path)
@@ -172,6 +173,7 @@ class HiRadixCache(TieredRadixTree):
             else:
                 duplicates.append(self._differing_pages(child.device, part))
             child.last_access = now
+            self._touch(child)
             path.append(child)
             cached, pos, node = cached + common, pos + common, child
         return path, taken, duplicates, cached
@@ -255,6 +257,7 @@ class HiRadixCache(TieredRadixTree):
         for node in op.nodes:
             assert node.write_op is op, f"{node!r} lost track of its write"
             node.write_op = None
+            self._touch(node)
         self.stats.backed_up_tokens += sum(node.num_tokens for node in op.nodes)
         if op.lock_node is not None:
             self.unlock(op.lock_node)
@@ -268,6 +271,7 @@ class HiRadixCache(TieredRadixTree):
         for node in op.nodes:
             assert node.load_op is op, f"{node!r} lost track of its load"
             node.load_op = None
+            self._touch(node)
         assert op.lock_node is not None, "a load-back always locks its last node"
         self.unlock(op.lock_node)
 
@@ -321,6 +325,7 @@ class HiRadixCache(TieredRadixTree):
             node.device = slice_indices(device, offset, end)
             node.device_swa = None if device_swa is None else slice_indices(device_swa, offset, end)
             node.load_op, node.last_access, offset = op, now, end
+            self._touch(node)
 
     def _refuse(self, reason: str, num_tokens: int) -> Indices | None:
         """Count a refused load-back; always ``None`` (the refusal)."""

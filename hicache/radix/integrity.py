@@ -3,7 +3,9 @@
 For every index space of the model (``DEVICE_FULL``, ``HOST_FULL`` and, for hybrid models,
 ``DEVICE_SWA`` and ``HOST_SWA``) every allocated page must be owned by exactly one node or
 held by the engine (slots it allocated and has not inserted yet), and every page in flight
-in the controller must be node-owned; so free + owned + engine-held == capacity. Failures
+in the controller must be node-owned (a host page by a node whose op is in flight, which
+host eviction relies on instead of asking the controller); so free + owned + engine-held ==
+capacity. Failures
 raise ``RuntimeError`` naming the space, the page and the nodes involved; nothing is
 repaired. Cost: one walk of the tree and a few sorts of page ids.
 """
@@ -39,6 +41,7 @@ def check_tree(tree: TieredRadixTree, engine_device: Indices | None, sync_device
     tree.io.check_pools(sync_device)
     allocators = tree.io.allocators()
     owned: dict[IndexSpace, _Owned] = defaultdict(list)
+    in_flight: dict[IndexSpace, list[np.ndarray]] = defaultdict(list)
     for node in tree.nodes():
         _check_node(tree, node)
         for name in SLOT_FIELDS:
@@ -46,10 +49,25 @@ def check_tree(tree: TieredRadixTree, engine_device: Indices | None, sync_device
             if value is not None:
                 pages = _pages(allocators, value, f"{node!r}.{name}", name.endswith("_swa"))
                 owned[value.space].append((node.node_id, pages))
+                if node.is_in_flight:
+                    in_flight[value.space].append(pages)
     engine = _engine_pages(tree, engine_device)
     for space, allocator in allocators.items():
         busy = np.unique(tree.controller.busy_slots(space) // allocator.page_size)
         _check_space(space, allocator, owned[space], engine.get(space), busy)
+        if space in (IndexSpace.HOST_FULL, IndexSpace.HOST_SWA):
+            _check_host_in_flight(space, in_flight[space], busy)
+
+
+def _check_host_in_flight(space: IndexSpace, in_flight: list[np.ndarray],
+                          busy: np.ndarray) -> None:
+    """Every host page in flight belongs to a node whose op is in flight: host eviction
+    trusts the node's flags and never asks the controller."""
+    pages = np.concatenate(in_flight or [np.empty(0, np.int64)])
+    unflagged = np.setdiff1d(busy, pages)
+    if unflagged.size:
+        raise RuntimeError(f"{space.name} page {int(unflagged[0])} is in flight but its node "
+                           f"has no op in flight (host eviction would free it)")
 
 
 def _check_node(tree: TieredRadixTree, node: TreeNode) -> None:

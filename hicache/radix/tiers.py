@@ -8,6 +8,10 @@ Invariants kept here (checked by ``check_integrity``):
 - a node with an op in flight is never evicted: write-through backups and load-backs lock
   their node until the ack; write-back evictions flag theirs with ``evict_on_ack``.
 
+Eviction takes nodes from two :class:`~hicache.radix.eviction.CandidateHeap` (device,
+host), kept up to date from the nodes the tree reports as changed (``_touch``) and from the
+changes eviction makes itself, so it never walks the tree.
+
 Write policies: ``write_through`` backs up on insert, ``write_through_selective`` once a
 node was matched ``write_through_hits`` times, ``write_back`` only when eviction picks a node
 that has no host copy; its device slots are freed when the write's ack is applied.
@@ -17,16 +21,14 @@ Thread ownership: the engine's scheduler thread is the only caller.
 
 from __future__ import annotations
 
-import heapq
-
 from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import CacheController, Direction, HybridCacheController
+from hicache.pools import IndexSpace, Indices
 
-from .node import CacheStats, PendingOp, TreeNode
+from .eviction import CandidateHeap, eviction_key
+from .node import CacheStats, PendingOp, TreeNode, cat_indices
 from .node_io import HybridNodeIO, NodeIO
 from .tree import Clock, RadixTree, slots_of, subtree
-
-_HeapEntry = tuple[tuple[float, ...], int, TreeNode]
 
 
 class TieredRadixTree(RadixTree):
@@ -60,6 +62,9 @@ class TieredRadixTree(RadixTree):
         self.backup_hits = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_BACK: None,
                             WritePolicy.WRITE_THROUGH_SELECTIVE: write_through_hits}[write_policy]
         self.stats = CacheStats()
+        key = eviction_key(eviction_policy)
+        self._device_candidates = CandidateHeap(key, self._can_evict_device)
+        self._host_candidates = CandidateHeap(key, self._is_host_candidate)
 
     # ---- eviction -----------------------------------------------------------------------
 
@@ -72,26 +77,31 @@ class TieredRadixTree(RadixTree):
         ``write_back`` it is written back first: its tokens count toward ``num_tokens`` but
         are freed by ``apply_acks`` once the write is acknowledged, so the return value can
         be smaller than ``num_tokens`` (retry after applying acks).
+
+        Costs per node evicted and per node changed since the last eviction (see
+        :mod:`hicache.radix.eviction`), not per node of the tree.
         """
-        heap = [self._entry(n) for n in self.nodes() if self._can_evict_device(n)]
-        heapq.heapify(heap)
+        self._refresh_candidates()
         freed = scheduled = 0
-        while heap and freed + scheduled < num_tokens:
-            node = heapq.heappop(heap)[-1]
-            if not self._can_evict_device(node):
-                continue
-            parent = node.parent
-            if node.is_backed_up:
-                freed += self._free_device(node)
-            elif self.write_policy is not WritePolicy.WRITE_BACK:
-                freed += self._drop(node, "no_backup")
-            elif self._backup(node, evict_after=True):
-                scheduled += node.num_tokens
-                continue
-            else:
-                freed += self._drop(node, "host_full")
-            if parent is not None and self._can_evict_device(parent):
-                heapq.heappush(heap, self._entry(parent))
+        released: list[Indices] = []  # device slots, freed in one controller call
+        try:
+            while freed + scheduled < num_tokens:
+                node = self._device_candidates.pop()
+                if node is None:
+                    break
+                if node.is_backed_up:  # both branches offer the parent: it may join now
+                    released.append(self._take_device(node))
+                elif self.write_policy is not WritePolicy.WRITE_BACK:
+                    released.append(self._drop(node, "no_backup"))
+                elif self._backup(node, evict_after=True):
+                    scheduled += node.num_tokens
+                    continue
+                else:
+                    released.append(self._drop(node, "host_full"))
+                freed += node.num_tokens
+        finally:
+            if released:
+                self.io.free_device(cat_indices(released, IndexSpace.DEVICE_FULL))
         if scheduled:
             self.controller.start_writing()
         self.stats.evicted_device_tokens += freed
@@ -101,21 +111,29 @@ class TieredRadixTree(RadixTree):
         """Free the host copies of unlocked host-only leaves, removing those nodes, in
         eviction-policy order until ``num_tokens`` are freed; returns tokens freed. Nodes on
         the device and slots in flight are never touched."""
-        heap = [self._entry(n) for n in self.nodes() if self._can_evict_host(n)]
-        heapq.heapify(heap)
+        self._refresh_candidates()
         freed = 0
-        while heap and freed < num_tokens:
-            node = heapq.heappop(heap)[-1]
-            if not self._can_evict_host(node):
-                continue
+        while freed < num_tokens:
+            node = self._host_candidates.pop()
+            if node is None:
+                break
             parent = node.parent
             self.io.free_host(slots_of(node, "host"), node.host_swa)
             self._detach(node)
             freed += node.num_tokens
-            if parent is not None and self._can_evict_host(parent):
-                heapq.heappush(heap, self._entry(parent))
+            if parent is not None:
+                self._host_candidates.offer(parent)
         self.stats.evicted_host_tokens += freed
         return freed
+
+    def _refresh_candidates(self) -> None:
+        """Offer every node changed since the last eviction to both candidate heaps, and
+        drop their stale entries once those pile up."""
+        touched, self._touched = self._touched, {}
+        for heap in (self._device_candidates, self._host_candidates):
+            for node in touched:
+                heap.offer(node)
+            heap.compact_if_stale(self.num_nodes)
 
     # ---- backups ------------------------------------------------------------------------
 
@@ -155,39 +173,51 @@ class TieredRadixTree(RadixTree):
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _entry(self, node: TreeNode) -> _HeapEntry:
-        if self.eviction_policy is EvictionPolicy.LFU:
-            return (float(node.hit_count), node.last_access), node.node_id, node
-        return (node.last_access,), node.node_id, node
+    # Both predicates run per candidate on every eviction: plain field reads, no properties.
 
     def _can_evict_device(self, node: TreeNode) -> bool:
-        return (node is not self.root and node.on_device and node.lock_count == 0
-                and not node.is_in_flight and not node.evict_on_ack
-                and not node.has_device_child())
+        """An unlocked device leaf (no child on the device) with nothing in flight."""
+        return (node.device is not None and node.lock_count == 0 and node.write_op is None
+                and node.load_op is None and not node.evict_on_ack and node is not self.root
+                and not (node.children and node.has_device_child()))
 
-    def _can_evict_host(self, node: TreeNode) -> bool:
-        if node is self.root or not node.is_host_only or node.children or node.lock_count:
-            return False
-        if node.is_in_flight or self.controller.is_in_flight(slots_of(node, "host")):
-            return False
-        return node.host_swa is None or not self.controller.is_in_flight(node.host_swa)
+    def _is_host_candidate(self, node: TreeNode) -> bool:
+        """A host-only, unlocked leaf with no op of this tree in flight; O(1). The tree's
+        flags cover every op on its host slots: they are set when the op is queued and
+        cleared by the ack, after the controller let the slots go (``check_integrity``
+        checks that no host page is in flight under a node without an op)."""
+        return (node.device is None and node.host is not None and not node.children
+                and node.lock_count == 0 and node.write_op is None and node.load_op is None
+                and node is not self.root)
 
     def _free_device(self, node: TreeNode) -> int:
         """Free the device (and SWA) slots of ``node``; it stays in the tree."""
-        self.io.free_device(slots_of(node, "device"))
-        node.device = node.device_swa = None
+        self.io.free_device(self._take_device(node))
         return node.num_tokens
 
-    def _drop(self, node: TreeNode, reason: str) -> int:
+    def _take_device(self, node: TreeNode) -> Indices:
+        """Remove the device (and SWA) slots from ``node``, which stays in the tree
+        (host-only), and return its ``DEVICE_FULL`` slots for the caller to free."""
+        device = slots_of(node, "device")
+        node.device = node.device_swa = None
+        self._host_candidates.offer(node)  # now host-only
+        if node.parent is not None:
+            # may have lost its last device child; during an eviction it joins at once
+            self._device_candidates.offer(node.parent)
+        return device
+
+    def _drop(self, node: TreeNode, reason: str) -> Indices:
         """Delete a never-backed-up device leaf and the host-only nodes below it (their host
-        copies are useless without this node's KV); returns the device tokens freed."""
+        copies are useless without this node's KV, and are freed); returns the leaf's
+        ``DEVICE_FULL`` slots for the caller to free."""
         below = [n for n in subtree(node) if n is not node]
         for orphan in below:
             assert orphan.is_host_only and not orphan.is_in_flight, f"cannot drop {orphan!r}"
             self.io.free_host(slots_of(orphan, "host"), orphan.host_swa)
-        self.io.free_device(slots_of(node, "device"))
         self._detach(node)
+        if node.parent is not None:
+            self._device_candidates.offer(node.parent)  # may have become a device leaf
         self.stats.dropped_tokens[reason] += node.num_tokens
         if below:
             self.stats.dropped_tokens["orphaned"] += sum(n.num_tokens for n in below)
-        return node.num_tokens
+        return slots_of(node, "device")

@@ -44,6 +44,10 @@ class RadixTree:
         self._node_ids = itertools.count(1)
         self.tree_id = next(_tree_ids)
         self.root = TreeNode(0, (), None, self.tree_id)
+        self.num_nodes = 0  # attached nodes, the root excluded
+        # Nodes whose eviction state or key may have changed since the last eviction (an
+        # ordered set); the tiers drain it into their candidate heaps.
+        self._touched: dict[TreeNode, None] = {}
 
     def page_key(self, tokens: TokenIds, op: str = "page_key") -> tuple[int, ...]:
         """``tokens`` truncated to whole pages, as a tuple of Python ints.
@@ -101,6 +105,8 @@ class RadixTree:
             raise RuntimeError(f"{op}: {node!r} is not locked (unbalanced {op})")
         for ancestor in chain:
             ancestor.lock_count -= 1
+            if ancestor.lock_count == 0:
+                self._touch(ancestor)
 
     # ---- shape --------------------------------------------------------------------------
 
@@ -153,19 +159,29 @@ class RadixTree:
         node.key, node.parent = node.key[num_tokens:], upper
         upper.children[node.key[:self.page_size]] = node
         parent.children[upper.key[:self.page_size]] = upper
+        self.num_nodes += 1
+        self._touch(upper)
         return upper
 
     def _new_child(self, parent: TreeNode, key: tuple[int, ...], device: Indices) -> TreeNode:
         child = TreeNode(next(self._node_ids), key, parent, self.tree_id, device=device)
         parent.children[key[:self.page_size]] = child
+        self.num_nodes += 1
+        self._touch(child)
         return child
 
     def _detach(self, node: TreeNode) -> None:
-        """Remove ``node`` and its subtree from the tree (their slots must be freed)."""
+        """Remove ``node`` and its subtree from the tree (their slots must be freed; the
+        caller offers the parent, which may have become a leaf, to the eviction heaps)."""
         assert node.parent is not None, "cannot detach the root"
         del node.parent.children[node.key[:self.page_size]]
         for gone in subtree(node):
             gone.is_detached = True
+            self.num_nodes -= 1
+
+    def _touch(self, node: TreeNode) -> None:
+        """Note that ``node`` may have become evictable or changed its eviction key; O(1)."""
+        self._touched[node] = None
 
     def _ancestry(self, node: TreeNode, op: str) -> Iterator[TreeNode]:
         """``node`` and its ancestors below the root, once :meth:`_check_node` passed (at
