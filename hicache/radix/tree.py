@@ -127,12 +127,23 @@ class RadixTree:
         return path
 
     def _common_tokens(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-        """Whole-page length of the common prefix of ``node_key`` and ``key[pos:]``."""
+        """Whole-page length of the common prefix of ``node_key`` and ``key[pos:]``.
+
+        Compares tuple slices (in C): the whole overlap first, which is the usual answer,
+        then a binary search over the number of equal leading pages."""
+        page = self.page_size
         limit = min(len(node_key), len(key) - pos)
-        i = 0
-        while i < limit and node_key[i] == key[pos + i]:
-            i += 1
-        return i - i % self.page_size
+        limit -= limit % page
+        if node_key[:limit] == key[pos:pos + limit]:
+            return limit
+        equal, unequal = 0, limit // page  # pages known equal, pages known not all equal
+        while unequal - equal > 1:
+            middle = (equal + unequal) // 2
+            if node_key[:middle * page] == key[pos:pos + middle * page]:
+                equal = middle
+            else:
+                unequal = middle
+        return equal * page
 
     def _split(self, node: TreeNode, num_tokens: int) -> TreeNode:
         """Cut ``node`` after ``num_tokens`` (a page multiple) and return the new upper node.
@@ -234,10 +245,10 @@ def subtree(node: TreeNode) -> Iterator[TreeNode]:
 
 def token_ids(tokens: TokenIds, op: str) -> tuple[int, ...]:
     """Validated ``[n]`` token ids as a tuple of Python ints (see :meth:`RadixTree.page_key`
-    for what is accepted and refused). Lists of Python ints, the common case, take one
-    Python-level pass (the type check); the copy and the sign check run in C."""
+    for what is accepted and refused). Lists of Python ints, the common case, are checked,
+    copied and sign-checked in C."""
     if isinstance(tokens, (list, tuple)):
-        if not all(type(token) is int for token in tokens):
+        if set(map(type, tokens)) - {int}:  # in C; bool is its own type, so it goes there
             return _mixed_ids(tokens, op)
         ids = tuple(tokens)
         if ids and min(ids) < 0:
