@@ -392,17 +392,13 @@ class CacheController:
         """Device slots to back up: whole, distinct, allocated pages that no op holds."""
         slots = _owned_slots(device_indices, self.device_allocator, op,
                              "back up only device slots that are allocated and hold rows")
-        self._refuse_busy(device_indices.space, slots, op, Direction.DEVICE_TO_HOST)
+        self._held.refuse_conflicts(device_indices.space, slots, op, Direction.DEVICE_TO_HOST)
 
     def _check_loadable(self, host_indices: Indices, allocator: PageAllocator, op: str) -> None:
         """Host slots to load: whole, distinct, allocated pages that no write still fills."""
         slots = _owned_slots(host_indices, allocator, op,
                              "load only host slots that write() returned and were not evicted")
-        self._refuse_busy(host_indices.space, slots, op, Direction.HOST_TO_DEVICE)
-
-    def _refuse_busy(self, space: IndexSpace, slots: np.ndarray, op: str,
-                     new_op: Direction) -> None:
-        self._held.refuse_conflicts(space, slots, op, new_op)
+        self._held.refuse_conflicts(host_indices.space, slots, op, Direction.HOST_TO_DEVICE)
 
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object) -> None:
         op = TransferOp(next(self._op_ids), direction, transfers, [tag], held=list(transfers))

@@ -74,8 +74,8 @@ class HybridCacheController(CacheController):
         device_swa = self.hybrid_pool.swa_slots_of(device_indices)
         mapped = device_swa.tensor != 0
         swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
-        self._refuse_busy(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write",
-                          Direction.DEVICE_TO_HOST)
+        self._held.refuse_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write",
+                                    Direction.DEVICE_TO_HOST)
         host_full = self.host_pool.allocator.try_alloc(len(device_indices))
         if host_full is None:
             return None
@@ -112,7 +112,7 @@ class HybridCacheController(CacheController):
                 (as :meth:`CacheController.load`) full or tail SWA host slots that are not
                 allocated pages or that a write is still filling; nothing allocated then.
         """
-        self._check_cpu(host_indices, self.host_pool, "load")
+        self._check_cpu(host_indices, self.host_pool, "load")  # shape errors first
         swa_host = self._check_cpu(host_swa, self.host_swa, "load")
         if swa_host.numel() != len(host_indices):
             raise ValueError(

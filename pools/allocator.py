@@ -145,7 +145,8 @@ class PageAllocator:
         # Ascending pages (what allocations hand out) are distinct without a sort, and their
         # lowest is the first. Few numpy calls: this is on every free.
         ascending = pages.size == 1 or bool((pages[1:] > pages[:-1]).all())
-        if pages[0] == 0 if ascending else (pages == 0).any():
+        has_padding = pages[0] == 0 if ascending else bool((pages == 0).any())
+        if has_padding:
             raise ValueError(f"{op}: page 0 of pool '{self.name}' is reserved for padding")
         if not ascending and np.unique(pages).size != pages.size:
             raise ValueError(f"{op}: the same page appears twice")

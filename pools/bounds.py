@@ -132,10 +132,7 @@ class BoundsGuard:
         self._next += 1
         if kernel_check_available(tensor):
             return check_with_kernel(tensor, bound, pinned[row])
-        values = tensor.to(torch.int64)
-        safe = values.clamp(0, bound - 1)
-        excess = values - safe
-        safe.masked_fill_(excess != 0, PADDING_SLOT)
+        safe, excess = _clean(tensor, bound)
         record = device_rows[row]
         torch.aminmax(excess, out=(record[0], record[1]))
         # (min(low, 0), max(high, 0)): the words pending marks can never occur
@@ -151,10 +148,7 @@ class BoundsGuard:
         if self._captured is None:
             self._captured = torch.zeros(2, dtype=torch.int64, device=tensor.device)
             self._captured_pinned = torch.zeros(2, dtype=torch.int64, pin_memory=True)
-        values = tensor.to(torch.int64)
-        safe = values.clamp(0, bound - 1)
-        excess = values - safe
-        safe.masked_fill_(excess != 0, PADDING_SLOT)
+        safe, excess = _clean(tensor, bound)
         low, high = torch.aminmax(excess)
         torch.minimum(self._captured[0], low, out=self._captured[0])
         torch.maximum(self._captured[1], high, out=self._captured[1])
@@ -195,3 +189,13 @@ class BoundsGuard:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.raise_if_tripped()
+
+
+def _clean(tensor: torch.Tensor, bound: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int64 ``tensor`` with values outside ``[0, bound)`` set to the padding index,
+    ``value - clamp(value, 0, bound - 1)``), in torch ops on the tensor's device."""
+    values = tensor.to(torch.int64)
+    safe = values.clamp(0, bound - 1)
+    excess = values - safe
+    safe.masked_fill_(excess != 0, PADDING_SLOT)
+    return safe, excess

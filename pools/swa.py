@@ -185,12 +185,9 @@ class HybridSWAPool:
             is cached by the pool: an engine that refills its buffer in place makes a new
             handle per forward.
         """
-        index = self.full.check(out_cache_loc, "forward_locs")
-        owned = index.to(torch.int64, copy=index is out_cache_loc.tensor)
-        return ForwardLocs(
-            Indices(owned, IndexSpace.DEVICE_FULL),
-            Indices(self._swa_of(owned), IndexSpace.DEVICE_SWA), self, self.map_version,
-        )
+        full = self.full.forward_locs(out_cache_loc).full
+        return ForwardLocs(full, Indices(self._swa_of(full.tensor), IndexSpace.DEVICE_SWA),
+                           self, self.map_version)
 
     def translate_page_table(self, page_table: PageTable) -> PageTable:
         """Translate a full-space page table to SWA page ids.
