@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+__version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
+
 if TYPE_CHECKING:
     from hicache.config import ConfigError, HiCacheConfig, config_from_dict, load_config
     from hicache.factory import build_service

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hicache.cli.output_path import check_output_path
+from hicache.cli.parser import CliParser, UsageError
+
 if TYPE_CHECKING:  # the measuring modules import torch: only a run loads them
     from .scheduler import Figure
     from .trace import ReplayRow
@@ -69,6 +72,12 @@ def run(args: argparse.Namespace) -> int:
         print("hicache bench scheduler: error: --capacities are DEVICE:HOST block counts",
               file=sys.stderr)
         return 2
+    if args.json is not None:
+        try:
+            check_output_path(args.json, "--json")
+        except UsageError as exc:
+            print(f"hicache bench scheduler: error: {exc}", file=sys.stderr)
+            return 2
     import torch
 
     from .trace import read_trace, replay
@@ -149,7 +158,7 @@ def render_replay(rows: list[ReplayRow], name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hicache bench scheduler", description=DESCRIPTION)
+    parser = CliParser(prog="hicache bench scheduler", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 
