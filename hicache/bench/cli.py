@@ -139,19 +139,20 @@ def check_args(args: argparse.Namespace) -> str | None:
                     f"{args.page_sizes}; use multiples of {largest}")
     if max(args.auto_sizes) > args.tokens:
         return f"--auto-sizes must not exceed --tokens ({args.tokens})"
-    if args.plot is not None and not have_matplotlib():
-        return "--plot needs matplotlib: pip install 'hicache[plot]'"
     return None
 
 
 def check_outputs(args: argparse.Namespace) -> None:
-    """Raise :class:`UsageError` unless every output file can be written (before a run)."""
+    """Raise :class:`UsageError` unless every output file can be written and ``--plot``'s
+    matplotlib is installed (checked before a run)."""
     outputs = [("--plot", args.plot), ("--auto-table", args.auto_table)]
     if args.from_json is None:
         outputs.append(("--json", args.json))
     for option, path in outputs:
         if path is not None:
             check_output_path(path, option)
+    if args.plot is not None and not have_matplotlib():
+        raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'")
 
 
 def run_bench(args: argparse.Namespace) -> int:
