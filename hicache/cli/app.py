@@ -35,7 +35,7 @@ Command = Callable[[argparse.Namespace], int]
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``hicache`` parser with every subcommand."""
-    parser = CliParser(
+    parser: argparse.ArgumentParser = CliParser(  # its subcommand parsers are CliParsers too
         prog="hicache",
         description="Hierarchical KV-cache controller: GPU pool (L1), pinned host pool (L2), "
         "asynchronous stream-safe transfers between them. Start with 'hicache demo'.",
