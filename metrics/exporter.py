@@ -158,15 +158,13 @@ def _bind(host: str, port: int) -> _MetricsServer:
                                  f"of this machine") from exc
     except OSError as exc:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        reason = exc.strerror or "cannot bind"
         if exc.errno == errno.EADDRINUSE:
-            fix = (f"port {port} is taken, by another process or another engine worker on "
-                   f"this host: give each worker its own service.metrics_port (for example "
-                   f"{port} + its rank), or set metrics_port: 0 to pick a free one")
-        else:
-            fix = ("set service.metrics_host to an address of this machine and "
-                   "service.metrics_port to a free port, or 0 to pick one")
-        raise OSError(exc.errno, f"metrics endpoint: cannot bind {address} "
-                                 f"({exc.strerror}); {fix}") from exc
+            reason += (": another process, or another engine worker on this host, has it; "
+                       f"give each worker its own port, e.g. {port} + its rank")
+        raise OSError(exc.errno, f"metrics endpoint: cannot bind {address} ({reason}); set "
+                                 f"service.metrics_port to a free port, or 0 to pick one"
+                      ) from exc
 
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
