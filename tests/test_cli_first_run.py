@@ -189,6 +189,17 @@ def test_bench_checks_its_outputs_before_running(
     assert "cannot write a file there (No such file or directory)" in captured.err
 
 
+def test_bench_scheduler_checks_its_trace_before_running(
+    elsewhere: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --trace that cannot be read: exit 2 and one line, before anything is measured."""
+    assert main(["bench", "scheduler", "--trace", "absent.jsonl"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == ("hicache bench scheduler: error: --trace absent.jsonl: cannot read "
+                            "it (No such file or directory); name a JSONL trace file\n")
+
+
 def test_errors_are_one_line_from_the_console(elsewhere: Path) -> None:
     """Through a real process: a bad --json and a missing config each give exit 2 and
     exactly one line on stderr, no traceback."""

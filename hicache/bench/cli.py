@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.cli.output_path import check_output_path
-from hicache.cli.parser import CliParser, UsageError
+from hicache.cli.parser import INTERRUPTED, CliParser, UsageError
 
 from .auto import DEFAULT_MAX_SLOWDOWN_PCT, DEFAULT_MIN_SHARE_OF_BEST
 from .plot import have_matplotlib, plot
@@ -112,8 +112,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hicache.bench``: parse ``argv`` (default ``sys.argv[1:]``) and run."""
-    return run_bench(parse_args(argv))
+    """``python -m hicache.bench``: parse ``argv`` (default ``sys.argv[1:]``) and run; Ctrl-C
+    ends it with one line and exit code 130, as the ``hicache`` command does."""
+    try:
+        return run_bench(parse_args(argv))
+    except KeyboardInterrupt:
+        print("hicache bench: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:
