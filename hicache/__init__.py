@@ -14,8 +14,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+__version__ = "0.1.0"  # the package version (pyproject.toml reads it from here)
+
 if TYPE_CHECKING:
-    from hicache.config import ConfigError, HiCacheConfig, config_from_dict, load_config
+    from hicache.config import (
+        ConfigError,
+        HiCacheConfig,
+        config_from_dict,
+        load_config,
+        load_default_config,
+    )
     from hicache.factory import build_service
     from hicache.pools import BoundsError, ForwardLocs, IndexSpace, Indices, PageTable
     from hicache.radix import MatchResult, TreeNode
@@ -27,6 +35,7 @@ _SOURCES: dict[str, str] = {
     "HiCacheConfig": "hicache.config",
     "config_from_dict": "hicache.config",
     "load_config": "hicache.config",
+    "load_default_config": "hicache.config",
     "build_service": "hicache.factory",
     "BoundsError": "hicache.pools",
     "ForwardLocs": "hicache.pools",
@@ -54,6 +63,7 @@ __all__ = [
     "build_service",
     "config_from_dict",
     "load_config",
+    "load_default_config",
 ]
 
 

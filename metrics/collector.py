@@ -29,6 +29,8 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from hicache import __version__
+
 from . import names as n
 from .histogram import DurationHistogram, HistogramState
 from .sources import CacheSource, PoolUsage, PoolUsageFn, ServiceSource, TransferSource
@@ -116,6 +118,7 @@ class HiCacheCollector:
             _add_cache(families, snap.cache, snap.cache_reasons)
         if snap.background_errors is not None:
             _add(families[n.BACKGROUND_ERRORS], {(): snap.background_errors})
+        _add(families[n.BUILD_INFO], {(__version__,): 1})
         yield from families.values()
 
     def _snapshot(self) -> _Snapshot:

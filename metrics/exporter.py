@@ -12,22 +12,27 @@ Usage (the service wires this; core code never imports ``prometheus_client``)::
 
 Each exporter owns a ``CollectorRegistry`` (never the global one), so two services in one
 process export independently. Constructing one opens no socket and starts no thread; only
-:meth:`MetricsExporter.start_http` does.
+:meth:`MetricsExporter.start_http` does. The endpoint is ``prometheus_client``'s own
+threaded WSGI server and exposition app, answering ``/metrics`` only (404 elsewhere).
+
+One port serves one process: engine workers on one host each need their own
+``service.metrics_port`` (one scrape target per worker), or 0 for a free one.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from socketserver import ThreadingMixIn
 from types import TracebackType
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
+from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from .collector import HiCacheCollector
 from .names import DURATION_BUCKETS_S
@@ -36,6 +41,7 @@ from .sources import CacheSource, PoolUsageFn, ServiceSource, TransferSource
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
+METRICS_PATH = "/metrics"
 _SHUTDOWN_POLL_S = 0.1
 
 
@@ -43,7 +49,7 @@ class MetricsExporter:
     """Prometheus export of one hicache instance (arguments as for :class:`HiCacheCollector`).
 
     ``registry`` holds only this instance's metrics. :meth:`render` returns the text
-    exposition; :meth:`start_http` serves it at ``/metrics`` (any path, in fact).
+    exposition; :meth:`start_http` serves it at ``/metrics``.
     """
 
     def __init__(
@@ -88,9 +94,9 @@ class MetricsExporter:
             RuntimeError: already serving (call :meth:`stop` first).
             ValueError: ``port`` outside 0..65535.
             OSError: the address cannot be bound (the port is taken, the host does not
-                resolve); the message names ``host:port`` and the fix, the original
-                ``errno`` is kept and the original error is the ``__cause__``. Nothing is
-                left serving.
+                resolve); the message names ``host:port`` and the fix (a port per worker,
+                or ``metrics_port: 0``), the original ``errno`` is kept and the original
+                error is the ``__cause__``. Nothing is left serving.
         """
         if self._server is not None:
             raise RuntimeError(f"metrics endpoint already serving on port {self.port}; "
@@ -99,7 +105,7 @@ class MetricsExporter:
             raise ValueError(f"metrics port {port} is not a TCP port; use 0..65535 "
                              f"(0 picks a free port)")
         server = _bind(host, port)
-        server.set_app(make_wsgi_app(self.registry))
+        server.set_app(_only_metrics_path(make_wsgi_app(self.registry)))
         thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": _SHUTDOWN_POLL_S},
             name="hicache-metrics-http", daemon=True,
@@ -152,9 +158,28 @@ def _bind(host: str, port: int) -> _MetricsServer:
                                  f"of this machine") from exc
     except OSError as exc:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        raise OSError(exc.errno, f"metrics endpoint: cannot bind {address} "
-                                 f"({exc.strerror}); set service.metrics_port to a free "
-                                 f"port, or 0 to pick one") from exc
+        reason = exc.strerror or "cannot bind"
+        if exc.errno == errno.EADDRINUSE:
+            reason += (": another process, or another engine worker on this host, has it; "
+                       f"give each worker its own port, e.g. {port} + its rank")
+        raise OSError(exc.errno, f"metrics endpoint: cannot bind {address} ({reason}); set "
+                                 f"service.metrics_port to a free port, or 0 to pick one"
+                      ) from exc
+
+
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def _only_metrics_path(app: WSGIApp) -> WSGIApp:
+    """``app`` at :data:`METRICS_PATH`; 404 with a one-line hint on any other path."""
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == METRICS_PATH:
+            return app(environ, start_response)
+        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+        return [f"hicache serves its metrics at {METRICS_PATH} only\n".encode()]
+
+    return serve
 
 
 class _QuietHandler(WSGIRequestHandler):
@@ -164,12 +189,11 @@ class _QuietHandler(WSGIRequestHandler):
         logger.debug("metrics request from %s: " + format, self.address_string(), *args)
 
 
-class _MetricsServer(ThreadingMixIn, WSGIServer):
-    """A threaded WSGI server bound to ``(host, port)``, IPv4 or IPv6 as ``host`` resolves."""
-
-    daemon_threads = True
+class _MetricsServer(ThreadingWSGIServer):  # type: ignore[misc]
+    """``prometheus_client``'s threaded WSGI server bound to ``(host, port)``, IPv4 or IPv6
+    as ``host`` resolves."""
 
     def __init__(self, host: str, port: int) -> None:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         self.address_family = infos[0][0]
         super().__init__((host, port), _QuietHandler)

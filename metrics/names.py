@@ -55,6 +55,7 @@ BACKUP_TOKENS = "hicache_backup_tokens_total"
 REFUSED_LOAD_BACK_TOKENS = "hicache_refused_load_back_tokens_total"
 REFUSED_BACKUP_TOKENS = "hicache_refused_backup_tokens_total"
 BACKGROUND_ERRORS = "hicache_background_errors_total"
+BUILD_INFO = "hicache_build_info"
 
 
 def _reasons(values: tuple[str, ...]) -> str:
@@ -109,6 +110,8 @@ METRICS: tuple[MetricSpec, ...] = (
                f"Backups not made, by reason: {_reasons(BACKUP_REFUSAL_REASONS)} (tokens)."),
     MetricSpec(BACKGROUND_ERRORS, "counter", (),
                "Exceptions raised in the service's background thread (errors)."),
+    MetricSpec(BUILD_INFO, "gauge", ("version",),
+               "Always 1; `version` is the hicache package version of the process."),
 )
 
 _BY_NAME = {spec.name: spec for spec in METRICS}

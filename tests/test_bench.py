@@ -161,7 +161,7 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     else:
         assert code == 2
         assert capsys.readouterr().err == (
-            "hicache bench: error: --plot needs matplotlib (pip install matplotlib)\n")
+            "hicache bench: error: --plot needs matplotlib: pip install 'hicache[plot]'\n")
 
 
 # ---- auto table -----------------------------------------------------------------------------

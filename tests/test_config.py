@@ -303,9 +303,11 @@ def test_available_ram_is_read() -> None:
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    """A missing file is a one-line ConfigError naming the path."""
+    """A missing file is a one-line ConfigError naming the path and how to get a config."""
     path = tmp_path / "absent.yaml"
-    with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: no such config file$"):
+    expected = (f"{path}: no such config file; write one to start from with 'hicache init "
+                f"{path}', or leave the path out to use the built-in default")
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}$"):
         load_config(path)
 
 

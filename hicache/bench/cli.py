@@ -17,6 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.cli.output_path import check_output_path
+from hicache.cli.parser import INTERRUPTED, CliParser, UsageError
+
 from .auto import DEFAULT_MAX_SLOWDOWN_PCT, DEFAULT_MIN_SHARE_OF_BEST
 from .plot import have_matplotlib, plot
 from .report import render
@@ -101,7 +104,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Arguments of ``python -m hicache.bench`` (sizes resolved, see :func:`resolve_sizes`)."""
-    parser = argparse.ArgumentParser(prog="python -m hicache.bench", description=DESCRIPTION)
+    parser = CliParser(prog="python -m hicache.bench", description=DESCRIPTION)
     add_bench_arguments(parser)
     args = parser.parse_args(argv)
     resolve_sizes(args)
@@ -109,8 +112,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hicache.bench``: parse ``argv`` (default ``sys.argv[1:]``) and run."""
-    return run_bench(parse_args(argv))
+    """``python -m hicache.bench``: parse ``argv`` (default ``sys.argv[1:]``) and run; Ctrl-C
+    ends it with one line and exit code 130, as the ``hicache`` command does."""
+    try:
+        return run_bench(parse_args(argv))
+    except KeyboardInterrupt:
+        print("hicache bench: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def resolve_sizes(args: argparse.Namespace) -> None:
@@ -136,15 +144,31 @@ def check_args(args: argparse.Namespace) -> str | None:
                     f"{args.page_sizes}; use multiples of {largest}")
     if max(args.auto_sizes) > args.tokens:
         return f"--auto-sizes must not exceed --tokens ({args.tokens})"
-    if args.plot is not None and not have_matplotlib():
-        return "--plot needs matplotlib (pip install matplotlib)"
     return None
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` unless every output file can be written and ``--plot``'s
+    matplotlib is installed (checked before a run)."""
+    outputs = [("--plot", args.plot), ("--auto-table", args.auto_table)]
+    if args.from_json is None:
+        outputs.append(("--json", args.json))
+    for option, path in outputs:
+        if path is not None:
+            check_output_path(path, option)
+    if args.plot is not None and not have_matplotlib():
+        raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Handler of ``hicache bench``: run (or re-render), print, write the outputs."""
     resolve_sizes(args)
     problem = check_args(args)
+    if problem is None:
+        try:
+            check_outputs(args)
+        except UsageError as exc:
+            problem = str(exc)
     if problem is not None:
         print(f"hicache bench: error: {problem}", file=sys.stderr)
         return USAGE_ERROR

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hicache.cli.output_path import check_output_path
+from hicache.cli.parser import CliParser, UsageError
+
 if TYPE_CHECKING:  # the measuring modules import torch: only a run loads them
     from .scheduler import Figure
     from .trace import ReplayRow
@@ -69,6 +72,11 @@ def run(args: argparse.Namespace) -> int:
         print("hicache bench scheduler: error: --capacities are DEVICE:HOST block counts",
               file=sys.stderr)
         return 2
+    try:
+        _check_files(args)
+    except UsageError as exc:
+        print(f"hicache bench scheduler: error: {exc}", file=sys.stderr)
+        return 2
     import torch
 
     from .trace import read_trace, replay
@@ -89,6 +97,19 @@ def run(args: argparse.Namespace) -> int:
             "replay": [r.__dict__ for r in rows]}, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     return 0
+
+
+def _check_files(args: argparse.Namespace) -> None:
+    """The trace can be read and the --json file written, before anything is measured."""
+    if args.trace is not None:
+        try:
+            with open(args.trace, "rb"):
+                pass
+        except OSError as exc:
+            raise UsageError(f"--trace {args.trace}: cannot read it ({exc.strerror}); name "
+                             f"a JSONL trace file") from None
+    if args.json is not None:
+        check_output_path(args.json, "--json")
 
 
 def _measure(args: argparse.Namespace) -> list[Figure]:
@@ -149,7 +170,7 @@ def render_replay(rows: list[ReplayRow], name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hicache bench scheduler", description=DESCRIPTION)
+    parser = CliParser(prog="hicache bench scheduler", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -4,8 +4,9 @@
   (``model``, ``device_pool``, ``host``, ``controller``, ``service``);
 - :mod:`~hicache.config.hicache`: :class:`HiCacheConfig`, the sections together and the
   checks that span them;
-- :mod:`~hicache.config.loading`: :func:`load_config`, :func:`config_from_dict` and the
-  check of the host pools against available RAM;
+- :mod:`~hicache.config.loading`: :func:`load_config`, :func:`load_default_config` (the
+  ``default.yaml`` shipped in this package), :func:`config_from_dict` and the check of the
+  host pools against available RAM;
 - :mod:`~hicache.config.sizing`: the size of every pool a config asks for, allocating
   nothing;
 - :mod:`~hicache.config.parse`: the generic machinery (strict YAML, typed conversion, the
@@ -15,7 +16,16 @@
 from __future__ import annotations
 
 from .hicache import HiCacheConfig
-from .loading import available_ram_bytes, check_host_memory, config_from_dict, load_config
+from .loading import (
+    DEFAULT_CONFIG_NAME,
+    available_ram_bytes,
+    check_host_memory,
+    config_from_dict,
+    config_from_yaml,
+    default_config_text,
+    load_config,
+    load_default_config,
+)
 from .parse import ConfigError
 from .sections import (
     ControllerConfig,
@@ -40,6 +50,7 @@ from .sizing import (
 )
 
 __all__ = [
+    "DEFAULT_CONFIG_NAME",
     "GIB",
     "ConfigError",
     "ControllerConfig",
@@ -57,9 +68,12 @@ __all__ = [
     "available_ram_bytes",
     "check_host_memory",
     "config_from_dict",
+    "config_from_yaml",
+    "default_config_text",
     "device_num_pages",
     "host_num_pages",
     "load_config",
+    "load_default_config",
     "pool_layers",
     "pool_sizes",
     "staging_bytes",

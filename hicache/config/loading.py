@@ -13,6 +13,7 @@ import contextlib
 import logging
 import math
 import os
+from importlib import resources
 from pathlib import Path
 
 import yaml
@@ -24,6 +25,21 @@ from .sizing import GIB, pool_sizes
 logger = logging.getLogger(__name__)
 
 
+DEFAULT_CONFIG_NAME = "built-in default"
+"""How messages and reports name the config that ships inside the package."""
+
+
+def default_config_text() -> str:
+    """The commented YAML of the built-in default config (what ``hicache init`` writes)."""
+    return resources.files("hicache.config").joinpath("default.yaml").read_text(encoding="utf-8")
+
+
+def load_default_config(*, check_ram: bool = True) -> HiCacheConfig:
+    """The built-in default config (:func:`default_config_text`), validated; errors as for
+    :func:`load_config`, naming it :data:`DEFAULT_CONFIG_NAME`."""
+    return config_from_yaml(default_config_text(), DEFAULT_CONFIG_NAME, check_ram=check_ram)
+
+
 def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCacheConfig:
     """Read and validate a YAML config file.
 
@@ -32,23 +48,30 @@ def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCa
         check_ram: also check that the host pools fit in the RAM available now.
     Raises:
         ConfigError: unreadable file, invalid YAML, or any invalid setting; the message is
-            one line starting with ``path``.
+            one line starting with ``path``; a missing file's says how to get one.
     """
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
+        raise ConfigError(f"{path}: no such config file; write one to start from with "
+                          f"'hicache init {path}', or leave the path out to use the "
+                          f"built-in default") from None
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"{path}: cannot read the config file ({reason})") from None
+    return config_from_yaml(text, str(path), check_ram=check_ram)
+
+
+def config_from_yaml(text: str, source: str, *, check_ram: bool = True) -> HiCacheConfig:
+    """Parse and validate YAML ``text``; errors start with ``source`` (a path or a name)."""
     try:
         data = yaml.load(text, Loader=StrictLoader)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML{yaml_reason(exc)}") from None
+        raise ConfigError(f"{source}: invalid YAML{yaml_reason(exc)}") from None
     try:
         return config_from_dict(data, check_ram=check_ram)
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}", key=exc.key) from None
+        raise ConfigError(f"{source}: {exc}", key=exc.key) from None
 
 
 def config_from_dict(data: object, *, check_ram: bool = True) -> HiCacheConfig:

@@ -103,10 +103,14 @@ def run_demo(
     with _cpu_threads(device):
         model = TinyDecoder(spec, options.seed, device)
         start = time.perf_counter()
-        expected = reference_tokens(model, workload)
+
+        def baseline_progress(done: int, total: int) -> None:
+            if on_progress is not None:
+                on_progress("baseline", done, total, "")
+
+        baseline_progress(0, workload.num_turns)
+        expected = reference_tokens(model, workload, baseline_progress)
         report.baseline_s = time.perf_counter() - start
-        if on_progress is not None:
-            on_progress("baseline", workload.num_turns, workload.num_turns, "")
         engine = serve(config, options, model, workload, report, wanted_port=wanted_port,
                        on_progress=on_progress)
     report.token_mismatch = first_token_mismatch(engine.generated, expected)

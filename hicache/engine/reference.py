@@ -8,6 +8,8 @@ tokens exactly; any difference means some KV row the engine read was not the row
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .model import ModelSpec, TinyDecoder
@@ -52,11 +54,19 @@ class DenseKV:
         return self.keys[layer][index], self.values[layer][index]
 
 
-def reference_tokens(model: TinyDecoder, workload: Workload) -> dict[TurnKey, list[int]]:
-    """Greedy tokens of every turn of every conversation, computed without any cache."""
+def reference_tokens(
+    model: TinyDecoder, workload: Workload,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> dict[TurnKey, list[int]]:
+    """Greedy tokens of every turn of every conversation, computed without any cache.
+
+    ``on_progress(done, total)`` is called with the turns done after each conversation.
+    """
     expected: dict[TurnKey, list[int]] = {}
     for conversation in workload.conversations:
         expected.update(_run_conversation(model, conversation))
+        if on_progress is not None:
+            on_progress(len(expected), workload.num_turns)
     return expected
 
 
