@@ -1,6 +1,6 @@
-"""Real ``redis-server`` processes for the storage tests: a standalone server or a 3-master
-cluster (made with ``redis-cli --cluster create``) on free loopback ports, in a temporary
-directory, without persistence. Whoever starts one stops it."""
+"""Local ``redis-server`` processes for ``hicache bench storage`` and the storage tests: a
+standalone server or a 3-master cluster (made with ``redis-cli --cluster create``) on free
+loopback ports, in a given directory, without persistence. Whoever starts one stops it."""
 
 from __future__ import annotations
 
@@ -12,11 +12,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 
-HAVE_REDIS = shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
-needs_redis = pytest.mark.skipif(not HAVE_REDIS, reason="redis-server/redis-cli not installed "
-                                 "(Debian package redis-server; .ci/run installs it)")
+def have_redis() -> bool:
+    """True when ``redis-server`` and ``redis-cli`` are on the PATH."""
+    return shutil.which("redis-server") is not None and shutil.which("redis-cli") is not None
 
 
 def free_port() -> int:
