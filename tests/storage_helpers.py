@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hicache.bench.redis_local import RedisCluster, RedisServer, have_redis
-from hicache.pools import AttentionKind, HostKVPool, HostLayout, Indices, IndexSpace, RowGeometry
+from hicache.pools import AttentionKind, HostKVPool, HostLayout, IndexSpace, Indices, RowGeometry
 from hicache.storage import Namespace, chain_page_hashes, host_page_views
 
 PAGE_SIZE = 4

@@ -6,7 +6,7 @@ import pytest
 import torch
 from storage_helpers import hashes, make_pool, namespace, views
 
-from hicache.pools import HostLayout, Indices, IndexSpace
+from hicache.pools import HostLayout, IndexSpace, Indices
 from hicache.storage import PageFormat, byte_view, host_page_views
 from hicache.storage.host_views import check_batch
 

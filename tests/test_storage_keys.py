@@ -28,7 +28,7 @@ def test_hashes_are_the_same_in_another_process_with_another_hash_seed() -> None
 
 def test_one_hash_per_full_page_and_list_array_tensor_agree() -> None:
     """A trailing partial page is not hashed; lists, arrays and tensors give the same hashes."""
-    hashes = chain_page_hashes(TOKENS + [1, 2], 4)
+    hashes = chain_page_hashes([*TOKENS, 1, 2], 4)
     assert len(hashes) == 4 and all(len(h) == 32 for h in hashes)
     assert hashes == chain_page_hashes(np.array(TOKENS, dtype=np.int32), 4)
     assert hashes == chain_page_hashes(torch.tensor(TOKENS), 4)
@@ -38,7 +38,7 @@ def test_one_hash_per_full_page_and_list_array_tensor_agree() -> None:
 def test_a_hash_covers_the_whole_prefix() -> None:
     """Changing a token changes the hash of its page and of every later page only."""
     base = chain_page_hashes(TOKENS, 4)
-    changed = chain_page_hashes(TOKENS[:5] + [9] + TOKENS[6:], 4)
+    changed = chain_page_hashes([*TOKENS[:5], 9, *TOKENS[6:]], 4)
     assert changed[0] == base[0]
     assert all(a != b for a, b in zip(changed[1:], base[1:], strict=True))
 
