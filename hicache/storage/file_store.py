@@ -26,8 +26,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from .base import (
     DEFAULT_TIMEOUT_S,
     Deadline,
@@ -41,10 +39,10 @@ from .base import (
 from .file_lru import FileLRU
 from .host_views import check_batch
 from .keys import Namespace
+from .page_files import DIRECT_ALIGN, aligned, make_directory, write_all
 from .page_format import PageFormat
 
 logger = logging.getLogger(__name__)
-DIRECT_ALIGN = 4096
 SUFFIX = ".kv"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -79,7 +77,8 @@ class FileStore(StorageBackend):
         self.format = PageFormat(namespace, checksum=checksum, align=DIRECT_ALIGN)
         self.direct_io = direct_io
         self.fsync = fsync
-        self.directory = _make_directory(Path(root), namespace.hex)
+        self.directory = make_directory(Path(root), namespace.hex)
+        self._root = str(self.directory)
         self.lru = FileLRU(capacity_bytes)
         self._stats = StatsRecorder()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-file")
@@ -102,7 +101,8 @@ class FileStore(StorageBackend):
             if deadline.expired():
                 statuses.append(PageStatus.TIMEOUT)
             else:
-                statuses.append(PageStatus.OK if self._path(key).exists() else PageStatus.MISS)
+                found = os.path.exists(self._path(key))
+                statuses.append(PageStatus.OK if found else PageStatus.MISS)
         result = StorageResult(tuple(statuses))
         self._stats.record("exists", result, time.perf_counter() - started)
         return result
@@ -175,7 +175,7 @@ class FileStore(StorageBackend):
     def _read_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
         name = key.hex() + SUFFIX
         path = self.directory / name[:2] / name
-        direct = self.direct_io and _aligned(segments)
+        direct = self.direct_io and aligned(segments)
         try:
             fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
         except FileNotFoundError:
@@ -210,7 +210,7 @@ class FileStore(StorageBackend):
             path.parent.mkdir(exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                _write_all(fd, [memoryview(header), *segments])
+                write_all(fd, [memoryview(header), *segments])
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -225,9 +225,9 @@ class FileStore(StorageBackend):
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _path(self, key: bytes) -> Path:
+    def _path(self, key: bytes) -> str:
         name = key.hex() + SUFFIX
-        return self.directory / name[:2] / name
+        return f"{self._root}/{name[:2]}/{name}"
 
     def _header_buffer(self) -> memoryview:
         """A per-thread, 4 KiB aligned header buffer (O_DIRECT needs aligned memory)."""
@@ -269,39 +269,3 @@ class FileStore(StorageBackend):
             entries.sort()
             self._evict(self.lru.load((name, size) for _, name, size in entries))
             self._scanned = True
-
-
-def _make_directory(root: Path, namespace_hex: str) -> Path:
-    if root.exists() and not root.is_dir():
-        raise ValueError(f"file store root {str(root)!r} exists and is not a directory; "
-                         "give a directory path")
-    directory = root / namespace_hex
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"file store root {str(root)!r} cannot be created ({exc.strerror}); "
-                         "give a writable directory") from None
-    if not os.access(directory, os.W_OK | os.X_OK):
-        raise ValueError(f"file store directory {str(directory)!r} is not writable")
-    return directory
-
-
-def _aligned(segments: list[memoryview]) -> bool:
-    return all(s.nbytes % DIRECT_ALIGN == 0
-               and np.frombuffer(s, dtype=np.uint8).ctypes.data % DIRECT_ALIGN == 0
-               for s in segments)
-
-
-def _write_all(fd: int, buffers: list[memoryview]) -> None:
-    """``pwritev`` until every byte is written (a short write happens on a full disk)."""
-    offset, pending = 0, buffers
-    while pending:
-        written = os.pwritev(fd, pending, offset)
-        if written == 0:
-            raise OSError("no progress writing a page file (disk full?)")
-        offset += written
-        while pending and written >= pending[0].nbytes:
-            written -= pending[0].nbytes
-            pending = pending[1:]
-        if pending and written:
-            pending = [pending[0][written:], *pending[1:]]

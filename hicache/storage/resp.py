@@ -21,6 +21,7 @@ from .base import Deadline
 Reply = int | bytes | list["Reply"] | None
 _BUFFER_BYTES = 1 << 18
 _MAX_IOV = 512
+_LINE_READ_BYTES = 4096
 
 
 class RespError(Exception):
@@ -128,10 +129,13 @@ class RespConnection:
             size -= part
 
     def expect_crlf(self, deadline: Deadline) -> None:
-        end = bytearray(2)
-        self.read_into([memoryview(end)], deadline)
-        if end != b"\r\n":
+        """Consume the CRLF after a bulk value, buffering what follows it (usually the next
+        reply's length line: one receive for both)."""
+        while self._end - self._start < 2:
+            self._fill(deadline)
+        if self._buffer[self._start:self._start + 2] != b"\r\n":
             raise ConnectionError(f"protocol error from {self.address}: bulk not ended by CRLF")
+        self._start += 2
 
     def _read_line(self, deadline: Deadline) -> bytes:
         while True:
@@ -153,7 +157,8 @@ class RespConnection:
             self._buffer[:pending] = self._view[self._start:self._end]
             self._start, self._end = 0, pending
         self._wait(deadline)
-        received = self.sock.recv_into(self._view[self._end:])
+        # A small receive: what follows a line is mostly a value, better received in place.
+        received = self.sock.recv_into(self._view[self._end:self._end + _LINE_READ_BYTES])
         if received == 0:
             raise ConnectionError(f"server {self.address} closed the connection")
         self._end += received
@@ -181,3 +186,22 @@ def bulk_prefix(*args: bytes, value_len: int, trailing: int = 0) -> bytes:
         parts.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
     parts.append(b"$%d\r\n" % value_len)
     return b"".join(parts)
+
+
+def scan_unlink(connection: RespConnection, pattern: bytes, deadline: Deadline) -> int:
+    """``UNLINK`` every key of one server matching ``pattern``; returns how many."""
+    cursor, removed = b"0", 0
+    while True:
+        connection.send([command(b"SCAN", cursor, b"MATCH", pattern, b"COUNT", b"1000")],
+                        deadline)
+        reply = connection.read_reply(deadline)
+        assert isinstance(reply, list) and len(reply) == 2, f"SCAN replied {reply!r:.80}"
+        next_cursor, found = reply
+        assert isinstance(next_cursor, bytes) and isinstance(found, list), "SCAN reply shape"
+        cursor = next_cursor
+        if found:
+            connection.send([b"".join(command(b"UNLINK", k) for k in found
+                                      if isinstance(k, bytes))], deadline)
+            removed += sum(int(connection.read_reply(deadline) == 1) for _ in found)
+        if cursor == b"0":
+            return removed

@@ -22,7 +22,7 @@ SCHEMES = ("file", "redis", "redis+cluster")
 def open_store(location: str, namespace: Namespace, **options: Any) -> StorageBackend:
     """The backend ``location`` names, for ``namespace``; ``options`` go to its constructor
     (``timeout_s``, ``checksum``; ``capacity_bytes``, ``num_threads``, ``direct_io`` for
-    files; ``pipeline_bytes`` for Redis). Opens no connection yet.
+    files; ``pipeline_pages`` for Redis). Opens no connection yet.
 
     Raises:
         ValueError: an unknown scheme, a malformed address, a path that is not a directory.
