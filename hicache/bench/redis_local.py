@@ -79,6 +79,7 @@ class RedisServer:
             except OSError:
                 pass
             if time.monotonic() > deadline or self.process.poll() is not None:
+                self.kill()
                 raise RuntimeError(f"redis-server on port {self.port} did not start "
                                    f"(see {self.directory})")
             time.sleep(0.02)
@@ -126,13 +127,18 @@ class RedisCluster:
         return "redis+cluster://" + ",".join(f"{h}:{p}" for h, p in self.addresses)
 
     def start(self) -> RedisCluster:
-        for server in self.servers:
-            server.start()
-        nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
-        subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, timeout=60)
-        self.wait_ok()
+        """Start every node and create the cluster; on any failure stop what started."""
+        try:
+            for server in self.servers:
+                server.start()
+            nodes = [f"127.0.0.1:{server.port}" for server in self.servers]
+            subprocess.run(["redis-cli", "--cluster", "create", *nodes, "--cluster-replicas",
+                            "0", "--cluster-yes"], check=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=60)
+            self.wait_ok()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
