@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from gpu_shapes import SANITIZER_ENV, under_sanitizer
+from storage_helpers import own_server, redis_cluster, redis_server  # noqa: F401 (fixtures)
 
 
 @pytest.fixture

@@ -93,13 +93,17 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "scheduler thread's costs (CPU)", description=DESCRIPTION)
     add_bench_arguments(parser)
     parser.set_defaults(run=run_bench)
-    from . import scheduler_cli
+    from . import scheduler_cli, storage_cli
 
-    kinds = parser.add_subparsers(dest="bench_kind", metavar="scheduler")
+    kinds = parser.add_subparsers(dest="bench_kind", metavar="scheduler|storage")
     scheduler = kinds.add_parser("scheduler", help=scheduler_cli.DESCRIPTION,
                                  description=scheduler_cli.DESCRIPTION)
     scheduler_cli.add_arguments(scheduler)
     scheduler.set_defaults(run=scheduler_cli.run)
+    storage = kinds.add_parser("storage", help=storage_cli.DESCRIPTION,
+                               description=storage_cli.DESCRIPTION)
+    storage_cli.add_arguments(storage)
+    storage.set_defaults(run=storage_cli.run)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

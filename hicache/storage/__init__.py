@@ -1,0 +1,44 @@
+"""The shared store (L3): page keys, the page object format and the backends.
+
+- :func:`chain_page_hashes`, :class:`Namespace`: what a page is called and where it belongs;
+- :class:`StorageBackend` (:class:`FileStore`, :class:`RedisStore`), :func:`open_store`: the
+  interface the controller's worker threads call, and its two implementations;
+- :func:`host_page_views`: a host pool's pages as the byte segments the backends read and write.
+"""
+
+from __future__ import annotations
+
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    PageBuffers,
+    PageStatus,
+    StorageBackend,
+    StorageResult,
+    StorageStats,
+    StorageUnavailable,
+)
+from .file_store import FileStore
+from .host_views import byte_view, host_page_views
+from .keys import PAGE_HASH_BYTES, Namespace, chain_page_hashes
+from .page_format import PageFormat
+from .redis_store import RedisStore
+from .store_url import open_store
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "PAGE_HASH_BYTES",
+    "FileStore",
+    "Namespace",
+    "PageBuffers",
+    "PageFormat",
+    "PageStatus",
+    "RedisStore",
+    "StorageBackend",
+    "StorageResult",
+    "StorageStats",
+    "StorageUnavailable",
+    "byte_view",
+    "chain_page_hashes",
+    "host_page_views",
+    "open_store",
+]

@@ -1,0 +1,271 @@
+"""The file store: one file per page in a directory (local disk, tmpfs or a shared mount).
+
+Layout: ``<root>/<namespace hex>/<first byte of the hash, hex>/<page hash hex>.kv``. A page
+is written to a temporary name beside it and published with ``os.replace``, so a reader sees
+the whole object or nothing, on any POSIX file system. The header is padded to 4 KiB, so the
+payload can be read with O_DIRECT straight into the host slots (``direct_io``); buffered
+reads go through the page cache with ``preadv`` into the same slots, one copy either way.
+
+A size cap (``capacity_bytes``) evicts least recently used pages of this namespace (this
+process's view of use); a ``put`` never evicts a page it wrote in the same call and reports
+``ERROR`` for a page that cannot fit. A worker pool reads and writes pages in parallel; each
+worker checks the deadline before each page, so a call overruns its deadline by at most one
+page's I/O, and returns only when no worker writes into its buffers any more.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import mmap
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    Deadline,
+    PageBuffers,
+    PageStatus,
+    StatsRecorder,
+    StorageBackend,
+    StorageResult,
+    StorageStats,
+)
+from .file_lru import FileLRU
+from .host_views import check_batch
+from .keys import Namespace
+from .page_files import DIRECT_ALIGN, aligned, make_directory, write_all
+from .page_format import PageFormat
+
+logger = logging.getLogger(__name__)
+SUFFIX = ".kv"
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class FileStore(StorageBackend):
+    """Pages of one namespace as files under ``root``.
+
+    Args:
+        root: a directory (made if missing); several processes may share it.
+        namespace: whose pages these are.
+        capacity_bytes: cap on this namespace's bytes on disk; ``None``: no cap.
+        num_threads: worker threads for ``get``/``put``.
+        timeout_s: default deadline of a call.
+        checksum: write and verify payload checksums.
+        direct_io: read with O_DIRECT (bypassing the page cache) where the segments are
+            4 KiB aligned; other pages are read through the page cache.
+        fsync: flush each page to the device before publishing it (durable across a power
+            loss; a cache does not need it: a torn file fails verification and is a miss).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], namespace: Namespace, *,
+                 capacity_bytes: int | None = None, num_threads: int = 4,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, checksum: bool = True,
+                 direct_io: bool = False, fsync: bool = False) -> None:
+        if num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+        if direct_io and not _O_DIRECT:
+            raise ValueError("direct_io=True needs O_DIRECT, which this platform lacks")
+        Deadline(timeout_s)  # validates
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.format = PageFormat(namespace, checksum=checksum, align=DIRECT_ALIGN)
+        self.direct_io = direct_io
+        self.fsync = fsync
+        self.directory = make_directory(Path(root), namespace.hex)
+        self._root = str(self.directory)
+        self.lru = FileLRU(capacity_bytes)
+        self._stats = StatsRecorder()
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-file")
+        self._num_threads = num_threads
+        self._scanned = False
+        self._scan_lock = threading.Lock()
+        self._local = threading.local()
+        self._tmp_ids = itertools.count()
+        logger.info("file store %s: cap %s bytes, %d threads, direct_io=%s", self.directory,
+                    capacity_bytes, num_threads, direct_io)
+
+    # ---- the interface ---------------------------------------------------------------------
+
+    def exists(self, page_hashes: Sequence[bytes], timeout_s: float | None = None
+               ) -> StorageResult:
+        check_batch("exists", self.namespace, page_hashes, None, writable=False)
+        started, deadline = time.perf_counter(), Deadline(timeout_s or self.timeout_s)
+        statuses = []
+        for key in page_hashes:
+            if deadline.expired():
+                statuses.append(PageStatus.TIMEOUT)
+            else:
+                found = os.path.exists(self._path(key))
+                statuses.append(PageStatus.OK if found else PageStatus.MISS)
+        result = StorageResult(tuple(statuses))
+        self._stats.record("exists", result, time.perf_counter() - started)
+        return result
+
+    def get(self, page_hashes: Sequence[bytes], pages: Sequence[PageBuffers],
+            timeout_s: float | None = None) -> StorageResult:
+        views = check_batch("get", self.namespace, page_hashes, pages, writable=True)
+        self._scan()
+        return self._run("get", page_hashes, views, timeout_s, self._read_page)
+
+    def put(self, page_hashes: Sequence[bytes], pages: Sequence[PageBuffers],
+            timeout_s: float | None = None) -> StorageResult:
+        views = check_batch("put", self.namespace, page_hashes, pages, writable=False)
+        self._scan()
+        names = [key.hex() + SUFFIX for key in page_hashes]
+        try:
+            return self._run("put", page_hashes, views, timeout_s, self._write_page)
+        finally:
+            self.lru.release(names)
+
+    def delete(self, page_hashes: Sequence[bytes], timeout_s: float | None = None
+               ) -> StorageResult:
+        check_batch("delete", self.namespace, page_hashes, None, writable=False)
+        statuses = tuple(PageStatus.OK if self._unlink(key.hex() + SUFFIX) else PageStatus.MISS
+                         for key in page_hashes)
+        self._stats.add(delete_calls=1, pages_deleted=statuses.count(PageStatus.OK))
+        return StorageResult(statuses)
+
+    def clear(self, timeout_s: float | None = None) -> int:
+        removed = sum(1 for _ in self.directory.glob(f"*/*{SUFFIX}"))
+        for child in self.directory.iterdir():
+            shutil.rmtree(child, ignore_errors=True)
+        self.lru.clear()
+        return removed
+
+    def stats(self) -> StorageStats:
+        return self._stats.snapshot()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    # ---- one call, split over the workers ----------------------------------------------------
+
+    def _run(self, op: str, page_hashes: Sequence[bytes], views: list[list[memoryview]],
+             timeout_s: float | None, work: Callable[[bytes, list[memoryview]], PageStatus]
+             ) -> StorageResult:
+        started, deadline = time.perf_counter(), Deadline(timeout_s or self.timeout_s)
+        statuses = [PageStatus.TIMEOUT] * len(page_hashes)
+        errors: list[str] = []
+
+        def chunk(indices: range) -> None:
+            for i in indices:
+                if deadline.expired():
+                    return
+                try:
+                    statuses[i] = work(page_hashes[i], views[i])
+                except OSError as exc:
+                    statuses[i] = PageStatus.ERROR
+                    errors.append(f"{op} {page_hashes[i].hex()[:16]}: {exc}")
+
+        workers = min(self._num_threads, len(page_hashes))
+        futures = [self._pool.submit(chunk, range(w, len(page_hashes), workers))
+                   for w in range(workers)]
+        for future in futures:
+            future.result()  # each worker stops at the deadline by itself
+        result = StorageResult(tuple(statuses), errors[0] if errors else None)
+        self._stats.record(op, result, time.perf_counter() - started)
+        return result
+
+    def _read_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
+        name = key.hex() + SUFFIX
+        path = self.directory / name[:2] / name
+        direct = self.direct_io and aligned(segments)
+        try:
+            fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
+        except FileNotFoundError:
+            return PageStatus.MISS
+        try:
+            size = os.fstat(fd).st_size
+            header = self._header_buffer()
+            done = os.preadv(fd, [header, *segments], 0) if size == self.format.object_len else 0
+        finally:
+            os.close(fd)
+        if done != self.format.object_len or not self.format.verify(header, key, segments):
+            self._unlink(name)
+            return PageStatus.CORRUPT
+        self._stats.add(bytes_read=self.format.payload_len)
+        self._evict(self.lru.touch(name, size))
+        return PageStatus.OK
+
+    def _write_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
+        name = key.hex() + SUFFIX
+        path = self.directory / name[:2] / name
+        if path.exists():
+            self._evict(self.lru.touch(name, self.format.object_len))
+            self._stats.add(pages_skipped=1)
+            return PageStatus.OK
+        victims = self.lru.reserve(name, self.format.object_len)
+        if victims is None:
+            raise OSError(f"store full: {self.lru.capacity_bytes} bytes cap held by this call")
+        self._evict(victims)
+        header = self.format.header(key, segments)
+        tmp = path.with_name(f".{name}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                write_all(fd, [memoryview(header), *segments])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except OSError:
+            self.lru.remove(name)
+            tmp.unlink(missing_ok=True)
+            raise
+        self._stats.add(pages_written=1, bytes_written=self.format.payload_len)
+        return PageStatus.OK
+
+    # ---- helpers --------------------------------------------------------------------------
+
+    def _path(self, key: bytes) -> str:
+        name = key.hex() + SUFFIX
+        return f"{self._root}/{name[:2]}/{name}"
+
+    def _header_buffer(self) -> memoryview:
+        """A per-thread, 4 KiB aligned header buffer (O_DIRECT needs aligned memory)."""
+        buffer = getattr(self._local, "header", None)
+        if buffer is None:
+            size = -(-self.format.header_len // mmap.PAGESIZE) * mmap.PAGESIZE
+            buffer = memoryview(mmap.mmap(-1, size))[:self.format.header_len]
+            self._local.header = buffer
+        return buffer
+
+    def _unlink(self, name: str) -> bool:
+        self.lru.remove(name)
+        try:
+            (self.directory / name[:2] / name).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def _evict(self, victims: list[tuple[str, int]]) -> None:
+        for name, size in victims:
+            try:
+                (self.directory / name[:2] / name).unlink()
+            except FileNotFoundError:
+                continue  # deleted by another process: not an eviction of ours
+            self._stats.add(pages_evicted=1, bytes_evicted=size)
+
+    def _scan(self) -> None:
+        """Index the files already in the directory (oldest first) on first use."""
+        with self._scan_lock:
+            if self._scanned:
+                return
+            entries = []
+            for path in self.directory.glob(f"*/*{SUFFIX}"):
+                try:
+                    stat = path.stat()
+                except FileNotFoundError:
+                    continue
+                entries.append((stat.st_mtime, path.name, stat.st_size))
+            entries.sort()
+            self._evict(self.lru.load((name, size) for _, name, size in entries))
+            self._scanned = True

@@ -1,0 +1,192 @@
+"""Page keys: chained page hashes and the namespace digest.
+
+A page's hash identifies the whole prefix that ends with it: ``blake2b-256(parent hash ||
+extra-keys digest || this page's token ids as u32 little-endian)``, the first page's parent
+being 32 zero bytes. Every engine process, machine and Python version computes the same
+hashes (no built-in ``hash``, no pickle, no random seed), so two instances share pages.
+
+The :class:`Namespace` digest covers everything that changes a page's bytes (model and its
+revision or weights digest, dtype, geometry, page size, host layout, TP rank and size,
+the object format's version): pages of another model revision are simply not found.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..pools import HostKVPool
+
+PAGE_HASH_BYTES = 32
+NAMESPACE_BYTES = 16
+FORMAT_VERSION = 1
+ROOT_HASH = bytes(PAGE_HASH_BYTES)
+_PERSON = b"hicache.page.v1"
+_MAX_TOKEN_ID = 2**32 - 1
+
+ExtraKey = str | int | bytes
+
+
+def chain_page_hashes(
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor,
+    page_size: int,
+    *,
+    parent: bytes | None = None,
+    extra_keys: Sequence[ExtraKey] = (),
+) -> list[bytes]:
+    """Hashes of the full pages of ``token_ids`` (a trailing partial page is not hashed).
+
+    Args:
+        token_ids: ``[n]`` token ids in ``[0, 2**32)``; a list, NumPy array or CPU tensor.
+        page_size: tokens per page (>= 1).
+        parent: hash of the page before ``token_ids[0]`` when continuing a chain (a request's
+            new pages after a cached prefix); ``None`` at the start of a sequence.
+        extra_keys: what else makes the KV differ for the same tokens: a LoRA id, a cache
+            salt, multimodal hashes. Mixed into every page, so two requests that differ only
+            here share nothing.
+
+    Returns:
+        ``n // page_size`` hashes of 32 bytes; hash ``i`` identifies the tokens
+        ``[0, (i + 1) * page_size)``.
+    """
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    if parent is not None and (not isinstance(parent, bytes) or len(parent) != PAGE_HASH_BYTES):
+        raise ValueError(f"parent must be a {PAGE_HASH_BYTES}-byte page hash or None, "
+                         f"got {parent!r}")
+    tokens = _token_array(token_ids)
+    data = memoryview(tokens.astype("<u4").tobytes())
+    extra = _extra_digest(extra_keys)
+    page_bytes = 4 * page_size
+    previous = ROOT_HASH if parent is None else parent
+    hashes = []
+    for start in range(0, (len(tokens) // page_size) * page_bytes, page_bytes):
+        digest = hashlib.blake2b(previous, digest_size=PAGE_HASH_BYTES, person=_PERSON)
+        digest.update(extra)
+        digest.update(data[start:start + page_bytes])
+        previous = digest.digest()
+        hashes.append(previous)
+    return hashes
+
+
+def _token_array(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    tokens = np.asarray(token_ids)
+    if tokens.ndim != 1:
+        raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
+    if tokens.size == 0:
+        return tokens.astype(np.int64)
+    if tokens.dtype.kind not in "iu":
+        raise ValueError(f"token_ids must be integers, got dtype {tokens.dtype}")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high > _MAX_TOKEN_ID:
+        raise ValueError(f"token ids must lie in [0, 2**32), got min {low}, max {high}")
+    return tokens
+
+
+def _extra_digest(extra_keys: Sequence[ExtraKey]) -> bytes:
+    """Canonical digest of the extra keys: type-tagged and length-prefixed, so ``("ab",)``,
+    ``("a", "b")`` and ``(b"ab",)`` all differ. Empty when there are none."""
+    if not extra_keys:
+        return b""
+    digest = hashlib.blake2b(digest_size=PAGE_HASH_BYTES, person=b"hicache.extra.v1")
+    for key in extra_keys:
+        if isinstance(key, bool) or not isinstance(key, str | int | bytes):
+            raise TypeError(f"extra_keys items must be str, int or bytes, got {key!r}")
+        if isinstance(key, str):
+            tag, raw = b"s", key.encode("utf-8")
+        elif isinstance(key, int):
+            tag, raw = b"i", str(key).encode("ascii")
+        else:
+            tag, raw = b"b", key
+        digest.update(tag + struct.pack("<I", len(raw)) + raw)
+    return digest.digest()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Namespace:
+    """Everything that changes the bytes of a stored page; its digest prefixes every key.
+
+    Args:
+        model_id: e.g. ``meta-llama/Llama-3.1-8B``.
+        model_revision: a commit, tag or digest of the weights: a weight update must change it.
+        dtype: KV element type, e.g. ``bfloat16``.
+        num_layers, num_components, row_elems: KV geometry of the full pool (components: 2 for
+            K and V, 1 for an MLA latent row; row_elems: elements per token per layer).
+        page_size: tokens per page.
+        layout: host layout of the payload (``layer_first`` or ``page_first``).
+        tp_rank, tp_size: the tensor-parallel shard (MLA engines that share one copy pass 0, 1).
+        segment_bytes: byte length of each payload segment (the full rows; hybrid models add
+            the SWA rows as a second segment).
+        salt: optional tenant salt (pages of different salts are never shared).
+    """
+
+    model_id: str
+    model_revision: str
+    dtype: str
+    num_layers: int
+    num_components: int
+    row_elems: int
+    page_size: int
+    layout: str
+    segment_bytes: tuple[int, ...]
+    tp_rank: int = 0
+    tp_size: int = 1
+    salt: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("model_id", "model_revision", "dtype", "layout"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"Namespace.{name} must be a non-empty string, "
+                                 f"got {getattr(self, name)!r}")
+        for name in ("num_layers", "num_components", "row_elems", "page_size", "tp_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"Namespace.{name} must be an int >= 1, "
+                                 f"got {getattr(self, name)!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"Namespace.tp_rank must lie in [0, tp_size={self.tp_size}), "
+                             f"got {self.tp_rank}")
+        if not self.segment_bytes or any(not isinstance(n, int) or n < 1
+                                         for n in self.segment_bytes):
+            raise ValueError(f"Namespace.segment_bytes must be positive ints, "
+                             f"got {self.segment_bytes!r}")
+
+    @property
+    def page_bytes(self) -> int:
+        """Payload bytes of one page (all segments)."""
+        return sum(self.segment_bytes)
+
+    @property
+    def digest(self) -> bytes:
+        """16 bytes: SHA-256 of the canonical JSON of every field and the format version."""
+        fields = dict(asdict(self), segment_bytes=list(self.segment_bytes),
+                      format_version=FORMAT_VERSION)
+        text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode("utf-8")).digest()[:NAMESPACE_BYTES]
+
+    @property
+    def hex(self) -> str:
+        return self.digest.hex()
+
+    @classmethod
+    def for_host_pool(cls, pool: HostKVPool, *, model_id: str, model_revision: str,
+                      tp_rank: int = 0, tp_size: int = 1, salt: str = "") -> Namespace:
+        """The namespace of pages read from and written to ``pool`` (full rows only)."""
+        geometry = pool.geometry
+        page_bytes = (pool.page_size * geometry.num_components * pool.num_layers
+                      * geometry.row_bytes)
+        return cls(
+            model_id=model_id, model_revision=model_revision,
+            dtype=str(geometry.dtype).removeprefix("torch."), num_layers=pool.num_layers,
+            num_components=geometry.num_components, row_elems=geometry.row_elems,
+            page_size=pool.page_size, layout=pool.layout.value, segment_bytes=(page_bytes,),
+            tp_rank=tp_rank, tp_size=tp_size, salt=salt,
+        )

@@ -1,0 +1,49 @@
+"""Low-level helpers of the file store: its directory, O_DIRECT alignment, whole writes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+DIRECT_ALIGN = 4096
+
+
+def make_directory(root: Path, namespace_hex: str) -> Path:
+    """``root/namespace_hex``, made if missing; ``ValueError`` naming the path if it cannot
+    be a writable directory."""
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"file store root {str(root)!r} exists and is not a directory; "
+                         "give a directory path")
+    directory = root / namespace_hex
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"file store root {str(root)!r} cannot be created ({exc.strerror}); "
+                         "give a writable directory") from None
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise ValueError(f"file store directory {str(directory)!r} is not writable")
+    return directory
+
+
+def aligned(segments: list[memoryview]) -> bool:
+    """True if every segment's address and length are multiples of ``DIRECT_ALIGN``."""
+    return all(s.nbytes % DIRECT_ALIGN == 0
+               and np.frombuffer(s, dtype=np.uint8).ctypes.data % DIRECT_ALIGN == 0
+               for s in segments)
+
+
+def write_all(fd: int, buffers: list[memoryview]) -> None:
+    """``pwritev`` until every byte is written (a short write happens on a full disk)."""
+    offset, pending = 0, buffers
+    while pending:
+        written = os.pwritev(fd, pending, offset)
+        if written == 0:
+            raise OSError("no progress writing a page file (disk full?)")
+        offset += written
+        while pending and written >= pending[0].nbytes:
+            written -= pending[0].nbytes
+            pending = pending[1:]
+        if pending and written:
+            pending = [pending[0][written:], *pending[1:]]

@@ -1,0 +1,185 @@
+"""Which Redis server holds a key, and a connection to it: one per server per thread, behind
+a circuit breaker per server.
+
+Standalone: every key lives on the one server. Cluster: a key's slot is the CRC16 of its
+hash tag (the text between ``{`` and ``}``, here the page hash) modulo 16384, and the slot map
+comes from ``CLUSTER SLOTS`` (asked of any reachable node; asked again after a ``MOVED`` reply
+or a failed server, at most every ``refresh_interval_s``). The page hash as the tag spreads
+pages over the masters and keeps each page on one of them.
+"""
+
+from __future__ import annotations
+
+import binascii
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+from .base import Deadline, StatsRecorder
+from .circuit import Circuit
+from .resp import RespConnection, RespError, command
+
+logger = logging.getLogger(__name__)
+Address = tuple[str, int]
+NUM_SLOTS = 16384
+
+
+def key_slot(tag: bytes) -> int:
+    """Redis Cluster slot of a key whose hash tag is ``tag`` (CRC16-XMODEM mod 16384)."""
+    return binascii.crc_hqx(tag, 0) % NUM_SLOTS
+
+
+class RedisNodes:
+    """Routing, connections and circuits of one Redis deployment.
+
+    Args:
+        seeds: the standalone server, or any nodes of the cluster.
+        cluster: route by slot (Redis Cluster) instead of sending everything to ``seeds[0]``.
+        password: sent with ``AUTH`` on connect.
+        stats: where circuit openings are counted.
+    """
+
+    def __init__(self, seeds: Sequence[Address], *, cluster: bool, password: str | None,
+                 stats: StatsRecorder, base_backoff_s: float = 0.1,
+                 max_backoff_s: float = 5.0, refresh_interval_s: float = 0.2) -> None:
+        if not seeds:
+            raise ValueError("a Redis store needs at least one host:port")
+        self.seeds = list(seeds)
+        self.cluster = cluster
+        self.password = password
+        self.refresh_interval_s = refresh_interval_s
+        self._stats = stats
+        self._backoff = (base_backoff_s, max_backoff_s)
+        self._circuits: dict[Address, Circuit] = {}
+        self._slots: list[Address | None] | None = None
+        self._stale = False
+        self._refreshed_at = -float("inf")
+        self._local = threading.local()
+        self._all: list[RespConnection] = []
+        self._lock = threading.Lock()
+
+    # ---- routing ---------------------------------------------------------------------------
+
+    def group(self, tags: Sequence[bytes], deadline: Deadline) -> dict[Address | None, list[int]]:
+        """Positions of ``tags`` grouped by the server that holds them (``None``: no server
+        known for the slot, e.g. the whole cluster unreachable)."""
+        if not self.cluster:
+            return {self.seeds[0]: list(range(len(tags)))}
+        if self._slots is None or self._stale:
+            self.refresh(deadline)
+        slots = self._slots
+        groups: dict[Address | None, list[int]] = {}
+        for i, tag in enumerate(tags):
+            owner = None if slots is None else slots[key_slot(tag)]
+            groups.setdefault(owner, []).append(i)
+        return groups
+
+    def masters(self, deadline: Deadline) -> list[Address]:
+        if not self.cluster:
+            return [self.seeds[0]]
+        self.refresh(deadline)
+        return sorted({a for a in self._slots or [] if a is not None})
+
+    def refresh(self, deadline: Deadline, *, force: bool = False) -> None:
+        """Reload the cluster's slot map from the first node that answers (rate limited)."""
+        if not self.cluster:
+            return
+        with self._lock:
+            if not force and time.monotonic() - self._refreshed_at < self.refresh_interval_s:
+                return
+            self._refreshed_at = time.monotonic()
+        known = sorted({a for a in self._slots or [] if a is not None})
+        for address in [*self.seeds, *known]:
+            connection = self.connection(address, deadline)
+            if connection is None:
+                continue
+            try:
+                connection.send([command(b"CLUSTER", b"SLOTS")], deadline)
+                reply = connection.read_reply(deadline)
+            except (OSError, RespError) as exc:
+                self.failed(address, exc)
+                continue
+            self.succeeded(address)
+            self._slots = _slot_map(reply, address[0])
+            self._stale = False
+            return
+
+    # ---- connections and circuits ------------------------------------------------------------
+
+    def connection(self, address: Address, deadline: Deadline) -> RespConnection | None:
+        """This thread's connection to ``address``; ``None`` if its circuit is open or the
+        connection attempt failed (counted)."""
+        connections: dict[Address, RespConnection] = self._local.__dict__.setdefault("c", {})
+        existing = connections.get(address)
+        if existing is not None and not existing.closed:
+            return existing
+        circuit = self._circuit(address)
+        if not circuit.allow():
+            return None
+        try:
+            connection = RespConnection(*address, deadline, self.password)
+        except (OSError, RespError) as exc:
+            self.failed(address, exc)
+            return None
+        connections[address] = connection
+        with self._lock:
+            self._all = [c for c in self._all if not c.closed]
+            self._all.append(connection)
+        return connection
+
+    def failed(self, address: Address, error: Exception) -> None:
+        """Drop this thread's connection to ``address`` and open its circuit."""
+        connections: dict[Address, RespConnection] = self._local.__dict__.setdefault("c", {})
+        connection = connections.pop(address, None)
+        if connection is not None:
+            connection.close()
+        if self._circuit(address).failed():
+            logger.warning("redis %s:%d failed (%s); its pages are misses until it answers",
+                           *address, error)
+            self._stats.add(circuit_opens=1)
+        self._stats.set("open_circuits", self.open_circuits())
+        if self.cluster:
+            self.mark_stale()
+
+    def succeeded(self, address: Address) -> None:
+        if self._circuit(address).succeeded():
+            logger.info("redis %s:%d answers again", *address)
+            self._stats.set("open_circuits", self.open_circuits())
+
+    def open_circuits(self) -> int:
+        return sum(1 for c in list(self._circuits.values()) if c.is_open)
+
+    def close(self) -> None:
+        with self._lock:
+            connections, self._all = self._all, []
+        for connection in connections:
+            connection.close()
+
+    def _circuit(self, address: Address) -> Circuit:
+        circuit = self._circuits.get(address)
+        if circuit is None:
+            with self._lock:
+                circuit = self._circuits.setdefault(address, Circuit(*self._backoff))
+        return circuit
+
+    def mark_stale(self) -> None:
+        """After a failed server or a ``MOVED`` reply: the next routing reloads the map (a
+        replica may own the slots now)."""
+        self._stale = True
+
+
+def _slot_map(reply: object, default_host: str) -> list[Address | None]:
+    """Slot -> master address from a ``CLUSTER SLOTS`` reply (``None``: slot not served)."""
+    if not isinstance(reply, list):
+        raise ValueError(f"unexpected CLUSTER SLOTS reply {reply!r:.80}")
+    owners: list[Address | None] = [None] * NUM_SLOTS
+    for entry in reply:
+        assert isinstance(entry, list), "CLUSTER SLOTS entries are arrays"
+        start, end, master = entry[0], entry[1], entry[2]
+        assert isinstance(start, int) and isinstance(end, int) and isinstance(master, list)
+        host = master[0].decode() if isinstance(master[0], bytes) and master[0] else default_host
+        port = master[1]
+        assert isinstance(port, int), "CLUSTER SLOTS ports are integers"
+        owners[start:end + 1] = [(host, port)] * (end - start + 1)
+    return owners

@@ -1,0 +1,96 @@
+"""The page object's header and checksum, and the checks on page buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from storage_helpers import hashes, make_pool, namespace, views
+
+from hicache.pools import HostLayout, IndexSpace, Indices
+from hicache.storage import PageFormat, byte_view, host_page_views
+from hicache.storage.host_views import check_batch
+
+
+def test_a_page_verifies_against_its_own_header() -> None:
+    """The header of a page verifies its payload, for its namespace and hash only."""
+    pool = make_pool()
+    fmt = PageFormat(namespace(pool))
+    page, key = views(pool, 1, 1)[0], hashes(2)
+    header = fmt.header(key[0], page)
+    assert len(header) == fmt.header_len and fmt.header_len % 8 == 0
+    assert fmt.verify(header, key[0], page)
+    assert not fmt.verify(header, key[1], page)
+    assert not PageFormat(namespace(pool, "r2")).verify(header, key[0], page)
+    assert not fmt.verify(header[:-8], key[0], page)
+
+
+def test_every_single_bit_flip_in_the_header_is_detected() -> None:
+    """Flipping any one bit of the header makes verification fail."""
+    pool = make_pool()
+    fmt = PageFormat(namespace(pool))
+    page, key = views(pool, 1, 1)[0], hashes(1)[0]
+    header = fmt.header(key, page)
+    for bit in range(8 * len(header)):
+        flipped = bytearray(header)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        assert not fmt.verify(bytes(flipped), key, page), f"bit {bit} not detected"
+
+
+def test_a_payload_bit_flip_is_detected_with_checksums_only() -> None:
+    """With checksums a flipped payload bit fails; without, only the header is checked."""
+    pool = make_pool(HostLayout.LAYER_FIRST)
+    page, key = views(pool, 1, 1)[0], hashes(1)[0]
+    on, off = PageFormat(namespace(pool)), PageFormat(namespace(pool), checksum=False)
+    header_on, header_off = on.header(key, page), off.header(key, page)
+    page[5][3] ^= 0x10
+    assert not on.verify(header_on, key, page)
+    assert off.verify(header_off, key, page) and on.verify(header_off, key, page)
+
+
+def test_host_page_views_share_the_pool_memory_in_both_layouts() -> None:
+    """Writing through a view changes exactly that page's rows in the pool."""
+    for layout, num_segments in ((HostLayout.PAGE_FIRST, 1), (HostLayout.LAYER_FIRST, 6)):
+        pool = make_pool(layout)
+        before = pool.data.clone()
+        page = views(pool, 2, 1)[0]
+        assert len(page) == num_segments
+        for segment in page:
+            segment[:] = bytes(segment.nbytes)
+        changed = (pool.data != before).nonzero()
+        slot_dim = 0 if layout is HostLayout.PAGE_FIRST else 2
+        assert set(changed[:, slot_dim].tolist()) <= set(range(8, 12))
+        assert pool.read_rows(torch_slots(8, 12)).count_nonzero() == 0
+
+
+def torch_slots(start: int, end: int) -> Indices:
+    return Indices(torch.arange(start, end), IndexSpace.HOST_FULL)
+
+
+def test_host_page_views_refuse_slots_that_are_not_whole_pages() -> None:
+    """Slots not in runs of page_size from a page boundary are refused."""
+    pool = make_pool()
+    with pytest.raises(ValueError, match="whole pages"):
+        host_page_views(pool, torch_slots(2, 6))
+    with pytest.raises(ValueError, match="whole number"):
+        host_page_views(pool, torch_slots(4, 7))
+
+
+def test_bad_buffers_are_refused_with_what_to_do() -> None:
+    """Wrong sizes, read-only destinations, count mismatches, dtypes and keys are named."""
+    pool = make_pool()
+    ns, keys = namespace(pool), hashes(2)
+    good = views(pool, 1, 2)
+    with pytest.raises(ValueError, match="2 page hashes but 1 page buffers"):
+        check_batch("get", ns, keys, good[:1], writable=True)
+    with pytest.raises(ValueError, match="holds 192 bytes"):
+        check_batch("get", ns, keys[:1], [[good[0][0][:192]]], writable=True)
+    with pytest.raises(ValueError, match="read-only"):
+        check_batch("get", ns, keys[:1], [[bytes(ns.page_bytes)]], writable=True)
+    with pytest.raises(TypeError, match="float32 tensor"):
+        check_batch("put", ns, keys[:1], [[torch.zeros(ns.page_bytes // 4)]], writable=False)
+    with pytest.raises(TypeError, match="list of segments"):
+        check_batch("put", ns, keys[:1], [good[0][0]], writable=False)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="32 bytes"):
+        check_batch("exists", ns, [b"x"], None, writable=False)
+    assert check_batch("put", ns, keys[:1], [[byte_view(torch.zeros(ns.page_bytes,
+                                              dtype=torch.uint8))]], writable=False)

@@ -1,0 +1,101 @@
+"""Chained page hashes and namespace digests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from storage_helpers import make_pool
+
+from hicache.pools import HostLayout
+from hicache.storage import Namespace, chain_page_hashes
+
+TOKENS = list(range(100, 116))
+
+
+def test_hashes_are_the_same_in_another_process_with_another_hash_seed() -> None:
+    """No built-in hash: a process with another PYTHONHASHSEED computes the same hashes."""
+    code = ("from hicache.storage import chain_page_hashes; "
+            f"print(b''.join(chain_page_hashes({TOKENS}, 4, extra_keys=('lora', 7))).hex())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONHASHSEED": "123"}).stdout
+    assert out.strip() == b"".join(chain_page_hashes(TOKENS, 4, extra_keys=("lora", 7))).hex()
+
+
+def test_one_hash_per_full_page_and_list_array_tensor_agree() -> None:
+    """A trailing partial page is not hashed; lists, arrays and tensors give the same hashes."""
+    hashes = chain_page_hashes([*TOKENS, 1, 2], 4)
+    assert len(hashes) == 4 and all(len(h) == 32 for h in hashes)
+    assert hashes == chain_page_hashes(np.array(TOKENS, dtype=np.int32), 4)
+    assert hashes == chain_page_hashes(torch.tensor(TOKENS), 4)
+    assert chain_page_hashes([], 4) == [] and chain_page_hashes([1, 2, 3], 4) == []
+
+
+def test_a_hash_covers_the_whole_prefix() -> None:
+    """Changing a token changes the hash of its page and of every later page only."""
+    base = chain_page_hashes(TOKENS, 4)
+    changed = chain_page_hashes([*TOKENS[:5], 9, *TOKENS[6:]], 4)
+    assert changed[0] == base[0]
+    assert all(a != b for a, b in zip(changed[1:], base[1:], strict=True))
+
+
+def test_a_chain_continues_from_its_parent() -> None:
+    """Hashing the tail with the last prefix hash as parent gives the full chain's tail."""
+    full = chain_page_hashes(TOKENS, 4)
+    assert chain_page_hashes(TOKENS[8:], 4, parent=full[1]) == full[2:]
+
+
+def test_extra_keys_separate_chains() -> None:
+    """A LoRA id or cache salt changes every page; the keys are encoded unambiguously."""
+    plain = chain_page_hashes(TOKENS, 4)
+    lora = chain_page_hashes(TOKENS, 4, extra_keys=("ab",))
+    assert all(a != b for a, b in zip(plain, lora, strict=True))
+    variants = [("ab",), ("a", "b"), (b"ab",), (1,), ("1",)]
+    firsts = {chain_page_hashes(TOKENS, 4, extra_keys=v)[0] for v in variants}
+    assert len(firsts) == len(variants)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"token_ids": [-1, 2, 3, 4], "page_size": 4}, "token ids must lie"),
+    ({"token_ids": [2**32, 2, 3, 4], "page_size": 4}, "token ids must lie"),
+    ({"token_ids": [1.5, 2.0], "page_size": 2}, "integers"),
+    ({"token_ids": [[1, 2]], "page_size": 2}, "1-D"),
+    ({"token_ids": [1, 2], "page_size": 0}, "page_size"),
+    ({"token_ids": [1, 2], "page_size": 2, "parent": b"short"}, "parent"),
+])
+def test_bad_arguments_are_named(kwargs: dict, match: str) -> None:
+    """Bad tokens, page size or parent raise ValueError saying which."""
+    with pytest.raises(ValueError, match=match):
+        chain_page_hashes(**kwargs)
+
+
+def test_namespace_digest_changes_with_everything_that_changes_the_bytes() -> None:
+    """Revision, dtype, layout, TP shard, page size and salt each give another digest."""
+    base = Namespace.for_host_pool(make_pool(), model_id="m", model_revision="r1")
+    assert base.digest == Namespace.for_host_pool(make_pool(), model_id="m",
+                                                  model_revision="r1").digest
+    variants = [
+        Namespace.for_host_pool(make_pool(), model_id="m", model_revision="r2"),
+        Namespace.for_host_pool(make_pool(), model_id="m2", model_revision="r1"),
+        Namespace.for_host_pool(make_pool(HostLayout.LAYER_FIRST), model_id="m",
+                                model_revision="r1"),
+        Namespace.for_host_pool(make_pool(page_size=8), model_id="m", model_revision="r1"),
+        Namespace.for_host_pool(make_pool(), model_id="m", model_revision="r1", tp_rank=1,
+                                tp_size=2),
+        Namespace.for_host_pool(make_pool(), model_id="m", model_revision="r1", salt="t"),
+    ]
+    assert len({v.digest for v in [base, *variants]}) == 1 + len(variants)
+    assert base.page_bytes == 4 * 2 * 3 * 16 * 2 and base.dtype == "bfloat16"
+
+
+def test_namespace_refuses_bad_fields() -> None:
+    """An empty revision or a TP rank outside the TP size is refused by name."""
+    good = Namespace.for_host_pool(make_pool(), model_id="m", model_revision="r")
+    with pytest.raises(ValueError, match="model_revision"):
+        Namespace(**{**good.__dict__, "model_revision": ""})
+    with pytest.raises(ValueError, match="tp_rank"):
+        Namespace(**{**good.__dict__, "tp_rank": 2, "tp_size": 2})
