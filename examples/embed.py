@@ -15,7 +15,8 @@ with build_service(config) as service:
     for step in range(12):  # three conversations, taking turns
         prompt = system_prompt + [step % 3] * 32 * (1 + step // 3)  # whole pages of 16
         service.step()  # every scheduler step: apply finished transfers
-        match = service.match(prompt)
+        key = service.key(prompt)  # the tokens checked once, for match and insert
+        match = service.match(key)
         service.lock(match.last_host_node)  # keep the prefix until the request is done
         prefix = match.device_indices
         loaded = service.load_back(match, 1024) if match.host_hit_tokens else None
@@ -27,7 +28,7 @@ with build_service(config) as service:
         # forward: compute the KV of prompt[len(prefix):] and write it into the rows `own`
         # (service.device_pool.set_kv); a hybrid model first checks the SWA window of prefix
         slots = Indices(torch.cat([prefix.tensor, own.tensor]), IndexSpace.DEVICE_FULL)
-        service.insert(prompt, slots)
+        service.insert(key, slots)
         service.release(match.last_host_node)
         print(f"request {step}: {len(prompt)} tokens, {len(match.device_indices)} from the "
               f"device, {0 if loaded is None else len(loaded)} loaded back from the host")

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     )
     from hicache.factory import build_service
     from hicache.pools import BoundsError, ForwardLocs, IndexSpace, Indices, PageTable
-    from hicache.radix import MatchResult, TreeNode
+    from hicache.radix import MatchResult, TokenKey, TreeNode
     from hicache.service import HiCacheService, ServiceError
 
 # The module that defines each public name (the imports above, for type checkers).
@@ -43,6 +43,7 @@ _SOURCES: dict[str, str] = {
     "Indices": "hicache.pools",
     "PageTable": "hicache.pools",
     "MatchResult": "hicache.radix",
+    "TokenKey": "hicache.radix",
     "TreeNode": "hicache.radix",
     "HiCacheService": "hicache.service",
     "ServiceError": "hicache.service",
@@ -59,6 +60,7 @@ __all__ = [
     "MatchResult",
     "PageTable",
     "ServiceError",
+    "TokenKey",
     "TreeNode",
     "build_service",
     "config_from_dict",

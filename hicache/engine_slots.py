@@ -10,14 +10,12 @@ Bookkeeping only, on CPU; the caller holds the service lock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
 
-from .radix import RadixTree
+from .radix import RadixTree, TokenKey
 
 
 class EngineSlots:
@@ -55,13 +53,14 @@ class EngineSlots:
         return pages
 
     def insertable(
-        self, tree: RadixTree, tokens: Sequence[int], device_indices: Indices, num_tokens: int
+        self, tree: RadixTree, key: TokenKey, device_indices: Indices, num_tokens: int
     ) -> np.ndarray:
-        """Pages of ``device_indices[:num_tokens]``; ``ValueError`` for a page that is neither
-        held by the engine nor the tree's own page at the same position."""
+        """Pages of ``device_indices[:num_tokens]`` (``num_tokens``: the whole pages of
+        ``key``); ``ValueError`` for a page that is neither held by the engine nor the tree's
+        own page at the same position."""
         head = Indices(device_indices.tensor[:num_tokens], device_indices.space)
         pages = self.pages_of(head, "insert")
-        own = self.pages_of(tree.device_prefix(tokens[:num_tokens]), "insert")
+        own = self.pages_of(tree.device_prefix(key), "insert")
         at_own_place = np.zeros(pages.size, dtype=bool)
         at_own_place[:own.size] = pages[:own.size] == own
         held = np.isin(pages, np.fromiter(self._pages, dtype=np.int64))

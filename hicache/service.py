@@ -41,7 +41,7 @@ from hicache.metrics import MetricsExporter, controller_pool_usage
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, Indices
 
 from .engine_slots import EngineSlots
-from .radix import HiRadixCache, MatchResult, TokenIds, TreeNode
+from .radix import HiRadixCache, MatchResult, TokenIds, TokenKey, TreeNode
 
 logger = logging.getLogger(__name__)
 
@@ -110,12 +110,23 @@ class HiCacheService:
 
     # ---- scheduler API ------------------------------------------------------------------
 
-    def match(self, tokens: TokenIds) -> MatchResult:
+    def key(self, tokens: TokenIds) -> TokenKey:
+        """``tokens`` checked once for a request: pass the key to :meth:`match` and
+        :meth:`insert`, which then skip the check (see :class:`~hicache.radix.TokenKey`).
+        Needs no lock and changes nothing.
+
+        Raises:
+            TypeError: not token ids (as for :meth:`match`).
+            ValueError: a negative token id.
+        """
+        return self.tree.key(tokens, "key")
+
+    def match(self, tokens: TokenIds | TokenKey) -> MatchResult:
         """:meth:`HiRadixCache.match_prefix`; lock ``last_device_node`` to keep the result.
 
-        ``tokens``: ``[n]`` token ids, a list or tuple of ints or a 1-D integer tensor or
-        numpy array; anything else raises ``TypeError``, a negative id ``ValueError``, with
-        nothing changed.
+        ``tokens``: a :class:`~hicache.radix.TokenKey` from :meth:`key`, or ``[n]`` token
+        ids, a list or tuple of ints or a 1-D integer tensor or numpy array; anything else
+        raises ``TypeError``, a negative id ``ValueError``, with nothing changed.
         """
         with self._call():
             return self.tree.match_prefix(tokens)
@@ -152,7 +163,7 @@ class HiCacheService:
         with self._call():
             return self.tree.start_loading()
 
-    def insert(self, tokens: TokenIds, device_indices: Indices) -> int:
+    def insert(self, tokens: TokenIds | TokenKey, device_indices: Indices) -> int:
         """Give ``device_indices[:n]`` (``n``: whole pages of ``tokens``) to the tree; see
         :meth:`HiRadixCache.insert`. Each of those pages must come from :meth:`alloc_device`
         or be the tree's own page at that position (from a match or a load-back).
@@ -168,11 +179,12 @@ class HiCacheService:
         if not isinstance(device_indices, Indices):
             raise TypeError(f"insert: expected DEVICE_FULL Indices, got {type(device_indices)}")
         with self._call():
-            head = self.tree.page_key(tokens, "insert")  # validated once, reused below
-            if len(device_indices) < len(head):
-                raise ValueError(f"insert: {len(device_indices)} slots for {len(head)} tokens")
-            pages = self._engine.insertable(self.tree, head, device_indices, len(head))
-            cached = self.tree.insert(head, device_indices)
+            key = self.tree.key(tokens, "insert")  # checked once, reused below
+            num_tokens = len(key.pages)
+            if len(device_indices) < num_tokens:
+                raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
+            pages = self._engine.insertable(self.tree, key, device_indices, num_tokens)
+            cached = self.tree.insert(key, device_indices)
             self._engine.forget(pages)
             return cached
 

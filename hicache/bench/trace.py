@@ -97,7 +97,8 @@ def replay(requests: list[TraceRequest], device_blocks: int, host_blocks: int,
 
 def _serve(service: HiCacheService, tokens: list[int]) -> tuple[int, int]:
     """One request; returns (device hit tokens, host hit tokens loaded back)."""
-    match = service.match(tokens)
+    key = service.key(tokens)  # the token checks, once for the request
+    match = service.match(key)
     node = match.last_host_node
     service.lock(node)
     prefix = match.device_indices.tensor
@@ -115,7 +116,7 @@ def _serve(service: HiCacheService, tokens: list[int]) -> tuple[int, int]:
         service.step()
         return match.device_hit_tokens, host_hit
     slots = prefix if new is None else torch.cat([prefix, new.tensor])
-    service.insert(tokens, Indices(slots, IndexSpace.DEVICE_FULL))
+    service.insert(key, Indices(slots, IndexSpace.DEVICE_FULL))
     whole = len(tokens) // service.tree.page_size * service.tree.page_size
     if new is not None and len(slots) > whole:
         tail = slots[max(whole, len(prefix)):]

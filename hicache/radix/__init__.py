@@ -5,6 +5,7 @@
 - :mod:`~hicache.radix.tiers`: :class:`TieredRadixTree`, the write and eviction policies;
 - :mod:`~hicache.radix.eviction`: the per-tier heaps of eviction candidates;
 - :mod:`~hicache.radix.tree`: :class:`RadixTree`, the tree's shape (pages, matching, splits);
+- :mod:`~hicache.radix.key`: :class:`TokenKey`, a request's token ids checked once;
 - :mod:`~hicache.radix.node`: :class:`TreeNode`, :class:`MatchResult` and the counters;
 - :mod:`~hicache.radix.node_io`: how nodes' slots move through the controller;
 - :mod:`~hicache.radix.integrity`: the conservation check behind ``check_integrity``.
@@ -15,9 +16,10 @@ Bookkeeping only: nothing here touches a stream (the controller does).
 from __future__ import annotations
 
 from .cache import HiRadixCache
+from .key import TokenIds, TokenKey
 from .node import CacheStats, MatchResult, PendingOp, TreeNode
 from .tiers import TieredRadixTree
-from .tree import Clock, RadixTree, TokenIds
+from .tree import Clock, RadixTree
 
 __all__ = [
     "CacheStats",
@@ -28,5 +30,6 @@ __all__ = [
     "RadixTree",
     "TieredRadixTree",
     "TokenIds",
+    "TokenKey",
     "TreeNode",
 ]

@@ -43,10 +43,11 @@ from hicache.controller import Ack, CacheController, Direction
 from hicache.pools import IndexSpace, Indices
 
 from .integrity import check_tree
+from .key import TokenIds, TokenKey
 from .node import MatchResult, PendingOp, TreeNode, cat_indices, empty_indices, slice_indices
 from .node_io import SlotPair
 from .tiers import TieredRadixTree
-from .tree import Clock, TokenIds, slots_of
+from .tree import Clock, slots_of
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class HiRadixCache(TieredRadixTree):
 
     # ---- matching and insertion ---------------------------------------------------------
 
-    def match_prefix(self, tokens: TokenIds) -> MatchResult:
+    def match_prefix(self, tokens: TokenIds | TokenKey) -> MatchResult:
         """Longest cached page-aligned prefix of ``tokens`` (see :class:`MatchResult`).
 
         Splits a partly matched node at the page boundary, updates the last access and hit
@@ -111,7 +112,7 @@ class HiRadixCache(TieredRadixTree):
         self.stats.host_hit_tokens += result.host_hit_tokens
         return result
 
-    def insert(self, tokens: TokenIds, device_indices: Indices) -> int:
+    def insert(self, tokens: TokenIds | TokenKey, device_indices: Indices) -> int:
         """Cache ``tokens`` whose KV rows the caller wrote at ``device_indices``.
 
         Args:

@@ -10,20 +10,14 @@ Thread ownership: the engine's scheduler thread is the only caller.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
-
-import numpy as np
-import torch
+from collections.abc import Callable, Iterator
 
 from hicache.pools import IndexSpace, Indices
 
+from .key import TokenIds, TokenKey, token_ids
 from .node import SLOT_FIELDS, MatchResult, TreeNode, cat_indices, slice_indices
 
 Clock = Callable[[], float]
-# Token ids as engines hold them: ``[n]`` Python ints, or a 1-D integer tensor / numpy array.
-TokenIds = Sequence[int] | torch.Tensor | np.ndarray
-
-_TOKENS_EXPECTED = "a list or tuple of ints, or a 1-D integer torch tensor or numpy array"
 _tree_ids = itertools.count(1)  # process-wide, so nodes of two trees never share an id
 
 
@@ -49,22 +43,36 @@ class RadixTree:
         # ordered set); the tiers drain it into their candidate heaps.
         self._touched: dict[TreeNode, None] = {}
 
-    def page_key(self, tokens: TokenIds, op: str = "page_key") -> tuple[int, ...]:
-        """``tokens`` truncated to whole pages, as a tuple of Python ints.
+    def key(self, tokens: TokenIds | TokenKey, op: str = "key") -> TokenKey:
+        """``tokens`` checked once, for every later call of the same request (see
+        :class:`~hicache.radix.key.TokenKey`); a key of this tree is returned as is.
 
-        Every token is checked (the partial tail page too), before anything changes.
-
-        Args:
-            tokens: ``[n]`` token ids: a list or tuple of ints (not bools), or a 1-D integer
-                torch tensor (any device; a CUDA tensor is copied to the host) or numpy array.
-            op: the caller's name, for error messages.
         Raises:
-            TypeError: anything else (``None``, a string, floats, bools, nested lists, a
-                float or bool tensor, a tensor that is not 1-D).
-            ValueError: a negative token id.
+            TypeError: not token ids (see :func:`~hicache.radix.key.token_ids`).
+            ValueError: a negative token id; a key made for another page size.
         """
+        if isinstance(tokens, TokenKey):
+            self._check_key(tokens, op)
+            return tokens
+        return TokenKey(token_ids(tokens, op), self.page_size)
+
+    def page_key(self, tokens: TokenIds | TokenKey, op: str = "page_key") -> tuple[int, ...]:
+        """``tokens`` truncated to whole pages, as a tuple of Python ints; a
+        :class:`~hicache.radix.key.TokenKey` gives its pages with no check.
+
+        Every raw token is checked (the partial tail page too), before anything changes;
+        errors as for :meth:`key`.
+        """
+        if isinstance(tokens, TokenKey):
+            self._check_key(tokens, op)
+            return tokens.pages
         ids = token_ids(tokens, op)
         return ids[:len(ids) // self.page_size * self.page_size]
+
+    def _check_key(self, key: TokenKey, op: str) -> None:
+        if key.page_size != self.page_size:
+            raise ValueError(f"{op}: a TokenKey made for pages of {key.page_size} tokens, this "
+                             f"cache's pages have {self.page_size}; make the key with its key()")
 
     def nodes(self) -> Iterator[TreeNode]:
         """Every node except the root, parents before children."""
@@ -74,7 +82,7 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def device_prefix(self, tokens: TokenIds) -> Indices:
+    def device_prefix(self, tokens: TokenIds | TokenKey) -> Indices:
         """``DEVICE_FULL`` slots of the device-resident prefix of ``tokens``; no side effect
         (no split, no hit, no access time)."""
         parts = []
@@ -241,57 +249,3 @@ def subtree(node: TreeNode) -> Iterator[TreeNode]:
         current = stack.pop()
         yield current
         stack.extend(current.children.values())
-
-
-def token_ids(tokens: TokenIds, op: str) -> tuple[int, ...]:
-    """Validated ``[n]`` token ids as a tuple of Python ints (see :meth:`RadixTree.page_key`
-    for what is accepted and refused). Lists of Python ints, the common case, are checked,
-    copied and sign-checked in C."""
-    if isinstance(tokens, (list, tuple)):
-        if set(map(type, tokens)) - {int}:  # in C; bool is its own type, so it goes there
-            return _mixed_ids(tokens, op)
-        ids = tuple(tokens)
-        if ids and min(ids) < 0:
-            _refuse_negative(np.asarray(ids), op)
-        return ids
-    if isinstance(tokens, torch.Tensor):
-        dtype = tokens.dtype
-        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-            raise TypeError(f"{op}: token ids must have an integer dtype, got a {dtype} tensor")
-        return _array_ids(tokens.detach().cpu().numpy(), op)
-    if isinstance(tokens, np.ndarray):
-        return _array_ids(tokens, op)
-    if isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes, bytearray)):
-        return token_ids(list(tokens), op)
-    raise TypeError(f"{op}: tokens must be {_TOKENS_EXPECTED}, got {type(tokens).__name__}")
-
-
-def _array_ids(array: np.ndarray, op: str) -> tuple[int, ...]:
-    if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise TypeError(f"{op}: tokens must be {_TOKENS_EXPECTED}, got a {array.ndim}-D "
-                        f"array of {array.dtype}")
-    if array.dtype.kind == "i" and array.size and array.min() < 0:
-        _refuse_negative(array, op)
-    return tuple(array.tolist())
-
-
-def _mixed_ids(tokens: Sequence[object], op: str) -> tuple[int, ...]:
-    """A sequence with some elements that are not Python ints: numpy integers are fine;
-    the first other element (bool, float, None, list, ...) is refused."""
-    ids: list[int] = []
-    for position, token in enumerate(tokens):
-        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-            raise TypeError(
-                f"{op}: token ids must be ints, got tokens[{position}] = {token!r:.40} "
-                f"({type(token).__name__}); tokens must be {_TOKENS_EXPECTED}"
-            )
-        ids.append(int(token))
-    if ids and min(ids) < 0:
-        _refuse_negative(np.asarray(ids), op)
-    return tuple(ids)
-
-
-def _refuse_negative(array: np.ndarray, op: str) -> None:
-    position = int(np.argmax(array < 0))
-    raise ValueError(f"{op}: token ids must be >= 0, got tokens[{position}] = "
-                     f"{int(array[position])}")

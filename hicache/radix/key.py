@@ -1,0 +1,119 @@
+"""Token ids checked once per request: :class:`TokenKey` and the validation behind it.
+
+An engine calls ``service.key(tokens)`` once when a request arrives and passes the key to
+``match``, ``insert`` and ``load_back``; each of them then skips the check that raw token ids
+get (a 2k-token list costs tens of microseconds to check, more than the tree walk). A key is
+immutable (it owns a tuple), so a buffer the engine refills later cannot make it stale.
+
+Raw token ids are still accepted everywhere and checked at the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+# Token ids as engines hold them: ``[n]`` Python ints, or a 1-D integer tensor / numpy array.
+TokenIds = Sequence[int] | torch.Tensor | np.ndarray
+
+_TOKENS_EXPECTED = "a list or tuple of ints, or a 1-D integer torch tensor or numpy array"
+
+
+class TokenKey:
+    """A request's token ids, checked, with the whole-page prefix the tree works on.
+
+    Build it with ``HiCacheService.key`` (or :meth:`RadixTree.key`); the fields are
+    read-only.
+
+    Attributes:
+        tokens: every token id, as a tuple of Python ints.
+        pages: ``tokens`` cut to whole pages of ``page_size``.
+        page_size: tokens per page of the tree it was made for.
+    """
+
+    __slots__ = ("page_size", "pages", "tokens")
+
+    def __init__(self, tokens: tuple[int, ...], page_size: int) -> None:
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "page_size", page_size)
+        object.__setattr__(self, "pages", tokens[:len(tokens) // page_size * page_size])
+
+    tokens: tuple[int, ...]
+    pages: tuple[int, ...]
+    page_size: int
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"TokenKey is read-only: make a new key for other tokens "
+                             f"(tried to set {name})")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"TokenKey({len(self.tokens)} tokens, {len(self.pages)} in whole pages)"
+
+
+def token_ids(tokens: TokenIds, op: str) -> tuple[int, ...]:
+    """Validated ``[n]`` token ids as a tuple of Python ints.
+
+    Accepted: a list or tuple of ints (not bools), or a 1-D integer torch tensor (any device;
+    a CUDA tensor is copied to the host) or numpy array. Lists of Python ints, the common
+    case, are checked, copied and sign-checked in C.
+
+    Raises:
+        TypeError: anything else (``None``, a string, floats, bools, nested lists, a float or
+            bool tensor, a tensor that is not 1-D), naming ``op``.
+        ValueError: a negative token id.
+    """
+    if isinstance(tokens, (list, tuple)):
+        if set(map(type, tokens)) - {int}:  # in C; bool is its own type, so it goes there
+            return _mixed_ids(tokens, op)
+        ids = tuple(tokens)
+        if ids and min(ids) < 0:
+            _refuse_negative(np.asarray(ids), op)
+        return ids
+    if isinstance(tokens, torch.Tensor):
+        dtype = tokens.dtype
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            raise TypeError(f"{op}: token ids must have an integer dtype, got a {dtype} tensor")
+        return _array_ids(tokens.detach().cpu().numpy(), op)
+    if isinstance(tokens, np.ndarray):
+        return _array_ids(tokens, op)
+    if isinstance(tokens, TokenKey):
+        return tokens.tokens
+    if isinstance(tokens, Sequence) and not isinstance(tokens, (str, bytes, bytearray)):
+        return token_ids(list(tokens), op)
+    raise TypeError(f"{op}: tokens must be {_TOKENS_EXPECTED}, got {type(tokens).__name__}")
+
+
+def _array_ids(array: np.ndarray, op: str) -> tuple[int, ...]:
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise TypeError(f"{op}: tokens must be {_TOKENS_EXPECTED}, got a {array.ndim}-D "
+                        f"array of {array.dtype}")
+    if array.dtype.kind == "i" and array.size and array.min() < 0:
+        _refuse_negative(array, op)
+    return tuple(array.tolist())
+
+
+def _mixed_ids(tokens: Sequence[object], op: str) -> tuple[int, ...]:
+    """A sequence with some elements that are not Python ints: numpy integers are fine;
+    the first other element (bool, float, None, list, ...) is refused."""
+    ids: list[int] = []
+    for position, token in enumerate(tokens):
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
+            raise TypeError(
+                f"{op}: token ids must be ints, got tokens[{position}] = {token!r:.40} "
+                f"({type(token).__name__}); tokens must be {_TOKENS_EXPECTED}"
+            )
+        ids.append(int(token))
+    if ids and min(ids) < 0:
+        _refuse_negative(np.asarray(ids), op)
+    return tuple(ids)
+
+
+def _refuse_negative(array: np.ndarray, op: str) -> None:
+    position = int(np.argmax(array < 0))
+    raise ValueError(f"{op}: token ids must be >= 0, got tokens[{position}] = "
+                     f"{int(array[position])}")

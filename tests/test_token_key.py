@@ -1,0 +1,73 @@
+"""TokenKey: a request's token ids checked once and passed to match and insert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache import IndexSpace, Indices, TokenKey
+from hicache.bench.scheduler import make_service
+
+
+def test_key_gives_the_same_match_and_insert_as_raw_tokens() -> None:
+    service = make_service(capacity_tokens=256)
+    try:
+        tokens = list(range(100, 150))  # 3 whole pages of 16 and a 2-token tail
+        key = service.key(tokens)
+        assert key.tokens == tuple(tokens) and key.pages == tuple(tokens[:48])
+        slots = service.alloc_device(len(tokens))
+        assert slots is not None
+        assert service.insert(key, slots) == 0
+        service.free_device(Indices(slots.tensor[48:], IndexSpace.DEVICE_FULL))
+        by_key, by_list = service.match(key), service.match(tokens)
+        assert by_key.device_hit_tokens == by_list.device_hit_tokens == 48
+        assert torch.equal(by_key.device_indices.tensor, by_list.device_indices.tensor)
+        service.check_integrity()
+    finally:
+        service.stop()
+
+
+def test_key_owns_its_tokens() -> None:
+    """Refilling the engine's list after key() changes nothing in the key."""
+    service = make_service(capacity_tokens=256)
+    try:
+        tokens = list(range(32))
+        key = service.key(tokens)
+        tokens[:] = [7] * 32
+        assert key.tokens == tuple(range(32))
+        with pytest.raises(AttributeError, match="read-only"):
+            key.tokens = (1, 2)  # type: ignore[misc]
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("tokens,error,message", [
+    ([1, 2.5], TypeError, r"^key: token ids must be ints, got tokens\[1\] = 2.5"),
+    ([1, True], TypeError, r"tokens\[1\] = True \(bool\)"),
+    ([3, -1], ValueError, r"^key: token ids must be >= 0, got tokens\[1\] = -1$"),
+    (None, TypeError, r"^key: tokens must be a list or tuple of ints"),
+    (torch.tensor([1.0]), TypeError, r"integer dtype"),
+])
+def test_key_refuses_what_match_refuses(tokens: object, error: type, message: str) -> None:
+    service = make_service(capacity_tokens=256)
+    try:
+        with pytest.raises(error, match=message):
+            service.key(tokens)  # type: ignore[arg-type]
+    finally:
+        service.stop()
+
+
+def test_key_of_another_page_size_is_refused_before_anything_changes() -> None:
+    service = make_service(capacity_tokens=256)
+    other = make_service(capacity_tokens=256, page_size=8)
+    try:
+        key = other.key(list(range(32)))
+        assert isinstance(key, TokenKey) and key.page_size == 8
+        for call in (lambda: service.match(key), lambda: service.insert(key, Indices(
+                torch.arange(32), IndexSpace.DEVICE_FULL))):
+            with pytest.raises(ValueError, match="pages of 8 tokens, this cache's pages have 16"):
+                call()
+        assert service.tree.num_nodes == 0 and service.tree.stats.matched_tokens == 0
+    finally:
+        service.stop()
+        other.stop()
