@@ -22,7 +22,7 @@ import numpy as np
 
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace
 
-from .base import Direction, TransferOp
+from .base import Direction, PoolTransfer, TransferOp
 
 Pool = DeviceKVPool | HostKVPool
 
@@ -55,6 +55,8 @@ class InFlightSlots:
             d: {pool.space: np.zeros(pool.num_slots, dtype=np.int32) for pool in pools}
             for d in Direction
         }
+        # the queued calls holding slots now, by id (a merged op holds its calls' transfers)
+        self._held: dict[int, PoolTransfer] = {}
 
     def pool(self, space: IndexSpace, op: str) -> Pool:
         """The pool of ``space``; ``ValueError`` naming the spaces there are otherwise."""
@@ -70,6 +72,10 @@ class InFlightSlots:
         """Take (``+1``) or give back (``-1``) the slots of every call ``op`` carries."""
         counts = self._counts[op.direction]
         for transfer in op.held:
+            if delta > 0:
+                self._held[id(transfer)] = transfer
+            else:
+                self._held.pop(id(transfer), None)
             for indices in (transfer.host_indices, transfer.device_indices):
                 slots = indices.tensor.numpy()
                 # Fancy-index += counts a repeated slot once: fine per queued call, where the
@@ -82,9 +88,14 @@ class InFlightSlots:
             self._counts[Direction.HOST_TO_DEVICE][space][slots] > 0)
 
     def held_slots(self, space: IndexSpace) -> np.ndarray:
-        """Every slot of ``space`` an op holds, ascending."""
+        """Every slot of ``space`` an op holds, ascending (from the ops themselves, so the
+        cost follows the slots in flight, not the pool's size)."""
         self.pool(space, "busy_slots")
-        return np.flatnonzero(np.logical_or.reduce([self._counts[d][space] for d in Direction]))
+        parts = [indices.tensor.numpy() for transfer in self._held.values()
+                 for indices in (transfer.host_indices, transfer.device_indices)
+                 if indices.space == space]
+        slots = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
+        return slots[slots != 0].astype(np.int64, copy=False)
 
     def refuse_conflicts(self, space: IndexSpace, slots: np.ndarray, op: str,
                          new_op: Direction) -> None:

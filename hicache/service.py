@@ -41,6 +41,7 @@ from hicache.metrics import MetricsExporter, controller_pool_usage
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, Indices
 
 from .engine_slots import EngineSlots
+from .integrity_slices import SlicedIntegrityCheck
 from .radix import HiRadixCache, MatchResult, TokenIds, TokenKey, TreeNode
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ServiceStats:
     polls: int = 0
     acks_applied: int = 0
     integrity_checks: int = 0
+    integrity_checks_abandoned: int = 0  # background checks given up for a scheduler call
 
 
 class HiCacheService:
@@ -68,8 +70,10 @@ class HiCacheService:
         device_pool: the pool the engine writes KV into (plain or hybrid).
         host_pools: host pools to close (unpin) at :meth:`stop`.
         integrity_check_interval_s: seconds between integrity checks of the thread, which
-            runs one only after that long with neither a finished transfer nor a scheduler
-            call (the check holds the lock for a walk of the whole tree).
+            starts one only after that long with neither a finished transfer nor a
+            scheduler call; it holds the lock well under a millisecond at a time and
+            gives up if the scheduler calls in between (see
+            :mod:`hicache.integrity_slices`).
         poll_interval_s: sleep of the background thread between polls.
         metrics_address: ``(host, port)`` to serve Prometheus metrics on from :meth:`start`,
             or ``None`` for no endpoint.
@@ -100,6 +104,9 @@ class HiCacheService:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._last_call_s = 0.0  # monotonic time of the latest scheduler call
+        self._num_calls = 0  # scheduler calls started (the background check compares it)
+        self.background_check = SlicedIntegrityCheck(
+            self.service_lock, tree, self._engine.as_indices, lambda: self._num_calls)
         self._stopped = False
         self._metrics_address = metrics_address
         self.exporter = None if metrics_address is None else MetricsExporter(
@@ -344,13 +351,15 @@ class HiCacheService:
                 now = time.monotonic()
                 if self._poll_once():
                     last_ack = now
-                # Idle: no ack and no scheduler call for an interval. The check walks the
-                # whole tree under the lock, so a scheduler that keeps calling (only
-                # matching, say) must not be made to wait for it.
-                elif min(now - last_ack, now - self._last_call_s, now - last_check) \
-                        >= self._check_interval_s and self._try_check():
+                # Idle: no ack and no scheduler call for an interval. A check, once
+                # started, goes on in short slices and gives up at a scheduler call.
+                elif (self.background_check.in_progress or min(
+                        now - last_ack, now - self._last_call_s, now - last_check,
+                ) >= self._check_interval_s) and self._step_check():
                     last_check = now
-                self._stopping.wait(self._poll_interval_s)
+                busy = self.background_check.in_progress
+                self._stopping.wait(min(self._poll_interval_s, 0.0002) if busy
+                                    else self._poll_interval_s)
         except BaseException as exc:  # recorded and raised on the scheduler thread
             self._error = exc
             self.stats.background_errors += 1
@@ -366,15 +375,15 @@ class HiCacheService:
             self._acks.put(ack)
         return bool(acks)
 
-    def _try_check(self) -> bool:
-        """Integrity check if the lock is free right now (never waits for the scheduler)."""
-        if not self.service_lock.acquire(blocking=False):
-            return False
-        try:
-            self._check_locked()
-        finally:
-            self.service_lock.release()
-        return True
+    def _step_check(self) -> bool:
+        """One slice of the background integrity check; True when it completed a check."""
+        check = self.background_check
+        abandoned = check.stats.abandoned
+        done = check.step()
+        self.stats.integrity_checks_abandoned += check.stats.abandoned - abandoned
+        if done:
+            self.stats.integrity_checks += 1
+        return done
 
     # ---- helpers (called with the lock held) ---------------------------------------------
 
@@ -384,6 +393,7 @@ class HiCacheService:
         if self._stopped:
             raise RuntimeError("the service was stopped")
         self._last_call_s = time.monotonic()
+        self._num_calls += 1  # before the lock: a background check between slices sees it
         with self.service_lock:
             yield
 

@@ -9,6 +9,8 @@ without scanning the pool, so an allocation or a free costs per run it touches.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -170,8 +172,12 @@ class PageAllocator:
 
     def used_pages(self) -> np.ndarray:
         """Ids of allocated pages (for integrity checks of the owners)."""
-        used = np.flatnonzero(~self._is_free)
-        return used[used != 0]
+        return used_pages_of(self._is_free)
+
+    def free_map(self) -> np.ndarray:
+        """A copy of the free map (``[num_pages]`` bool, True = free): a snapshot an
+        integrity check reads later, with no lock (see :func:`used_pages_of`)."""
+        return self._is_free.copy()
 
     def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """``(first page, length)`` of every run of consecutive free pages, lowest first:
@@ -197,32 +203,59 @@ class PageAllocator:
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` unless free + used == capacity, page 0 is reserved and the
         free-run index lists exactly the runs of the free map (a scan of the pool)."""
-        num_free = int(self._is_free.sum())
-        if self._is_free[0]:
+        self._runs.check_integrity(self.name)
+        self.verify_snapshot(self.integrity_snapshot())
+
+    def integrity_snapshot(self) -> AllocatorSnapshot:
+        """Copies of the free map, the free count and the free-run index: a few array
+        copies, for :meth:`verify_snapshot` to check later with no lock."""
+        starts, lengths = self._runs.as_arrays()
+        return AllocatorSnapshot(self._is_free.copy(), self._num_free_pages, starts, lengths)
+
+    def verify_snapshot(self, snapshot: AllocatorSnapshot) -> None:
+        """The checks of :meth:`check_integrity` on ``snapshot`` (the free-run index's own
+        views excepted); reads nothing else of the allocator but its name and size."""
+        is_free = snapshot.is_free
+        num_free = int(is_free.sum())
+        if is_free[0]:
             raise RuntimeError(f"pool '{self.name}': reserved page 0 is marked free")
-        if num_free != self._num_free_pages:
+        if num_free != snapshot.num_free_pages:
             raise RuntimeError(
-                f"pool '{self.name}': free count {self._num_free_pages} pages != "
+                f"pool '{self.name}': free count {snapshot.num_free_pages} pages != "
                 f"{num_free} pages marked free"
             )
-        num_used = int(self.used_pages().size)
+        num_used = int(used_pages_of(is_free).size)
         if num_free + num_used != self.num_pages:
             raise RuntimeError(
                 f"pool '{self.name}': free {num_free} + used {num_used} pages != "
                 f"capacity {self.num_pages} pages"
             )
-        self._runs.check_integrity(self.name)
-        starts, lengths = self._runs.as_arrays()
-        scanned_starts, scanned_lengths = _scan_runs(self._is_free)
-        if not (np.array_equal(starts, scanned_starts)
-                and np.array_equal(lengths, scanned_lengths)):
+        scanned_starts, scanned_lengths = _scan_runs(is_free)
+        if not (np.array_equal(snapshot.run_starts, scanned_starts)
+                and np.array_equal(snapshot.run_lengths, scanned_lengths)):
             raise RuntimeError(
-                f"pool '{self.name}': the free-run index ({starts.size} runs) differs from "
-                f"the free map ({scanned_starts.size} runs)"
+                f"pool '{self.name}': the free-run index ({snapshot.run_starts.size} runs) "
+                f"differs from the free map ({scanned_starts.size} runs)"
             )
 
     def _slots_of(self, pages: np.ndarray) -> np.ndarray:
         return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)
+
+
+@dataclass(frozen=True)
+class AllocatorSnapshot:
+    """An allocator's state at one moment (see :meth:`PageAllocator.integrity_snapshot`)."""
+
+    is_free: np.ndarray
+    num_free_pages: int
+    run_starts: np.ndarray
+    run_lengths: np.ndarray
+
+
+def used_pages_of(free_map: np.ndarray) -> np.ndarray:
+    """Ids of the allocated pages of a free map (page 0, the padding page, excluded)."""
+    used = np.flatnonzero(~free_map)
+    return used[used != 0]
 
 
 def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

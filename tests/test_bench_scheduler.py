@@ -67,7 +67,8 @@ def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
         assert name in printed
     saved = json.loads(out.read_text(encoding="utf-8"))
     names = {f["name"] for f in saved["figures"]}
-    assert {"one request's cycle (2k tokens)", "check_integrity()"} <= names
+    assert {"one request's cycle (2k tokens)", "background integrity check, longest lock hold",
+            "key of a 2k-token prompt (token checks)"} <= names
     assert saved["replay"][0]["input_tokens"] == TOKENS
 
 

@@ -7,18 +7,22 @@ in the controller must be node-owned (a host page by a node whose op is in fligh
 host eviction relies on instead of asking the controller); so free + owned + engine-held ==
 capacity. Failures
 raise ``RuntimeError`` naming the space, the page and the nodes involved; nothing is
-repaired. Cost: one walk of the tree and a few sorts of page ids.
+repaired. Cost: one walk of the tree and a few sorts of page ids; :class:`TreeCheck` does the
+walk in steps with a deadline each, and the sorts without the tree.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.pools.allocator import used_pages_of
 
 from .node import SLOT_FIELDS, TreeNode
 
@@ -39,24 +43,75 @@ def check_tree(tree: TieredRadixTree, engine_device: Indices | None, sync_device
             which waits for the GPU; without it the check reads CPU state only.
     """
     tree.io.check_pools(sync_device)
-    allocators = tree.io.allocators()
-    owned: dict[IndexSpace, _Owned] = defaultdict(list)
-    in_flight: dict[IndexSpace, list[np.ndarray]] = defaultdict(list)
-    for node in tree.nodes():
-        _check_node(tree, node)
-        for name in SLOT_FIELDS:
-            value: Indices | None = getattr(node, name)
-            if value is not None:
-                pages = _pages(allocators, value, f"{node!r}.{name}", name.endswith("_swa"))
-                owned[value.space].append((node.node_id, pages))
-                if node.is_in_flight:
-                    in_flight[value.space].append(pages)
-    engine = _engine_pages(tree, engine_device)
-    for space, allocator in allocators.items():
-        busy = np.unique(tree.controller.busy_slots(space) // allocator.page_size)
-        _check_space(space, allocator, owned[space], engine.get(space), busy)
-        if space in (IndexSpace.HOST_FULL, IndexSpace.HOST_SWA):
-            _check_host_in_flight(space, in_flight[space], busy)
+    check = TreeCheck(tree)
+    check.walk(deadline=None)
+    check.conclude(check.snapshot(engine_device))
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    """What the conservation half of a check reads besides the nodes, copied at one moment:
+    per index space, the free map, the slots in flight and the engine-held pages."""
+
+    used: dict[IndexSpace, np.ndarray]
+    busy: dict[IndexSpace, np.ndarray]
+    engine: dict[IndexSpace, np.ndarray]
+
+
+class TreeCheck:
+    """One integrity check in steps, so that a caller can spread it over short holds of the
+    lock that guards the tree (see :class:`hicache.integrity_slices.SlicedIntegrityCheck`).
+
+    :meth:`walk` checks nodes and gathers the pages they own, until a deadline;
+    :meth:`snapshot` copies the pools' side (allocated, in flight, engine-held); both read
+    the tree and must run with nothing changing it between the first walk and the snapshot.
+    :meth:`conclude` compares the two and needs no lock. Each step raises ``RuntimeError``
+    on the first inconsistency it finds.
+    """
+
+    def __init__(self, tree: TieredRadixTree) -> None:
+        self.tree = tree
+        self.allocators = tree.io.allocators()
+        self.owned: dict[IndexSpace, _Owned] = defaultdict(list)
+        self.in_flight: dict[IndexSpace, list[np.ndarray]] = defaultdict(list)
+        self.num_nodes = 0
+        self._nodes = tree.nodes()
+
+    def walk(self, deadline: float | None) -> bool:
+        """Check nodes until every node is done (``True``) or ``time.perf_counter()`` passes
+        ``deadline`` (``False``; call again to go on); ``None``: no deadline."""
+        allocators = self.allocators
+        for node in self._nodes:
+            _check_node(self.tree, node)
+            for name in SLOT_FIELDS:
+                value: Indices | None = getattr(node, name)
+                if value is not None:
+                    pages = _pages(allocators, value, f"{node!r}.{name}", name.endswith("_swa"))
+                    self.owned[value.space].append((node.node_id, pages))
+                    if node.is_in_flight:
+                        self.in_flight[value.space].append(pages)
+            self.num_nodes += 1
+            if deadline is not None and time.perf_counter() > deadline:
+                return False
+        return True
+
+    def snapshot(self, engine_device: Indices | None) -> PoolSnapshot:
+        """Copies of the pools' side of the check (a few array copies, no walk)."""
+        engine = _engine_pages(self.tree, engine_device)
+        used, busy = {}, {}
+        for space, allocator in self.allocators.items():
+            used[space] = allocator.free_map()  # pages in use computed by conclude()
+            busy[space] = np.array(self.tree.controller.busy_slots(space), dtype=np.int64)
+        return PoolSnapshot(used, busy, engine)
+
+    def conclude(self, snapshot: PoolSnapshot) -> None:
+        """Conservation of every index space, from the walk and ``snapshot``; no lock."""
+        for space, allocator in self.allocators.items():
+            busy = np.unique(snapshot.busy[space] // allocator.page_size)
+            _check_space(space, used_pages_of(snapshot.used[space]), self.owned[space],
+                         snapshot.engine.get(space), busy)
+            if space in (IndexSpace.HOST_FULL, IndexSpace.HOST_SWA):
+                _check_host_in_flight(space, self.in_flight[space], busy)
 
 
 def _check_host_in_flight(space: IndexSpace, in_flight: list[np.ndarray],
@@ -145,7 +200,7 @@ def _engine_pages(
 
 
 def _check_space(
-    space: IndexSpace, allocator: PageAllocator, owned: _Owned, engine: np.ndarray | None,
+    space: IndexSpace, used: np.ndarray, owned: _Owned, engine: np.ndarray | None,
     busy: np.ndarray,
 ) -> None:
     """Conservation of one index space (module docstring)."""
@@ -165,7 +220,6 @@ def _check_space(
         raise RuntimeError(f"{name} page {int(shared[0])} is owned by a node and also held "
                            f"by the engine")
     held = np.concatenate([pages, engine])
-    used = allocator.used_pages()
     free_but_held = np.setdiff1d(held, used)
     if free_but_held.size:
         raise RuntimeError(f"{name} page {int(free_but_held[0])} is free in its allocator but "
