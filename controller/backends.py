@@ -121,7 +121,7 @@ class KernelBackend(TransferBackend):
     def check_device(self, device: torch.device) -> None:
         """CUDA pools with Triton, or CPU pools under the Triton interpreter
         (``TRITON_INTERPRET=1``, the tests' setting); anything else raises ``ValueError``."""
-        from .kernel import INTERPRET_ENV, kernel_available
+        from .copy_rows_kernel import INTERPRET_ENV, kernel_available
 
         interpreting = os.environ.get(INTERPRET_ENV, "0") == "1"
         if device.type != "cuda" and not (device.type == "cpu" and interpreting):
@@ -189,7 +189,7 @@ def make_backend(name: BackendName | str, device: torch.device, num_programs: in
     Raises:
         ValueError: an unknown name, or a backend that cannot serve pools on ``device``.
     """
-    from .kernel import kernel_available
+    from .copy_rows_kernel import kernel_available
 
     choice = BackendName(name) if isinstance(name, str) else name
     if choice is BackendName.AUTO:

@@ -14,45 +14,35 @@ pool). Each item loads the two index tiles, masks the padding slot and the tail,
 ``[tokens_per_tile, row]`` block: one load and one store of ``tokens_per_tile * row_bytes``
 (16 KiB for 8 tokens of 2 KiB rows) that every program keeps in flight.
 
-Triton is imported on first use, so importing this module never needs it. On a machine without
-CUDA the kernel runs under the Triton interpreter (``TRITON_INTERPRET=1`` set before Triton is
-imported), which is how the CPU tests exercise it.
+The kernel body and its compilation are in :mod:`hicache.controller.copy_rows_kernel`; this
+module checks the arguments and plans the launch (grid, tile, warps, strides). Importing it
+never needs Triton.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
 from typing import Any
 
 import torch
 
-from hicache.pools import PADDING_SLOT, HostLayout
+from hicache.pools import HostLayout
 
-INTERPRET_ENV = "TRITON_INTERPRET"
+from .copy_rows_kernel import INTERPRET_ENV, compiled_kernel, kernel_available
+
+__all__ = [
+    "INDEX_DTYPES",
+    "INTERPRET_ENV",
+    "MAX_TOKENS_PER_TILE",
+    "kernel_available",
+    "transfer_rows",
+]
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_TOKENS_PER_TILE = 1024
 _INT32_LIMIT = 2**31 - 1
 # Bytes one thread moves per item when picking num_warps: 8 vectors of 16 bytes.
 _BYTES_PER_THREAD = 128
-
-# Bound on first use by _compiled_kernel(); the kernel body resolves ``tl`` from here.
-tl: Any = None
-
-
-def kernel_available() -> bool:
-    """True when :func:`transfer_rows` can run here: Triton imports and either CUDA is
-    available or ``TRITON_INTERPRET=1`` (CPU interpreter)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available() or _interpreting()
-
-
-def _interpreting() -> bool:
-    return os.environ.get(INTERPRET_ENV, "0") == "1"
 
 
 def transfer_rows(
@@ -116,7 +106,7 @@ def transfer_rows(
             f"transfer_rows: {num_items} work items exceed the int32 loop bound; split the "
             f"transfer or raise tokens_per_tile (got {tokens_per_tile})"
         )
-    kernel = _compiled_kernel()
+    kernel = compiled_kernel()
     if device_data.is_cuda:
         stream = torch.cuda.current_stream(device_data.device)
         host_indices.record_stream(stream)
@@ -262,63 +252,3 @@ def _num_warps(block_bytes: int) -> int:
     """Enough threads that each moves about ``_BYTES_PER_THREAD`` of a block, 1 to 16 warps."""
     warps = max(1, min(16, block_bytes // (32 * _BYTES_PER_THREAD)))
     return _next_power_of_two(warps)
-
-
-@functools.cache
-def _compiled_kernel() -> Any:
-    """Import Triton and wrap the kernel (interpreted when ``TRITON_INTERPRET=1``)."""
-    global tl
-    try:
-        import triton
-        import triton.language as language
-    except ImportError as exc:
-        raise RuntimeError(
-            "transfer_rows needs Triton (pip install 'hicache[kernel]'); use the torch "
-            "backend on this machine"
-        ) from exc
-    if not torch.cuda.is_available() and not _interpreting():
-        raise RuntimeError(
-            f"transfer_rows on CPU needs the Triton interpreter: set {INTERPRET_ENV}=1 before "
-            f"Triton is imported, or use the torch backend"
-        )
-    tl = language
-    return triton.jit(_copy_rows_kernel)
-
-
-# Runtime arguments carry no annotations on purpose: Triton reads annotations as kernel types,
-# and unannotated integers are specialised by value (int32 or int64, divisibility by 16).
-def _copy_rows_kernel(  # type: ignore[no-untyped-def]
-    src_ptr, dst_ptr, src_index_ptr, dst_index_ptr,
-    num_pairs, num_src_slots, num_dst_slots,
-    layer_begin, num_layers, num_components,
-    src_slot_stride, src_component_stride, src_layer_stride,
-    dst_slot_stride, dst_component_stride, dst_layer_stride,
-    ROW: tl.constexpr, BLOCK_ROW: tl.constexpr, TILE: tl.constexpr,
-):
-    """Grid-stride loop over (tile, layer, component) items; one [TILE, ROW] block each."""
-    pid = tl.program_id(0)
-    step = tl.num_programs(0)
-    num_items = tl.cdiv(num_pairs, TILE) * num_layers * num_components
-    tokens = tl.arange(0, TILE)
-    cols = tl.arange(0, BLOCK_ROW)
-    col_mask = cols < ROW
-    for item in range(pid, num_items, step):
-        component = (item % num_components).to(tl.int64)
-        rest = item // num_components
-        layer = (layer_begin + rest % num_layers).to(tl.int64)
-        pairs = (rest // num_layers) * TILE + tokens
-        in_range = pairs < num_pairs
-        src_slot = tl.load(src_index_ptr + pairs, mask=in_range, other=0).to(tl.int64)
-        dst_slot = tl.load(dst_index_ptr + pairs, mask=in_range, other=0).to(tl.int64)
-        valid = in_range & (src_slot > 0) & (src_slot < num_src_slots)
-        valid = valid & (dst_slot > 0) & (dst_slot < num_dst_slots)
-        src_row = component * src_component_stride + layer * src_layer_stride
-        dst_row = component * dst_component_stride + layer * dst_layer_stride
-        src_rows = src_row + src_slot * src_slot_stride
-        dst_rows = dst_row + dst_slot * dst_slot_stride
-        mask = valid[:, None] & col_mask[None, :]
-        rows = tl.load(src_ptr + src_rows[:, None] + cols[None, :], mask=mask)
-        tl.store(dst_ptr + dst_rows[:, None] + cols[None, :], rows, mask=mask)
-
-
-assert PADDING_SLOT == 0, "the kernel skips slot 0 (index > 0 test); update it with the sentinel"

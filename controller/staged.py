@@ -23,32 +23,26 @@ third of the link's rate (measured), so ``auto`` sends those loads to the kernel
 
 On a CPU device pool there is no copy engine; the same chunking and run logic runs with
 plain ``copy_`` calls, so it is tested without a GPU.
+
+The data movement of one chunk (gather, scatter, copies of host runs) is in
+:mod:`hicache.controller.staged_chunk`; this module holds the backend and its staging lanes.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
+from hicache.pools import DeviceKVPool, HostKVPool
 
 from .base import Direction, MovedTransfer, TransferBackend
-from .copy2d import copy_block
 from .events import Event
+from .staged_chunk import StagedChunk, host_runs, move_chunk
+
+__all__ = ["StagedBackend", "host_runs"]
 
 CPU = torch.device("cpu")
-
-
-def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
-    """Split sorted host slots into ``(start position, length)`` runs of consecutive slots."""
-    if host_slots.size == 0:
-        return []
-    breaks = np.flatnonzero(np.diff(host_slots) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [host_slots.size]))
-    return [(int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
 class StagedBackend(TransferBackend):
@@ -111,8 +105,8 @@ class StagedBackend(TransferBackend):
         for start in range(0, slots.size, chunk_tokens):
             end = min(start + chunk_tokens, slots.size)
             number = lane.take()
-            chunk = _Chunk(moved, layers, start, end, lane.buffers[number])
-            lane.free[number] = _move_chunk(chunk, direction, side, lane.aux, lane.free[number])
+            chunk = StagedChunk(moved, layers, start, end, lane.buffers[number])
+            lane.free[number] = move_chunk(chunk, direction, side, lane.aux, lane.free[number])
         keep_alive.extend(lane.buffers)
 
     def chunk_tokens(self, pool_layers: int, moved_layers: int) -> int:
@@ -157,148 +151,5 @@ class _Lane:
         return number
 
 
-def _move_chunk(chunk: _Chunk, direction: Direction, side: torch.cuda.Stream | None,
-                aux: torch.cuda.Stream | None, buffer_free: Event | None) -> Event | None:
-    """Move one chunk; returns the event (on ``side``) after which its buffer may be reused.
-
-    Write: gather on ``aux``, copy-engine copy on ``side``. Load: copy-engine copy on ``aux``,
-    scatter on ``side``, so the side stream (whose events say "layer ready") never holds
-    back the next layer's copy, and the copies follow one another without a gap.
-    """
-    device = chunk.moved.source.device_pool.device
-    to_host = direction is Direction.DEVICE_TO_HOST
-    with _stream(aux):
-        if buffer_free is not None:
-            buffer_free.wait()
-        if to_host:
-            chunk.gather()
-        else:
-            chunk.copy_runs(to_host=False)
-        staged = _record(device, aux)
-    with _stream(side):
-        if staged is not None:
-            staged.wait()
-        if to_host:
-            chunk.copy_runs(to_host=True)
-        else:
-            chunk.scatter()
-        return _record(device, side)
-
-
-class _Chunk:
-    """One chunk of a staged move: pairs ``[start, end)`` of ``moved``.
-
-    Staging follows the host layout so that every host run is one block copy
-    (:func:`copy_block`, a single 2D copy-engine operation): token-major
-    ``[n, components, layers, row]`` for a ``page_first`` host, layer-major
-    ``[components, layers, n, row]`` for a ``layer_first`` host. A ``page_first`` host
-    moving a subset of its layers (a per-layer load) has rows of one layer a token's bytes
-    apart; the 2D copy takes them in one operation, though short rows move slower.
-    """
-
-    def __init__(self, moved: MovedTransfer, layers: list[int], start: int, end: int,
-                 flat: torch.Tensor) -> None:
-        self.moved, self.layers = moved, layers
-        self.blocks = _layer_blocks(layers)
-        self.device_index = moved.device_index[start:end]
-        self.host_slots = moved.host_index.numpy()[start:end]
-        host = moved.source.host_pool
-        geometry = moved.source.device_pool.geometry
-        n, c, r = end - start, geometry.num_components, geometry.row_elems
-        self.token_major = host.layout is HostLayout.PAGE_FIRST
-        shape = (n, c, len(layers), r) if self.token_major else (c, len(layers), n, r)
-        self.buf = flat[: n * c * len(layers) * r].view(shape)
-
-    def gather(self) -> None:
-        data, buf = _wide(self.moved.source.device_pool.data), _wide(self.buf)
-        for offset, (begin, end) in self.blocks:
-            if self.token_major:
-                source = data[:, begin:end].permute(2, 0, 1, 3)
-                if len(self.blocks) == 1:
-                    torch.index_select(source, 0, self.device_index, out=buf)
-                else:
-                    buf[:, :, offset: offset + end - begin].copy_(
-                        torch.index_select(source, 0, self.device_index))
-                continue
-            block = buf[:, offset: offset + end - begin]
-            if len(self.blocks) == 1:
-                torch.index_select(data[:, begin:end], 2, self.device_index, out=block)
-            else:
-                block.copy_(torch.index_select(data[:, begin:end], 2, self.device_index))
-
-    def scatter(self) -> None:
-        data, buf = _wide(self.moved.source.device_pool.data), _wide(self.buf)
-        for offset, (begin, end) in self.blocks:
-            if self.token_major:
-                data[:, begin:end].permute(2, 0, 1, 3).index_copy_(
-                    0, self.device_index, buf[:, :, offset: offset + end - begin])
-            else:
-                data[:, begin:end].index_copy_(
-                    2, self.device_index, buf[:, offset: offset + end - begin])
-
-    def copy_runs(self, to_host: bool) -> None:
-        host = self.moved.source.host_pool.data
-        for offset, length in host_runs(self.host_slots):
-            first = int(self.host_slots[offset])
-            for block_offset, (begin, end) in self.blocks:
-                count = end - begin
-                if self.token_major:
-                    host_view = host[first: first + length, :, begin:end]
-                    staged = self.buf[offset: offset + length, :, block_offset:
-                                      block_offset + count]
-                else:
-                    host_view = host[:, begin:end, first: first + length]
-                    staged = self.buf[:, block_offset: block_offset + count,
-                                      offset: offset + length]
-                if to_host:
-                    copy_block(host_view, staged)
-                else:
-                    copy_block(staged, host_view)
-
-
-def _wide(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` reinterpreted as 8-byte elements where the row allows it: the gather and
-    scatter then move a quarter of the elements of bf16 rows, with wider loads, and hold the
-    SMs (which the model's compute shares) for less time. Bits are moved, never converted."""
-    if rows.element_size() < 8 and rows.shape[-1] * rows.element_size() % 8 == 0:
-        return rows.view(torch.int64)
-    return rows
-
-
-def _layer_blocks(layers: list[int]) -> list[tuple[int, tuple[int, int]]]:
-    """``(offset in layers, (begin, end))`` for each run of consecutive layer ids."""
-    blocks: list[tuple[int, tuple[int, int]]] = []
-    for offset, layer in enumerate(layers):
-        if blocks and blocks[-1][1][1] == layer:
-            start, (begin, _) = blocks[-1]
-            blocks[-1] = (start, (begin, layer + 1))
-        else:
-            blocks.append((offset, (layer, layer + 1)))
-    return blocks
-
-
 def _on_cuda(pool: DeviceKVPool) -> bool:
     return pool.device.type == "cuda"
-
-
-def _record(device: torch.device, stream: torch.cuda.Stream | None) -> Event | None:
-    if stream is None:
-        return None
-    event = Event(device)
-    event.record(stream)
-    return event
-
-
-class _stream:
-    """``torch.cuda.stream`` that accepts ``None`` (CPU: run inline)."""
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self._ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)

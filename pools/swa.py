@@ -1,14 +1,13 @@
 """Hybrid sliding-window pool: full-attention layers and SWA layers in two sub-pools.
 
 A token always has a slot in the full sub-pool (``DEVICE_FULL``); while it is inside the
-sliding window it also has a slot in the smaller SWA sub-pool (``DEVICE_SWA``). The int64
-map ``full_to_swa[full_slot]`` joins them; 0 means "no SWA slot" and points at the reserved
-padding slot of the SWA sub-pool. Mapping is page-aligned: page ``p`` of the full pool maps
-to a whole page ``q`` of the SWA pool, slot by slot.
-
-This class is the only place that makes ``DEVICE_SWA`` indices. Attention kernels get int32
-SWA indices (:meth:`translate_full_to_swa`, :meth:`translate_page_table`,
-:meth:`fill_decode_buffer`); the transfer path asks for int64 in ``move_indices``.
+sliding window it also has a slot in the smaller SWA sub-pool (``DEVICE_SWA``). The
+full-to-SWA slot map that joins them, and every translation from one space to the other,
+is the pool's :class:`~hicache.pools.swa_map.SWASlotMap` (``slot_map``); this class owns the
+two sub-pools and their allocators, sends each model layer to its sub-pool, and is what an
+engine calls. Attention kernels get int32 SWA indices (:meth:`translate_full_to_swa`,
+:meth:`translate_page_table`, :meth:`fill_decode_buffer`); the transfer path asks for int64
+in ``move_indices``.
 
 Bookkeeping (which full page owns which SWA page) is a CPU mirror of the device map, so
 freeing never synchronises the GPU.
@@ -18,14 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from .allocator import PageAllocator
-from .base import ForwardLocs, IndexSpace, Indices, PageTable, check_indices
+from .base import ForwardLocs, IndexSpace, Indices, PageTable
 from .device import DeviceKVPool, LayerWaiter, RowGeometry
-
-CPU = torch.device("cpu")
+from .swa_map import SWASlotMap
 
 
 class HybridSWAPool:
@@ -77,10 +74,15 @@ class HybridSWAPool:
             num_slots=self.swa_allocator.num_slots, geometry=geometry, device=self.device,
         )
         self.device = self.full.device  # with its index ("cuda" -> "cuda:0")
-        self.full_to_swa = torch.zeros(self.full.num_slots, dtype=torch.int64, device=self.device)
-        self._full_to_swa_host = np.zeros(self.full.num_slots, dtype=np.int64)
-        self.map_version = 0  # bumped by every change of the map (stales ForwardLocs)
+        self.slot_map = SWASlotMap(self.full, self.full_allocator, self.swa_allocator)
+        # int64 [full slots] on the device: the map kernels gather from (slot_map's tensor)
+        self.full_to_swa = self.slot_map.full_to_swa
         self._layer_waiter: LayerWaiter | None = None
+
+    @property
+    def map_version(self) -> int:
+        """Bumped by every change of the full-to-SWA map (stales :class:`ForwardLocs`)."""
+        return self.slot_map.version
 
     # ---- allocation -------------------------------------------------------------------
 
@@ -104,16 +106,7 @@ class HybridSWAPool:
         Returns:
             int64 CPU ``DEVICE_SWA`` indices aligned with ``full``.
         """
-        full_slots = self._host_full(full, "try_alloc_swa")
-        if not self.full_allocator.is_allocated(full):
-            raise ValueError("try_alloc_swa: some full slots are not allocated in pool 'full'")
-        if (self._full_to_swa_host[full_slots] != 0).any():
-            raise ValueError("try_alloc_swa: some full slots already have an SWA slot")
-        swa = self.swa_allocator.try_alloc(full_slots.size)
-        if swa is None:
-            return None
-        self._set_map(full_slots, swa.tensor.numpy())
-        return swa
+        return self.slot_map.try_alloc_swa(full)
 
     def free(self, full: Indices) -> None:
         """Free full slots and any SWA slots they still hold."""
@@ -125,39 +118,16 @@ class HybridSWAPool:
 
         Full pages without an SWA page are skipped, so calling it twice is harmless.
         """
-        full_slots = self._host_full(full, "free_swa")
-        swa_slots = self._full_to_swa_host[full_slots]
-        mapped = swa_slots != 0
-        if not mapped.any():
-            return
-        self.swa_allocator.free(Indices(torch.from_numpy(swa_slots[mapped]), IndexSpace.DEVICE_SWA))
-        self._set_map(full_slots[mapped], np.zeros(int(mapped.sum()), dtype=np.int64))
+        self.slot_map.free_swa(full)
 
     def swa_slots_of(self, full: Indices) -> Indices:
         """CPU int64 ``DEVICE_SWA`` slots of ``full`` (0 where a token has none); no GPU sync."""
-        full_slots = self._host_full(full, "swa_slots_of", whole_pages=False)
-        return Indices(torch.from_numpy(self._full_to_swa_host[full_slots].copy()),
-                       IndexSpace.DEVICE_SWA)
+        return self.slot_map.swa_slots_of(full)
 
     def check_integrity(self) -> None:
         """Both allocators are consistent and the map points only at allocated pages, each
         SWA page owned by exactly one full page; raises ``RuntimeError`` otherwise."""
-        self.full_allocator.check_integrity()
-        self.swa_allocator.check_integrity()
-        mapped = np.flatnonzero(self._full_to_swa_host)
-        swa_pages = np.unique(self._full_to_swa_host[mapped] // self.page_size)
-        used_swa = self.swa_allocator.used_pages()
-        if not np.array_equal(swa_pages, used_swa):
-            raise RuntimeError(
-                f"swa pool: {used_swa.size} pages allocated but {swa_pages.size} mapped"
-            )
-        if mapped.size != swa_pages.size * self.page_size:
-            raise RuntimeError("swa pool: an SWA page is mapped from more than one full page")
-        full_pages = np.unique(mapped // self.page_size)
-        if not np.isin(full_pages, self.full_allocator.used_pages()).all():
-            raise RuntimeError("swa pool: a free full page still maps to an SWA page")
-        if not np.array_equal(self.full_to_swa.cpu().numpy(), self._full_to_swa_host):
-            raise RuntimeError("swa pool: device map differs from its host mirror")
+        self.slot_map.check_integrity()
 
     # ---- translation --------------------------------------------------------------------
 
@@ -170,8 +140,7 @@ class HybridSWAPool:
             ``[n]`` int32 ``DEVICE_SWA`` indices on the same device; 0 where a token has no
             SWA slot (the padding slot). Empty in, empty out.
         """
-        index = self.full.check(full, "translate_full_to_swa")
-        return Indices(self._swa_of(index), IndexSpace.DEVICE_SWA)
+        return self.slot_map.translate_full_to_swa(full)
 
     def forward_locs(self, out_cache_loc: Indices) -> ForwardLocs:
         """Check and translate a forward's new-token locations once, for every layer.
@@ -186,8 +155,8 @@ class HybridSWAPool:
             handle per forward.
         """
         full = self.full.forward_locs(out_cache_loc).full
-        return ForwardLocs(full, Indices(self._swa_of(full.tensor), IndexSpace.DEVICE_SWA),
-                           self, self.map_version)
+        swa = Indices(self.slot_map.swa_of(full.tensor), IndexSpace.DEVICE_SWA)
+        return ForwardLocs(full, swa, self, self.map_version)
 
     def translate_page_table(self, page_table: PageTable) -> PageTable:
         """Translate a full-space page table to SWA page ids.
@@ -204,33 +173,7 @@ class HybridSWAPool:
                 device; :class:`BoundsError` for a page outside the full pool (on CUDA at
                 the next ``poll()``, the page read as padding meanwhile).
         """
-        op = "translate_page_table"
-        if not isinstance(page_table, PageTable):
-            raise TypeError(
-                f"{op}: expected a DEVICE_FULL PageTable, got {type(page_table).__name__}; wrap "
-                f"a table of full-pool pages as PageTable(tensor, IndexSpace.DEVICE_FULL, "
-                f"page_size)"
-            )
-        if page_table.space is not IndexSpace.DEVICE_FULL:
-            raise ValueError(
-                f"{op}: the table is already in {page_table.space.name} space; only full-space "
-                f"tables are translated (translating twice reads another request's pages)"
-            )
-        if page_table.page_size != self.page_size or page_table.tensor.device != self.device:
-            raise ValueError(
-                f"{op}: the table has pages of {page_table.page_size} on "
-                f"{page_table.tensor.device}; this pool has pages of {self.page_size} on "
-                f"{self.device}"
-            )
-        table = page_table.tensor
-        if table.numel() == 0:
-            swa = torch.empty(table.shape, dtype=torch.int32, device=self.device)
-        else:
-            pages = self.full.guard.check(table, bound=self.full.num_slots // self.page_size,
-                                          op=op, unit="page")
-            swa = (self.full_to_swa[pages.to(torch.int64) * self.page_size]
-                   // self.page_size).to(torch.int32)
-        return PageTable(swa, IndexSpace.DEVICE_SWA, self.page_size)
+        return self.slot_map.translate_page_table(page_table)
 
     def fill_decode_buffer(self, buffer: torch.Tensor, full: Indices) -> Indices:
         """Fill a preallocated (CUDA-graph) buffer with SWA locations and zero the tail.
@@ -244,21 +187,7 @@ class HybridSWAPool:
         Returns:
             ``Indices`` over the whole buffer (``DEVICE_SWA``); rows ``n:`` are 0 (padding).
         """
-        if buffer.dtype != torch.int32 or buffer.device != self.device or buffer.dim() != 1:
-            raise ValueError(
-                f"fill_decode_buffer: buffer must be 1-D int32 on {self.device}, got "
-                f"{buffer.dtype} {tuple(buffer.shape)} on {buffer.device}"
-            )
-        if len(full) > buffer.numel():
-            raise ValueError(
-                f"fill_decode_buffer: {len(full)} locations do not fit a buffer of "
-                f"{buffer.numel()}"
-            )
-        swa = self.translate_full_to_swa(full).tensor
-        n = swa.numel()
-        buffer[:n].copy_(swa)
-        buffer[n:].zero_()
-        return Indices(buffer, IndexSpace.DEVICE_SWA)
+        return self.slot_map.fill_decode_buffer(buffer, full)
 
     def raise_if_tripped(self) -> None:
         """Raise the error of a finished CUDA bounds check of either sub-pool (see
@@ -321,7 +250,7 @@ class HybridSWAPool:
         else:
             index = self.full.check(locs, op)
             if pool is self.swa:
-                index = self._swa_of(index)
+                index = self.slot_map.swa_of(index)
         pool.write_rows(local, index, k, v)
 
     # ---- helpers --------------------------------------------------------------------------
@@ -331,28 +260,6 @@ class HybridSWAPool:
         if self._layer_waiter is not None:
             self._layer_waiter(layer)
         return pool, local
-
-    def _host_full(self, full: Indices, op: str, whole_pages: bool = True) -> np.ndarray:
-        if whole_pages:
-            pages = self.full_allocator.pages_of(full, op=op)
-            offsets = np.arange(self.page_size, dtype=np.int64)
-            return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
-        tensor = check_indices(
-            full, space=IndexSpace.DEVICE_FULL, pool_name="full",
-            num_slots=self.full.num_slots, device=CPU, op=op,
-        )
-        return tensor.numpy().astype(np.int64, copy=False)
-
-    def _set_map(self, full_slots: np.ndarray, swa_slots: np.ndarray) -> None:
-        self._full_to_swa_host[full_slots] = swa_slots
-        full_t = torch.from_numpy(full_slots.copy()).to(self.device, non_blocking=True)
-        swa_t = torch.from_numpy(swa_slots.astype(np.int64)).to(self.device, non_blocking=True)
-        self.full_to_swa[full_t] = swa_t
-        self.map_version += 1
-
-    def _swa_of(self, full_index: torch.Tensor) -> torch.Tensor:
-        """int32 SWA slots of checked full slots (one gather; nothing cached)."""
-        return self.full_to_swa[full_index.to(torch.int64)].to(torch.int32)
 
     def _check_handle(self, locs: ForwardLocs, op: str) -> None:
         if locs.owner is not self:

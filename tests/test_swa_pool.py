@@ -464,7 +464,7 @@ def test_forward_locs_translate_once(
     def no_translation(index: torch.Tensor) -> torch.Tensor:
         raise AssertionError("set_kv translated instead of using the handle")
 
-    monkeypatch.setattr(shifted, "_swa_of", no_translation)
+    monkeypatch.setattr(shifted.slot_map, "swa_of", no_translation)
     k, v = _kv(2, 1.0)
     shifted.set_kv(1, locs, k, v)
     assert torch.equal(shifted.swa.key_buffer(0)[2:4], k)
@@ -584,7 +584,7 @@ def _corruptible() -> HybridSWAPool:
 def test_integrity_detects_bogus_map_entry() -> None:
     """A map entry pointing at an SWA page nobody allocated raises RuntimeError."""
     hybrid = _corruptible()
-    hybrid._full_to_swa_host[2] = 6
+    hybrid.slot_map.full_to_swa_host[2] = 6
     with pytest.raises(RuntimeError, match=r"swa pool: 2 pages allocated but 3 mapped"):
         hybrid.check_integrity()
 
@@ -592,7 +592,7 @@ def test_integrity_detects_bogus_map_entry() -> None:
 def test_integrity_detects_swa_page_mapped_twice() -> None:
     """Two full pages mapping the same SWA page raise RuntimeError."""
     hybrid = _corruptible()
-    hybrid._full_to_swa_host[2:4] = [2, 3]
+    hybrid.slot_map.full_to_swa_host[2:4] = [2, 3]
     with pytest.raises(RuntimeError, match=r"mapped from more than one full page"):
         hybrid.check_integrity()
 
@@ -627,4 +627,4 @@ def test_map_and_host_mirror_hold_the_mapping(shifted: HybridSWAPool) -> None:
     expected[6:10] = [2, 3, 4, 5]
     assert shifted.full_to_swa.dtype == torch.int64
     assert shifted.full_to_swa.tolist() == expected.tolist()
-    assert np.array_equal(shifted._full_to_swa_host, expected)
+    assert np.array_equal(shifted.slot_map.full_to_swa_host, expected)

@@ -1,7 +1,8 @@
 """The transfer benchmark: ``hicache bench`` and ``python -m hicache.bench``.
 
 - :mod:`~hicache.bench.cli`: arguments and the command's handler;
-- :mod:`~hicache.bench.transfer`: the GPU run (imported only when a run needs it);
+- :mod:`~hicache.bench.transfer`: the GPU run (imported only when a run needs it), one
+  :mod:`~hicache.bench.case` (backend, page size, host layout) after another;
 - :mod:`~hicache.bench.workload`, :mod:`~hicache.bench.timing`,
   :mod:`~hicache.bench.verify`: what one configuration issues, how it is timed and checked;
 - :mod:`~hicache.bench.results`, :mod:`~hicache.bench.report`, :mod:`~hicache.bench.plot`:

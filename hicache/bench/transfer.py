@@ -18,6 +18,9 @@ One run on one GPU measures, for an MHA model's KV rows at random page-granular 
 Every configuration is verified bit for bit once (:mod:`hicache.bench.verify`); a mismatch
 aborts the run. Ops go through ``CacheController.write/start_writing`` and
 ``load/start_loading``, so index movement, events and stream waits are in what is timed.
+
+One backend at one page size and layout is a case (:mod:`hicache.bench.case`); this module
+measures the references and runs every case of a run.
 """
 
 from __future__ import annotations
@@ -26,11 +29,8 @@ import argparse
 import datetime
 import functools
 import logging
-import math
-import statistics
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,47 +40,17 @@ from hicache.controller import Direction, KernelBackend, TorchBackend, TransferB
 from hicache.controller.auto import AutoBackend, AutoRow
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
-from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
+from hicache.pools import HostKVPool, HostLayout
 
 from .auto import auto_table, candidate_measurements, choose_rows
-from .results import BOTH, LOAD, WRITE, BenchResult, Ceiling, Measurement
-from .timing import (
-    WARMUP_MATMULS,
-    CeilingBuffers,
-    MatmulLoop,
-    OpTimes,
-    batch_window,
-    both_ways,
-    matmul_slowdown,
-    median_slowdown,
-    run_batches,
-    time_copy,
-)
+from .case import Context, bench_backend
+from .results import BenchResult, Ceiling, Measurement
+from .timing import WARMUP_MATMULS, CeilingBuffers, MatmulLoop, matmul_slowdown, time_copy
 from .verify import Verifier, randomize
-from .workload import (
-    BenchmarkError,
-    Session,
-    Shape,
-    Slots,
-    make_device_pool,
-    make_host_pool,
-    make_slots,
-)
+from .workload import BenchmarkError, Shape, make_device_pool, make_host_pool, make_slots
 
 logger = logging.getLogger(__name__)
-SIZE_BACKENDS = ("kernel", "staged")  # measured at the auto table's smaller sizes
 CEILING_REPEATS = 5  # at least; the ceiling is the best of them
-
-
-@dataclass
-class Context:
-    """What every session of one run shares."""
-
-    args: argparse.Namespace
-    shape: Shape
-    ceiling: Ceiling
-    loop: MatmulLoop
-    device_pool: DeviceKVPool
 
 
 def run_benchmark(args: argparse.Namespace) -> BenchResult:
@@ -162,93 +132,6 @@ def bench_layout(ctx: Context, host_pool: HostKVPool,
     torch.cuda.empty_cache()
     logger.info("layout %s done", layout)
     return found
-
-
-def bench_backend(ctx: Context, name: str, backend: TransferBackend, host_pool: HostKVPool,
-                  slots: Slots, verifier: Verifier) -> list[Measurement]:
-    """Verify, then time one backend at one page size and layout."""
-    args, shape = ctx.args, ctx.shape
-    label = (name, slots.page_size, host_pool.layout.value)
-    session = Session(ctx.device_pool, host_pool, slots, backend)
-    what = f"{name} (page size {slots.page_size}, layout {label[2]})"
-    verifier.check_write(session, what)
-    verifier.check_load(session, what)
-    repeats = args.torch_repeats if name == "torch" else args.repeats
-    found = []
-    for load in (False, True):
-        times = OpTimes()
-        run_batches(session, load, 1, shape.tokens, repeats, times)
-        found.append(_measure(ctx, label, load, shape.tokens, session, times, 1))
-    both_s, ran = both_ways(session, repeats)
-    found.append(_both(ctx, label, both_s, ran, repeats))
-    if name in SIZE_BACKENDS:
-        for size in sorted(set(args.auto_sizes) - {shape.tokens}):
-            for load in (False, True):
-                probe = OpTimes()
-                run_batches(session, load, 1, size, 1, probe)
-                count = min(session.max_batch(size),
-                            max(1, math.ceil(args.window_ms / 1e3 / probe.seconds[0])))
-                times = OpTimes()
-                run_batches(session, load, count, size, repeats, times)
-                found.append(_measure(ctx, label, load, size, session, times, count))
-    session.close()
-    _check_clean(session)
-    return found
-
-
-def _measure(ctx: Context, label: tuple[str, int, str], load: bool, tokens: int,
-             session: Session, times: OpTimes, count: int) -> Measurement:
-    """Median op time of ``times`` and the matmul slowdown of one more batch of ``count``."""
-    seconds = statistics.median(times.seconds)
-    windows = ctx.args.slowdown_windows if tokens == ctx.shape.tokens else 1
-    slowdown = median_slowdown(ctx.loop, lambda: batch_window(session, load, count, tokens),
-                               count * seconds, windows)
-    kind = LOAD if load else WRITE
-    num_bytes = tokens * ctx.shape.token_bytes
-    gbps = num_bytes / seconds / 1e9
-    m = Measurement(
-        backend=label[0], kind=kind, page_size=label[1], layout=label[2], tokens=tokens,
-        bytes=num_bytes, seconds=seconds, gb_per_s=gbps,
-        pct_of_ceiling=100.0 * gbps / ctx.ceiling.one_way(kind),
-        slowdown_pct=slowdown.pct if slowdown else None,
-        issue_s=statistics.median(times.issue_s), wall_s=statistics.median(times.wall_s),
-        executed_by=",".join(sorted(times.executed_by)),
-        ops=len(times.seconds),
-    )
-    if load:
-        h2d = ctx.ceiling.h2d_gb_per_s * 1e9
-        m.layer0_s = statistics.median(times.layer0_s)
-        m.layer0_ratio = m.layer0_s / (tokens * ctx.shape.geometry.token_bytes(1) / h2d)
-        m.all_ratio = seconds / (num_bytes / h2d)
-    logger.info("%-6s %-5s page %2d %-11s %6d tokens x%-2d %6.1f GB/s %5.1f%% matmul %s%% "
-                "(op %.2f ms, issue %.2f ms)", label[0], kind, label[1], label[2], tokens,
-                count, gbps, m.pct_of_ceiling,
-                "-" if m.slowdown_pct is None else f"{m.slowdown_pct:.1f}", seconds * 1e3,
-                (m.issue_s or 0.0) * 1e3)
-    return m
-
-
-def _both(ctx: Context, label: tuple[str, int, str], seconds: float, ran: set[str],
-          repeats: int) -> Measurement:
-    num_bytes = 2 * ctx.shape.transfer_bytes
-    gbps = num_bytes / seconds / 1e9
-    logger.info("%-6s both  page %2d %-11s %6.1f GB/s %5.1f%% of bidir", label[0], label[1],
-                label[2], gbps, 100.0 * gbps / ctx.ceiling.bidir_gb_per_s)
-    return Measurement(
-        backend=label[0], kind=BOTH, page_size=label[1], layout=label[2],
-        tokens=ctx.shape.tokens, bytes=num_bytes, seconds=seconds, gb_per_s=gbps,
-        pct_of_ceiling=100.0 * gbps / ctx.ceiling.bidir_gb_per_s, wall_s=seconds,
-        executed_by=",".join(sorted(ran)), ops=repeats,
-    )
-
-
-def _check_clean(session: Session) -> None:
-    host = session.ctrl.host_pool.allocator
-    device = session.ctrl.device_allocator
-    if host.num_used_tokens or device.num_free_tokens != session.tokens:
-        raise BenchmarkError(
-            f"session left slots behind: {host.num_used_tokens} host tokens used, "
-            f"{device.num_free_tokens} device tokens free (expected {session.tokens})")
 
 
 def _backend(name: str, args: argparse.Namespace) -> TransferBackend:
