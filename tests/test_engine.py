@@ -273,12 +273,15 @@ def test_gather_past_the_page_table_row_is_refused(default_config: HiCacheConfig
 def test_demo_on_a_gpu(default_config: HiCacheConfig, policy: WritePolicy) -> None:
     """Real streams: the forward on its own producer stream, layer-wise loads on the load
     stream; tokens and loaded pages still verify."""
-    # Under the sanitizer (a memcheck of one quick demo ran past 100 s): 2 conversations of
-    # up to 2 turns, the least that still brings evicted history back from the host, and
-    # prefill chunks of 64 tokens (fewer forwards, so fewer launches).
+    # Under the sanitizer (memcheck with the caching allocator off and racecheck did not
+    # finish this test in 330 s and 240 s with 8-16 generated tokens a turn; synccheck took
+    # 21 s): 2 conversations of up to 2 turns, the least that still brings evicted history
+    # back from the host, prefill chunks of 64 tokens and 1-2 generated tokens a turn
+    # (fewer forwards, so fewer launches and allocations).
     options = DemoOptions(quick=True, device="cuda", write_policy=policy,
                           conversations=scaled(None, 2), turns=scaled(None, 2),
-                          prefill_chunk_tokens=scaled(16, 64))
+                          prefill_chunk_tokens=scaled(16, 64),
+                          new_tokens=scaled(None, (1, 2)))
     report = run_demo(default_config, options)
     assert report.passed, report.failure()
     assert report.host_hit_tokens > 0 and report.pages_checked > 0

@@ -53,6 +53,7 @@ class DemoOptions:
     corrupt_host_byte: bool = False
     max_running: int = 4
     prefill_chunk_tokens: int = 16
+    new_tokens: tuple[int, int] | None = None  # generated tokens per turn (low, high)
 
     def workload_spec(self) -> WorkloadSpec:
         base = QUICK if self.quick else WorkloadSpec()
@@ -60,6 +61,7 @@ class DemoOptions:
             base, seed=self.seed,
             num_conversations=self.conversations or base.num_conversations,
             num_turns=self.turns or base.num_turns,
+            new_tokens=self.new_tokens or base.new_tokens,
         )
 
 
