@@ -333,7 +333,11 @@ class HiCacheService:
             self._raise_if_failed()
 
     def __enter__(self) -> HiCacheService:
-        self.start()
+        try:
+            self.start()
+        except BaseException:  # a Ctrl-C inside start(): __exit__ will not run
+            self.stop()
+            raise
         return self
 
     def __exit__(

@@ -357,3 +357,22 @@ def test_metrics_endpoint_lives_from_start_to_stop() -> None:
         text = service.exporter.render().decode()
         assert "hicache_inserted_tokens_total 4.0" in text.splitlines()
     assert service.exporter.port is None
+
+
+def test_interrupt_inside_start_stops_what_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C that lands in start(), after the metrics endpoint is up and before the
+    thread runs: ``with service`` never reaches __exit__, so __enter__ stops the service
+    itself (no endpoint thread left, the port closed)."""
+    service = build_service(make_config(metrics=True, metrics_port=0))
+
+    class InterruptedThread(threading.Thread):
+        def start(self) -> None:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("hicache.service.threading.Thread", InterruptedThread)
+    with pytest.raises(KeyboardInterrupt), service:
+        pass
+    names = {thread.name for thread in threading.enumerate()}
+    assert "hicache-metrics-http" not in names and "hicache-service" not in names
+    with pytest.raises(RuntimeError, match="stopped"):
+        service.match([1, 2])
