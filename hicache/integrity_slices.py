@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from hicache.pools import Indices, PageAllocator
 from hicache.pools.allocator import AllocatorSnapshot
@@ -26,19 +26,17 @@ from .radix.integrity import TreeCheck
 
 @dataclass
 class SliceStats:
-    """Counts and lock-hold times of the sliced checks (read by benchmarks and tests)."""
+    """Counts of the sliced checks and the longest hold of the lock (read by benchmarks
+    and tests)."""
 
     completed: int = 0
     abandoned: int = 0
     slices: int = 0
     longest_slice_s: float = 0.0
-    slice_times_s: list[float] = field(default_factory=list)
 
     def record(self, seconds: float) -> None:
         self.slices += 1
         self.longest_slice_s = max(self.longest_slice_s, seconds)
-        if len(self.slice_times_s) < 100_000:
-            self.slice_times_s.append(seconds)
 
 
 class SlicedIntegrityCheck:
