@@ -16,7 +16,14 @@ from collections.abc import Sequence
 
 import torch
 
-from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
+from hicache.pools import (
+    DeviceKVPool,
+    HostKVPool,
+    HybridSWAPool,
+    IndexSpace,
+    Indices,
+    PageAllocator,
+)
 
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .controller import CacheController
@@ -93,7 +100,8 @@ class HybridCacheController(CacheController):
         return HybridSlots(host_full, host_swa)
 
     def load(  # type: ignore[override]
-        self, host_indices: Indices, host_swa: Indices, swa_tail_tokens: int, tag: object = None
+        self, host_indices: Indices, host_swa: Indices, swa_tail_tokens: int, tag: object = None,
+        *, restore: HybridSlots | None = None,
     ) -> HybridSlots | None:
         """Bring back full rows of every token and SWA rows of the window tail.
 
@@ -103,6 +111,12 @@ class HybridCacheController(CacheController):
                 every token of the tail must have one.
             swa_tail_tokens: tokens at the end that need SWA rows (the window), rounded up
                 to whole pages and capped at ``n``.
+            restore: SWA rows for device-resident tokens before the loaded span (the part of
+                the window that lies in the device prefix): ``full`` their allocated
+                ``DEVICE_FULL`` slots (whole pages) without an SWA slot, ``swa`` their aligned
+                ``HOST_SWA`` backups (none 0). They get new SWA slots (read them with
+                ``hybrid_pool.swa_slots_of``) filled by the same op. ``host_indices`` may be
+                empty then.
         Returns:
             device :class:`HybridSlots` (``DEVICE_FULL``, ``DEVICE_SWA`` aligned, 0 outside
             the tail), or ``None`` when either device pool is short; then nothing stays
@@ -127,24 +141,77 @@ class HybridCacheController(CacheController):
             )
         self._check_loadable(host_indices, self.host_pool.allocator, "load")
         swa_tail = Indices(swa_host[tail], IndexSpace.HOST_SWA)
-        self._check_loadable(swa_tail, self.host_swa.allocator, "load")
+        restore_full, restore_host = self._check_restore(restore)
+        swa_sources = _cat_space([swa_tail, restore_host], IndexSpace.HOST_SWA)
+        self._check_loadable(swa_sources, self.host_swa.allocator, "load")
         device_full = self.device_allocator.try_alloc(len(host_indices))
         if device_full is None:
             return None
         tail_full = Indices(device_full.tensor[tail], IndexSpace.DEVICE_FULL)
-        device_swa_part = self.hybrid_pool.try_alloc_swa(tail_full)
+        device_swa_part = self.hybrid_pool.try_alloc_swa(
+            _cat_space([tail_full, restore_full], IndexSpace.DEVICE_FULL))
         if device_swa_part is None:
             self.device_allocator.free(device_full)
             return None
-        if len(device_full):
+        if len(device_full) or len(restore_full):
             transfers = [
                 self._full_transfer(host_indices, device_full),
-                self._swa_transfer(swa_tail, device_swa_part),
+                self._swa_transfer(swa_sources, device_swa_part),
             ]
             self._queue(Direction.HOST_TO_DEVICE, transfers, tag)
-        return HybridSlots(
-            device_full, _scatter_aligned(device_swa_part, tail, IndexSpace.DEVICE_SWA)
-        )
+        span_swa = Indices(device_swa_part.tensor[:len(swa_tail)], IndexSpace.DEVICE_SWA)
+        return HybridSlots(device_full, _scatter_aligned(span_swa, tail, IndexSpace.DEVICE_SWA))
+
+    def write_swa(self, device_indices: Indices, tag: object = None) -> Indices | None:
+        """Back up only the SWA rows of ``device_indices`` (the tokens that have an SWA
+        slot), so they can be freed on the device while their full rows stay.
+
+        Args:
+            device_indices: ``[n]`` CPU ``DEVICE_FULL`` slots (whole, allocated pages).
+        Returns:
+            ``[n]`` CPU ``HOST_SWA`` slots aligned with ``device_indices`` (0 for tokens
+            without an SWA slot), or ``None`` when the SWA host pool is full (nothing
+            allocated). The host rows are valid once the op is acknowledged.
+        Raises:
+            ValueError: as :meth:`write` for the SWA slots (nothing allocated or queued).
+        """
+        _owned_pages(device_indices, self.device_allocator, "write_swa")
+        device_swa = self.hybrid_pool.swa_slots_of(device_indices)
+        mapped = device_swa.tensor != 0
+        swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
+        self._held.refuse_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write_swa",
+                                    Direction.DEVICE_TO_HOST)
+        host_swa_part = self.host_swa.allocator.try_alloc(len(swa_part))
+        if host_swa_part is None:
+            return None
+        if len(swa_part):
+            transfers = [
+                self._full_transfer(_empty(IndexSpace.HOST_FULL), _empty(IndexSpace.DEVICE_FULL)),
+                self._swa_transfer(host_swa_part, swa_part),
+            ]
+            self._queue(Direction.DEVICE_TO_HOST, transfers, tag)
+        return _scatter_aligned(host_swa_part, mapped, IndexSpace.HOST_SWA)
+
+    def _check_restore(self, restore: HybridSlots | None) -> tuple[Indices, Indices]:
+        """The device full slots and host SWA slots of a load's SWA restore, checked:
+        allocated whole full pages without an SWA slot, aligned host SWA slots, none 0."""
+        if restore is None:
+            return _empty(IndexSpace.DEVICE_FULL), _empty(IndexSpace.HOST_SWA)
+        _owned_pages(restore.full, self.device_allocator, "load (restore)")
+        host = self._check_cpu(restore.swa, self.host_swa, "load (restore)")
+        if host.numel() != len(restore.full):
+            raise ValueError(
+                f"load (restore): {host.numel()} HOST_SWA slots for {len(restore.full)} "
+                f"device slots; pass them aligned"
+            )
+        if bool((host == 0).any()):
+            raise ValueError("load (restore): a token to restore has no SWA host slot")
+        if bool((self.hybrid_pool.swa_slots_of(restore.full).tensor != 0).any()):
+            raise ValueError(
+                "load (restore): a device slot to restore already has an SWA slot; restore "
+                "only tokens whose SWA rows left the device"
+            )
+        return restore.full, Indices(host.to(torch.int64), IndexSpace.HOST_SWA)
 
     def move_hybrid_indices(self, op: TransferOp) -> list[MovedTransfer]:
         """Normalise the primary and every pool transfer's indices of ``op``."""
@@ -190,6 +257,24 @@ class HybridCacheController(CacheController):
         mask = torch.zeros(num_tokens, dtype=torch.bool)
         mask[num_tokens - tail:] = True
         return mask
+
+
+def _owned_pages(indices: Indices, allocator: PageAllocator, op: str) -> None:
+    """Raise ``ValueError`` unless ``indices`` are whole, distinct, allocated pages."""
+    slot = allocator.first_unallocated(indices, op=op)
+    if slot is not None:
+        raise ValueError(
+            f"{op}: {allocator.space.name} slot {slot} of pool '{allocator.name}' is not "
+            f"allocated (never allocated, or already freed)"
+        )
+
+
+def _empty(space: IndexSpace) -> Indices:
+    return Indices(torch.empty(0, dtype=torch.int64), space)
+
+
+def _cat_space(parts: list[Indices], space: IndexSpace) -> Indices:
+    return Indices(torch.cat([p.tensor.to(torch.int64) for p in parts]), space)
 
 
 def _scatter_aligned(part: Indices, mask: torch.Tensor, space: IndexSpace) -> Indices:

@@ -1,0 +1,107 @@
+"""SWA-only backups (``write_swa``) and SWA restores in a load (``load(..., restore=)``): the
+SWA rows of a page leave the device while its full rows stay, and come back for the part of a
+window that lies in a device-resident prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from controller_helpers import SENTINEL, device_rows, host_rows, make_hybrid
+
+from hicache.controller import HybridSlots, TorchBackend
+from hicache.pools import IndexSpace, Indices
+
+
+def test_write_swa_backs_up_only_mapped_swa_rows_then_restore_brings_them_back() -> None:
+    ctrl = make_hybrid(TorchBackend())
+    pool = ctrl.hybrid_pool
+    pool.try_alloc(4)  # offset slot ids so spaces cannot be confused
+    full = pool.try_alloc(8)
+    assert full is not None
+    pool.free_swa(Indices(full.tensor[:2], IndexSpace.DEVICE_FULL))  # one page without SWA
+    swa_before = pool.swa_slots_of(full).tensor
+    swa_rows = device_rows(pool.swa)[swa_before[2:]]
+    host_swa = ctrl.write_swa(full, tag="swa")
+    assert host_swa is not None and host_swa.space is IndexSpace.HOST_SWA
+    assert host_swa.tensor.tolist()[:2] == [0, 0] and bool((host_swa.tensor[2:] != 0).all())
+    ctrl.start_writing()
+    acks = ctrl.poll()
+    assert [a.tokens_by_pool for a in acks] == [{"full": 0, "swa": 6}]
+    assert torch.equal(host_rows(ctrl.host_swa)[host_swa.tensor[2:]], swa_rows)
+    pool.free_swa(full)  # the SWA rows leave the device; the full rows stay
+    pool.swa.data.fill_(SENTINEL)
+    back = ctrl.load(
+        Indices(torch.empty(0, dtype=torch.int64), IndexSpace.HOST_FULL),
+        Indices(torch.empty(0, dtype=torch.int64), IndexSpace.HOST_SWA), swa_tail_tokens=0,
+        tag="restore",
+        restore=HybridSlots(Indices(full.tensor[2:], IndexSpace.DEVICE_FULL),
+                            Indices(host_swa.tensor[2:], IndexSpace.HOST_SWA)))
+    assert back is not None and len(back.full) == 0
+    ctrl.start_loading()
+    assert [a.tokens_by_pool for a in ctrl.poll()] == [{"full": 0, "swa": 6}]
+    mapped = pool.swa_slots_of(full).tensor
+    assert mapped.tolist()[:2] == [0, 0] and bool((mapped[2:] != 0).all())
+    assert torch.equal(device_rows(pool.swa)[mapped[2:]], swa_rows)
+    pool.check_integrity()
+
+
+def test_load_with_restore_fills_span_and_prefix_window_in_one_op() -> None:
+    ctrl = make_hybrid(TorchBackend())
+    pool = ctrl.hybrid_pool
+    prefix = pool.try_alloc(4)
+    span = pool.try_alloc(4)
+    assert prefix is not None and span is not None
+    prefix_swa = ctrl.write_swa(prefix)
+    host = ctrl.write(span)
+    assert prefix_swa is not None and host is not None
+    ctrl.drain()
+    want_prefix = device_rows(pool.swa)[pool.swa_slots_of(prefix).tensor]
+    pool.free_swa(prefix)
+    ctrl.evict_device(span)
+    back = ctrl.load(host.full, host.swa, swa_tail_tokens=4,
+                     restore=HybridSlots(prefix, prefix_swa))
+    assert back is not None
+    ctrl.start_loading()
+    acks = ctrl.poll()
+    assert [a.tokens_by_pool for a in acks] == [{"full": 4, "swa": 8}]
+    restored = pool.swa_slots_of(prefix).tensor
+    assert torch.equal(device_rows(pool.swa)[restored], want_prefix)
+    pool.check_integrity()
+
+
+def test_restore_refusals_leave_nothing_allocated() -> None:
+    ctrl = make_hybrid(TorchBackend())
+    pool = ctrl.hybrid_pool
+    prefix = pool.try_alloc(4)
+    assert prefix is not None
+    prefix_swa = ctrl.write_swa(prefix)
+    assert prefix_swa is not None
+    ctrl.drain()
+    empty_full = Indices(torch.empty(0, dtype=torch.int64), IndexSpace.HOST_FULL)
+    empty_swa = Indices(torch.empty(0, dtype=torch.int64), IndexSpace.HOST_SWA)
+    free = (pool.full_allocator.num_free_tokens, pool.swa_allocator.num_free_tokens)
+    with pytest.raises(ValueError, match="already has an SWA slot"):
+        ctrl.load(empty_full, empty_swa, 0, restore=HybridSlots(prefix, prefix_swa))
+    pool.free_swa(prefix)
+    with pytest.raises(ValueError, match="no SWA host slot"):
+        ctrl.load(empty_full, empty_swa, 0, restore=HybridSlots(
+            prefix, Indices(torch.zeros(4, dtype=torch.int64), IndexSpace.HOST_SWA)))
+    with pytest.raises(ValueError, match="aligned"):
+        ctrl.load(empty_full, empty_swa, 0, restore=HybridSlots(
+            prefix, Indices(prefix_swa.tensor[:2], IndexSpace.HOST_SWA)))
+    assert (pool.full_allocator.num_free_tokens,
+            pool.swa_allocator.num_free_tokens) == (free[0], free[1] + 4)
+    assert ctrl.num_in_flight == 0
+
+
+def test_write_swa_refuses_unallocated_and_in_flight_pages() -> None:
+    ctrl = make_hybrid(TorchBackend())
+    full = ctrl.hybrid_pool.try_alloc(4)
+    assert full is not None
+    assert ctrl.write_swa(full) is not None
+    with pytest.raises(ValueError, match="already being backed up"):
+        ctrl.write_swa(full)
+    ctrl.drain()
+    ctrl.hybrid_pool.free(full)
+    with pytest.raises(ValueError, match="not allocated"):
+        ctrl.write_swa(full)
