@@ -33,11 +33,14 @@ def test_check_config_prints_pools(in_repo: Path, capsys: pytest.CaptureFixture[
         ["device", "swa", "2", "256", "16", "278528", "0.0003"],
         ["device", "total", "1280", "80", "1343488", "0.0013"],
         ["host", "full", "2", "4096", "256", "4210688", "0.0039"],
-        ["host", "swa", "2", "1024", "64", "1064960", "0.0010"],
-        ["host", "total", "5120", "320", "5275648", "0.0049"],
+        ["host", "swa", "2", "4096", "256", "4210688", "0.0039"],
+        ["host", "total", "8192", "512", "8421376", "0.0078"],
     ]
-    assert out[8].startswith("host RAM: pools take 0.0049 GiB, ")
-    assert out[8].endswith("GiB kept in reserve: fits")
+    assert out[8] == (
+        "host.swa_history: all (chosen): SWA pool 4096 tokens, 0.0039 GiB (full pool 4096 "
+        "tokens); window_tails: SWA pool 1024 tokens, 0.0010 GiB (full pool 4096 tokens)")
+    assert out[9].startswith("host RAM: pools take 0.0078 GiB, ")
+    assert out[9].endswith("GiB kept in reserve: fits")
 
 
 def test_table_columns_align(in_repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,7 +121,7 @@ def test_console_script(in_repo: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "device  full" in result.stdout
-    assert result.stdout.splitlines()[-2].split()[:2] == ["host", "total"]
+    assert result.stdout.splitlines()[-3].split()[:2] == ["host", "total"]
 
 
 def test_module_entry_point(in_repo: Path) -> None:

@@ -360,16 +360,34 @@ def test_file_errors_name_path_and_key(tmp_path: Path) -> None:
 
 
 def test_pool_sizes_hybrid() -> None:
-    """Default geometry: 2 layers per pool x K,V x 64 float32 = 1024 bytes per token."""
+    """Default geometry: 2 layers per pool x K,V x 64 float32 = 1024 bytes per token; the
+    host SWA pool holds as many tokens as the host full pool (``swa_history: all``)."""
     config = config_from_dict(hybrid())
     assert pool_sizes(config) == [
         PoolSize("device", "full", 1024, 64, 65 * 16 * 1024),
         PoolSize("device", "swa", 256, 16, 17 * 16 * 1024),
         PoolSize("host", "full", 4096, 256, 257 * 16 * 1024),
-        PoolSize("host", "swa", 1024, 64, 65 * 16 * 1024),
+        PoolSize("host", "swa", 4096, 256, 257 * 16 * 1024),
     ]
+    tails = config_from_dict(edited(hybrid(), "host.swa_history", "window_tails"))
+    assert pool_sizes(tails)[3] == PoolSize("host", "swa", 1024, 64, 65 * 16 * 1024)
     assert pool_layers(config, "full") == (0, 2)
     assert pool_layers(config, "swa") == (1, 3)
+
+
+def test_swa_history_all_splits_size_gib_into_equal_token_counts() -> None:
+    """With ``all`` a GiB budget gives both host pools the same tokens, and the whole
+    allocation, reserved pages included, fits in it."""
+    data = edited(edited(hybrid(), "host.ratio", MISSING), "host.size_gib", 0.01)
+    sizes = pool_sizes(config_from_dict(data))
+    host = [s for s in sizes if s.tier == "host"]
+    assert host[0].num_tokens == host[1].num_tokens > 0
+    assert sum(s.size_bytes for s in host) <= int(0.01 * 2**30)
+
+
+def test_swa_history_unknown_value_names_the_choices() -> None:
+    with pytest.raises(ConfigError, match=r"host\.swa_history"):
+        config_from_dict(edited(hybrid(), "host.swa_history", "some"))
 
 
 def test_pool_sizes_dense() -> None:
@@ -401,10 +419,10 @@ def test_host_ratio_rounds_down_to_pages() -> None:
 
 
 def test_host_size_gib_split_by_device_bytes() -> None:
-    """9 MiB split 8:1 like the device pools (1 MiB full, 128 KiB SWA), reserved page inside."""
+    """``swa_history: window_tails``: 9 MiB split 8:1 like the device pools (1 MiB full, 128 KiB SWA), reserved page inside."""
     data = hybrid()
     data["model"].update(num_layers=3, swa_layers=[1])  # full: 2 layers, SWA: 1 layer
-    data["host"] = {"size_gib": 9 / 1024}
+    data["host"] = {"size_gib": 9 / 1024, "swa_history": "window_tails"}
     config = config_from_dict(data)
     # full: 1024 bytes per token, 8 MiB / (16 x 1024) = 512 pages, one reserved
     # swa: 512 bytes per token, 1 MiB / (16 x 512) = 128 pages, one reserved

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from hicache.config import (
     DEFAULT_CONFIG_NAME,
     GIB,
     HiCacheConfig,
+    SWAHistory,
     available_ram_bytes,
     load_config,
     load_default_config,
@@ -42,6 +44,8 @@ def _check_config(args: argparse.Namespace) -> int:
     sizes = pool_sizes(config)
     print(f"{name}: {_geometry(config)}")
     print(_pool_table(config, sizes))
+    if config.is_hybrid:
+        print(_swa_history_line(config))
     print(_ram_line(config, sizes, checked=not args.skip_ram_check))
     staging = staging_bytes(config)
     if staging:
@@ -49,6 +53,20 @@ def _check_config(args: argparse.Namespace) -> int:
               f"{config.controller.staging_tokens} tokens per chunk): up to {staging} bytes, "
               f"{staging / GIB:.4f} GiB")
     return 0
+
+
+def _swa_history_line(config: HiCacheConfig) -> str:
+    """What each ``host.swa_history`` choice costs in host memory for this model."""
+    costs = []
+    for choice in SWAHistory:
+        variant = dataclasses.replace(
+            config, host=dataclasses.replace(config.host, swa_history=choice))
+        swa = next(s for s in pool_sizes(variant) if s.tier == "host" and s.pool == "swa")
+        full = next(s for s in pool_sizes(variant) if s.tier == "host" and s.pool == "full")
+        mark = " (chosen)" if choice is config.host.swa_history else ""
+        costs.append(f"{choice.value}{mark}: SWA pool {swa.num_tokens} tokens, "
+                     f"{swa.size_bytes / GIB:.4f} GiB (full pool {full.num_tokens} tokens)")
+    return "host.swa_history: " + "; ".join(costs)
 
 
 def _geometry(config: HiCacheConfig) -> str:

@@ -36,6 +36,7 @@ from .sections import (
     IOBackend,
     ModelConfig,
     ServiceConfig,
+    SWAHistory,
     WritePolicy,
 )
 from .sizing import (
@@ -63,6 +64,7 @@ __all__ = [
     "ModelConfig",
     "PoolName",
     "PoolSize",
+    "SWAHistory",
     "ServiceConfig",
     "WritePolicy",
     "available_ram_bytes",

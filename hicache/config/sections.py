@@ -53,6 +53,19 @@ class WritePolicy(enum.Enum):
     WRITE_BACK = "write_back"
 
 
+class SWAHistory(enum.Enum):
+    """Which SWA rows of a hybrid model the host tier keeps."""
+
+    ALL = "all"
+    """Every page's SWA rows follow its full rows to the host: any cached prefix can be
+    reused (its window tail is on some tier). The host SWA pool holds as many tokens as the
+    host full pool."""
+    WINDOW_TAILS = "window_tails"
+    """Only the window tail of each inserted sequence: a prefix cut out of a longer sequence
+    (a shared system prompt, an earlier turn) cannot be reused. The host SWA pool is sized
+    like the device SWA pool (``host.ratio`` x its tokens)."""
+
+
 class EvictionPolicy(enum.Enum):
     """Which cached prefix leaves a full tier first."""
 
@@ -175,6 +188,9 @@ class HostTierConfig:
     """``layer_first`` (layer-wise loads) or ``page_first`` (whole pages contiguous)."""
     ram_reserve_gib: float = 2.0
     """GiB of available RAM the host pools must leave free (>= 0)."""
+    swa_history: SWAHistory = SWAHistory.ALL
+    """Hybrid models: ``all`` (the SWA rows of every cached page) or ``window_tails`` (only
+    each sequence's window tail); ``hicache check-config`` prints what each costs."""
 
     def __post_init__(self) -> None:
         if self.ratio is not None and self.size_gib is not None:

@@ -12,7 +12,10 @@ Every pool allocates its usable pages plus the reserved padding page 0::
 
 Host pools get ``host.ratio`` x the device pool's tokens, rounded down to whole pages, or a
 share of ``host.size_gib`` proportional to the device pool's bytes (usable tokens x
-token_bytes), whose whole allocation, reserved page included, fits in that share. The
+token_bytes), whose whole allocation, reserved page included, fits in that share. With
+``host.swa_history: all`` (hybrid models) the host SWA pool holds as many tokens as the host
+full pool, so every host page can keep its SWA rows; ``host.size_gib`` is then split by bytes
+per token, which gives both host pools the same token count. The
 full-to-SWA slot map of a hybrid device pool (8 bytes per full slot) is not counted.
 """
 
@@ -22,6 +25,7 @@ import math
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .parse import ConfigError
+from .sections import SWAHistory
 
 if TYPE_CHECKING:  # HiCacheConfig checks its host pools with pool_sizes at construction
     from .hicache import HiCacheConfig
@@ -83,8 +87,11 @@ def host_num_pages(config: HiCacheConfig, pool_name: PoolName) -> int:
             ``host.ratio`` or ``host.size_gib`` and the smallest value that works).
         ValueError: ``pool_name`` is not a pool of this config.
     """
-    device_pages = device_num_pages(config, pool_name)
+    _check_pool_name(config, pool_name)
     host = config.host
+    if pool_name == "swa" and host.swa_history is SWAHistory.ALL:
+        return host_num_pages(config, "full")
+    device_pages = device_num_pages(config, pool_name)
     if host.ratio is not None:
         num_pages = math.floor(host.ratio * device_pages + _RATIO_SLACK)
         if num_pages < 1:
@@ -93,8 +100,8 @@ def host_num_pages(config: HiCacheConfig, pool_name: PoolName) -> int:
                              math.ceil(1e4 / device_pages) / 1e4)
         return num_pages
     assert host.size_gib is not None, "HostTierConfig requires ratio or size_gib"
-    share_bytes, total_bytes = _device_bytes(config, pool_name), sum(
-        _device_bytes(config, name) for name in pool_names(config)
+    share_bytes, total_bytes = _share_weight(config, pool_name), sum(
+        _share_weight(config, name) for name in pool_names(config)
     )
     budget_bytes = int(host.size_gib * GIB) * share_bytes // total_bytes
     page_bytes = config.page_size_tokens * token_bytes(config, pool_name)
@@ -138,8 +145,11 @@ def _size(config: HiCacheConfig, tier: Tier, pool_name: PoolName, num_pages: int
     return PoolSize(tier, pool_name, num_pages * page, num_pages, size_bytes)
 
 
-def _device_bytes(config: HiCacheConfig, pool_name: PoolName) -> int:
-    """Usable bytes of a device pool: the weight of its share of ``host.size_gib``."""
+def _share_weight(config: HiCacheConfig, pool_name: PoolName) -> int:
+    """The weight of a host pool's share of ``host.size_gib``: its device pool's usable
+    bytes, or its bytes per token when every host token keeps its SWA rows (equal tokens)."""
+    if config.is_hybrid and config.host.swa_history is SWAHistory.ALL:
+        return token_bytes(config, pool_name)
     num_tokens = device_num_pages(config, pool_name) * config.page_size_tokens
     return num_tokens * token_bytes(config, pool_name)
 
