@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -61,6 +61,8 @@ from .stats import TransferStats
 
 logger = logging.getLogger(__name__)
 CPU = torch.device("cpu")
+# (direction, the queued call's pool transfers, its tag): see CacheController.add_observer
+TransferObserver = Callable[[Direction, Sequence[PoolTransfer], object], None]
 
 class CacheController:
     """Moves pages of one full-attention pool pair.
@@ -112,6 +114,7 @@ class CacheController:
         self._queued: dict[Direction, list[TransferOp]] = {d: [] for d in Direction}
         self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
         self._held = InFlightSlots(self._pools())
+        self._observers: list[TransferObserver] = []
 
     # ---- configuration ------------------------------------------------------------------
 
@@ -119,6 +122,20 @@ class CacheController:
         """Add a stream that writes KV; every later write and load waits on it."""
         if all(stream != s for s in self._producer_streams):
             self._producer_streams.append(stream)
+
+    def add_observer(self, observer: TransferObserver) -> None:
+        """Call ``observer(direction, transfers, tag)`` for every call queued from now on
+        (``write``, ``load`` and the hybrid controller's calls), on the scheduler thread
+        right after the call's slots were allocated and before the op is issued:
+        ``transfers`` are its :class:`PoolTransfer` s (one per pool, aligned host and
+        device slots; a pool may have none). For audits, tracing and tests; an exception
+        in an observer propagates to the caller of the queuing call, after the op was
+        queued."""
+        self._observers.append(observer)
+
+    def remove_observer(self, observer: TransferObserver) -> None:
+        """Stop calling ``observer`` (``ValueError`` if it was not added)."""
+        self._observers.remove(observer)
 
     # ---- write path ---------------------------------------------------------------------
 
@@ -281,6 +298,14 @@ class CacheController:
         assert not any(self._in_flight.values()), "drain left ops in flight"
         return acks
 
+    def finish_writes(self) -> None:
+        """Issue queued writes and block until every write in flight has finished (their
+        acks come with the next :meth:`poll`); loads are left alone."""
+        self.start_writing()
+        for op in self._in_flight[Direction.DEVICE_TO_HOST]:
+            assert op.finish_event is not None
+            op.finish_event.synchronize()
+
     @property
     def num_in_flight(self) -> int:
         """Ops queued or issued and not yet acknowledged."""
@@ -404,6 +429,8 @@ class CacheController:
         op = TransferOp(next(self._op_ids), direction, transfers, [tag], held=list(transfers))
         self._held.add(op, +1)
         self._queued[direction].append(op)
+        for observer in list(self._observers):
+            observer(direction, transfers, tag)
 
     def _merge(self, direction: Direction) -> TransferOp | None:
         """One op from all queued ops of ``direction`` (indices concatenated per pool)."""

@@ -64,12 +64,16 @@ class HybridCacheController(CacheController):
             num_model_layers=hybrid_pool.num_layers,
         )
 
-    def write(self, device_indices: Indices, tag: object = None) -> HybridSlots | None:  # type: ignore[override]
+    def write(  # type: ignore[override]
+        self, device_indices: Indices, tag: object = None, *, swa_skip: torch.Tensor | None = None
+    ) -> HybridSlots | None:
         """Back up full rows of ``device_indices`` and SWA rows of those tokens that still
         have SWA slots.
 
         Args:
             device_indices: ``[n]`` CPU ``DEVICE_FULL`` slots (whole pages).
+            swa_skip: ``[n]`` bool, True for tokens whose SWA rows already have a host copy
+                (not backed up again; their returned SWA slot is 0).
         Returns:
             host :class:`HybridSlots` (``HOST_FULL``, ``HOST_SWA`` with 0 for tokens without
             an SWA slot), or ``None`` when either host pool is full (nothing allocated).
@@ -80,6 +84,12 @@ class HybridCacheController(CacheController):
         self._check_writable(device_indices, "write")
         device_swa = self.hybrid_pool.swa_slots_of(device_indices)
         mapped = device_swa.tensor != 0
+        if swa_skip is not None:
+            if swa_skip.dtype != torch.bool or swa_skip.shape != mapped.shape:
+                raise ValueError(f"write: swa_skip must be a bool tensor of shape "
+                                 f"{tuple(mapped.shape)}, got {swa_skip.dtype} "
+                                 f"{tuple(swa_skip.shape)}")
+            mapped &= ~swa_skip
         swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
         self._held.refuse_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write",
                                     Direction.DEVICE_TO_HOST)
@@ -234,6 +244,11 @@ class HybridCacheController(CacheController):
         self.host_pool.allocator.free(host_indices)
         if swa is not None:
             self.host_swa.allocator.free(swa)
+
+    def host_swa_evict(self, host_swa: Indices) -> None:
+        """Free SWA host slots on their own (whole pages; none in flight)."""
+        self._check_not_busy(host_swa, "host_swa_evict")
+        self.host_swa.allocator.free(host_swa)
 
     def _pools(self) -> list[DeviceKVPool | HostKVPool]:
         return [self.device_pool, self.hybrid_pool.swa, self.host_pool, self.host_swa]

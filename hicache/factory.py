@@ -21,7 +21,7 @@ from hicache.controller import (
 )
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, PageAllocator
 
-from .config import GIB, HiCacheConfig
+from .config import GIB, HiCacheConfig, SWAHistory
 from .config.sizing import PoolName, device_num_pages, host_num_pages, pool_layers, pool_sizes
 from .radix import HiRadixCache
 from .service import HiCacheService
@@ -53,6 +53,7 @@ def build_service(config: HiCacheConfig) -> HiCacheService:
         load_back_threshold_tokens=ctl.load_back_threshold_tokens,
         eviction_policy=ctl.eviction_policy,
         window_tokens=config.model.window_tokens if config.is_hybrid else None,
+        keep_swa_history=config.host.swa_history is SWAHistory.ALL,
     )
     service_config = config.service
     metrics = ((service_config.metrics_host, service_config.metrics_port)

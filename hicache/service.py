@@ -38,7 +38,7 @@ import numpy as np
 
 from hicache.controller import Ack
 from hicache.metrics import MetricsExporter, controller_pool_usage
-from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, Indices
+from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
 
 from .engine_slots import EngineSlots
 from .integrity_slices import SlicedIntegrityCheck
@@ -191,7 +191,11 @@ class HiCacheService:
             if len(device_indices) < num_tokens:
                 raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
             pages = self._engine.insertable(self.tree, key, device_indices, num_tokens)
+            self._finish_window_backups(device_indices)
             cached = self.tree.insert(key, device_indices)
+            if self.tree.io.is_hybrid:  # copies of duplicate pages, which the tree freed
+                head = Indices(device_indices.tensor[:num_tokens], IndexSpace.DEVICE_FULL)
+                self.tree.io.free_host_swa(self.tree.window_backups.take(head))
             self._engine.forget(pages)
             return cached
 
@@ -241,8 +245,35 @@ class HiCacheService:
         """Give back whole pages from :meth:`alloc_device` that were never inserted."""
         with self._call():
             pages = self._engine.held_pages(device_indices, "free_device")
+            self._finish_window_backups(device_indices)
             self.controller.evict_device(device_indices)
+            self.tree.io.free_host_swa(self.tree.window_backups.take(device_indices))
             self._engine.forget(pages)
+
+    def release_window(self, device_indices: Indices) -> None:
+        """Give back the SWA slots of engine-held pages (from :meth:`alloc_device`, not
+        inserted yet) that no later token of their request can attend to: the pages left
+        every future sliding window. Under ``host.swa_history: all`` their SWA rows are
+        copied to the host first (``insert`` hands the copies to the tree, so a prefix that
+        ends anywhere in this request stays reusable) and the device SWA slots are free
+        once the copy is acknowledged (:meth:`step`); otherwise they are free at once.
+        A page without SWA slots (already given back) is skipped. No-op for a model
+        without SWA layers.
+
+        Raises:
+            ValueError: a page the engine does not hold (never handed out, inserted or
+                freed), or not whole pages. Nothing is changed.
+        """
+        with self._call():
+            self._engine.held_pages(device_indices, "release_window")
+            if self.tree.io.is_hybrid:
+                self.tree.back_up_window(device_indices)
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """:meth:`HiRadixCache.evict_swa`: device SWA tokens freed (the nodes keep their
+        full rows; a load-back restores the SWA rows of a reused window from the host)."""
+        with self._call():
+            return self.tree.evict_swa(num_tokens)
 
     def evict(self, num_tokens: int) -> int:
         """:meth:`HiRadixCache.evict`: device tokens freed now. Under ``write_back`` the
@@ -422,6 +453,14 @@ class HiCacheService:
         if self.exporter is not None:
             self.exporter.refresh()
         return acks
+
+    def _finish_window_backups(self, device_indices: Indices) -> None:
+        """Wait for the window backups of these engine pages still in flight (a short
+        wait for copies already issued) and apply them, so that ``insert`` and
+        ``free_device`` see complete host copies."""
+        if self.tree.io.is_hybrid and self.tree.window_backups.in_flight(device_indices):
+            self.controller.finish_writes()
+            self._apply(self._collect_acks())
 
     def _apply(self, acks: list[Ack]) -> None:
         self.tree.apply_acks(acks)

@@ -419,7 +419,8 @@ def test_host_ratio_rounds_down_to_pages() -> None:
 
 
 def test_host_size_gib_split_by_device_bytes() -> None:
-    """``swa_history: window_tails``: 9 MiB split 8:1 like the device pools (1 MiB full, 128 KiB SWA), reserved page inside."""
+    """``swa_history: window_tails``: 9 MiB split 8:1 like the device pools (1 MiB full,
+    128 KiB SWA), reserved page inside."""
     data = hybrid()
     data["model"].update(num_layers=3, swa_layers=[1])  # full: 2 layers, SWA: 1 layer
     data["host"] = {"size_gib": 9 / 1024, "swa_history": "window_tails"}

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.config import HiCacheConfig, WritePolicy
+from hicache.controller import HybridCacheController
 from hicache.factory import build_service
 from hicache.radix import CacheStats
 from hicache.service import HiCacheService
@@ -178,6 +179,16 @@ def _fill(
     report.backed_up_tokens = stats.backed_up_tokens
     report.loaded_back_tokens = stats.loaded_back_tokens
     report.refused_load_backs = dict(stats.refused_load_backs)
+    controller = engine.service.controller
+    if isinstance(controller, HybridCacheController):
+        host_swa = controller.host_swa
+        used = host_swa.allocator.num_used_tokens
+        report.swa = {"window_backup_tokens": stats.window_backup_tokens,
+                      "restored_tokens": stats.restored_swa_tokens,
+                      "evicted_tokens": stats.evicted_swa_tokens,
+                      "host_used_tokens": used,
+                      "host_used_bytes": used * host_swa.geometry.token_bytes(
+                          len(controller.swa_layers))}
     report.pages_checked = audit.checked_pages
     report.page_mismatches = list(audit.mismatches)
     report.corrupted_host_slot = audit.corrupted_slot

@@ -13,8 +13,9 @@ One scheduler step::
     finish: insert -> free tail -> release
 
 SWA layers only need the last ``window`` positions, so pages that left every future window
-give their SWA slots back at once (the pool's ``free_swa``, under the service lock); the tree
-keeps the SWA rows of the window tail of what is inserted.
+give their SWA slots back at once (``service.release_window``: with ``host.swa_history:
+all`` their SWA rows are copied to the host first, so any prefix of the request stays
+reusable; a load-back restores the SWA rows of a reused prefix's last window).
 """
 
 from __future__ import annotations
@@ -129,8 +130,10 @@ class DemoEngine:
             return True
         want = self.window.tokens_wanted(self.running)
         allocator = self.window.pool.swa_allocator
+        self.service.step()  # window backups acknowledged free their SWA slots
         while allocator.num_free_tokens < want:
-            if self.service.evict(want - allocator.num_free_tokens) == 0:
+            short = want - allocator.num_free_tokens
+            if self.service.evict_swa(short) == 0 and self.service.evict(short) == 0:
                 return False
         return True
 
@@ -142,7 +145,9 @@ class DemoEngine:
         node = match.last_host_node
         self.service.lock(node)  # the device prefix and the host run stay put until finish
         prefix = match.device_indices
-        if match.host_hit_tokens:
+        # a hybrid model also needs the SWA rows of the prefix's last window, which a
+        # load-back restores from the host when they left the device
+        if match.host_hit_tokens or (self.window is not None and match.device_hit_tokens):
             refused = Counter(self.service.tree.stats.refused_load_backs)
             with self.audit.serving(turn.name):
                 loaded = self.service.load_back(match, self.pool_tokens())
@@ -270,8 +275,7 @@ class DemoEngine:
             return
         pages = self.window.pages_to_release(request)
         if pages:
-            with self.service.service_lock:  # the background integrity check reads the map
-                self.window.pool.free_swa(request.own_slots(pages))
+            self.service.release_window(request.own_slots(pages))
 
     # ---- completion ---------------------------------------------------------------------
 

@@ -1,11 +1,11 @@
 """End-to-end checks of the demo: loaded pages hold what was backed up, tokens match.
 
-:class:`TransferAudit` wraps a controller's ``write`` and ``load`` (instance attributes
-shadowing the methods; the controller itself is unchanged). At ``write`` it keeps a digest
-of every device row being backed up, keyed by the host slot it goes to; at ``load`` it
-remembers which host slot goes to which device slot. :meth:`TransferAudit.check_loads`,
-called once the batch that waited on those loads has run, hashes the device rows again and
-reports every page whose rows differ from their backup.
+:class:`TransferAudit` observes every call queued on a controller
+(``CacheController.add_observer``). For a write it keeps a digest of every device row being
+backed up, keyed by the host slot it goes to (SWA-only window backups included); for a load
+it remembers which host slot goes to which device slot (SWA restores included).
+:meth:`TransferAudit.check_loads`, called once the batch that waited on those loads has
+run, hashes the device rows again and reports every page whose rows differ from their backup.
 
 Device rows are read on the caller's current stream: on a GPU, call both from the stream
 that wrote the rows (the engine's forward stream), which also waited on the loads.
@@ -14,16 +14,15 @@ that wrote the rows (the engine's forward stream), which also waited on the load
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from hicache.controller import CacheController, HybridCacheController, HybridSlots
-from hicache.pools import DeviceKVPool, HostKVPool, Indices
+from hicache.controller import CacheController, Direction, HybridCacheController, PoolTransfer
+from hicache.pools import DeviceKVPool, HostKVPool
 
 from .reference import TurnKey
 
@@ -59,15 +58,11 @@ class TransferAudit:
         self._corrupt = corrupt_host_byte
         self._digests: dict[str, dict[int, bytes]] = {"full": {}, "swa": {}}
         self._pending: list[PendingLoad] = []
-        self._write: Callable[..., Any] = controller.write
-        self._load: Callable[..., Any] = controller.load
-        controller.write = self._audited_write  # type: ignore[method-assign]
-        controller.load = self._audited_load  # type: ignore[method-assign]
+        controller.add_observer(self._observe)
 
     def close(self) -> None:
-        """Give the controller its own methods back."""
-        for name in ("write", "load"):
-            self.controller.__dict__.pop(name, None)
+        """Stop observing the controller."""
+        self.controller.remove_observer(self._observe)
 
     @contextmanager
     def serving(self, request: str) -> Iterator[None]:
@@ -101,40 +96,24 @@ class TransferAudit:
         self.checked_pages += num_pages
         return num_pages
 
-    # ---- wrapped controller methods ---------------------------------------------------
+    # ---- the controller's observer --------------------------------------------------
 
-    def _audited_write(self, device_indices: Indices, tag: object = None) -> Any:
-        result = self._write(device_indices, tag)
-        if result is None:
-            return None
-        device = device_indices.tensor.numpy()
-        if isinstance(result, HybridSlots):
-            self._remember("full", device, result.full.tensor.numpy())
-            assert isinstance(self.controller, HybridCacheController)
-            device_swa = self.controller.hybrid_pool.swa_slots_of(device_indices).tensor.numpy()
-            self._remember("swa", device_swa, result.swa.tensor.numpy())
-        else:
-            self._remember("full", device, result.tensor.numpy())
-        return result
-
-    def _audited_load(self, host_indices: Indices, *args: Any, **kwargs: Any) -> Any:
-        if self._corrupt and self.corrupted_slot is None and len(host_indices):
-            self._flip_byte(int(host_indices.tensor[0]))
-        result = self._load(host_indices, *args, **kwargs)
-        if result is None:
-            return None
-        host = host_indices.tensor.numpy()
-        if isinstance(result, HybridSlots):
-            self._pending.append(PendingLoad(self.request, "full", host,
-                                             result.full.tensor.numpy()))
-            host_swa: Indices = args[0] if args else kwargs["host_swa"]
-            swa = result.swa.tensor.numpy()
-            tail = swa != 0
-            self._pending.append(PendingLoad(self.request, "swa",
-                                             host_swa.tensor.numpy()[tail], swa[tail]))
-        else:
-            self._pending.append(PendingLoad(self.request, "full", host, result.tensor.numpy()))
-        return result
+    def _observe(self, direction: Direction, transfers: Sequence[PoolTransfer],
+                 tag: object) -> None:
+        """Every queued call: digest the device rows a write backs up; remember which host
+        slots a load brings to which device slots (checked by :meth:`check_loads`)."""
+        for transfer in transfers:
+            host = transfer.host_indices.tensor.numpy()
+            device = transfer.device_indices.tensor.numpy()
+            if direction is Direction.DEVICE_TO_HOST:
+                self._remember(transfer.name, device, host)
+                continue
+            if self._corrupt and self.corrupted_slot is None and transfer.name == "full" \
+                    and host.size:
+                self._flip_byte(int(host[0]))
+            if host.size:
+                self._pending.append(PendingLoad(self.request, transfer.name, host.copy(),
+                                                 device.copy()))
 
     # ---- helpers ------------------------------------------------------------------------
 

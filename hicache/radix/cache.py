@@ -48,6 +48,14 @@ from .node import MatchResult, PendingOp, TreeNode, cat_indices, empty_indices, 
 from .node_io import SlotPair
 from .tiers import TieredRadixTree
 from .tree import Clock, slots_of
+from .window_backups import WindowBackupOp, WindowBackups
+from .window_tail import (
+    adopt_window_backups,
+    back_up_window,
+    evict_swa,
+    finish_window_backup,
+    window_restore,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,11 +84,14 @@ class HiRadixCache(TieredRadixTree):
         eviction_policy: EvictionPolicy = EvictionPolicy.LRU,
         window_tokens: int | None = None,
         clock: Clock | None = None,
+        keep_swa_history: bool = True,
     ) -> None:
         super().__init__(
             controller, write_policy=write_policy, write_through_hits=write_through_hits,
             eviction_policy=eviction_policy, window_tokens=window_tokens, clock=clock,
+            keep_swa_history=keep_swa_history,
         )
+        self.window_backups = WindowBackups(self.page_size)
         if load_back_threshold_tokens < 0:
             raise ValueError(
                 f"load_back_threshold_tokens must be >= 0, got {load_back_threshold_tokens}"
@@ -141,6 +152,7 @@ class HiRadixCache(TieredRadixTree):
             cut = max(0, min(node.num_tokens, window_start - offset))
             self.io.release_swa(slice_indices(device, 0, cut))
             node.device_swa = self.io.swa_of(device)
+            adopt_window_backups(self, node)
         self.stats.inserted_tokens += len(key) - cached
         self.stats.duplicate_tokens += len(duplicate)
         if self.write_policy is WritePolicy.WRITE_THROUGH:
@@ -197,9 +209,12 @@ class HiRadixCache(TieredRadixTree):
         """
         span = self._host_span(node)
         num_tokens = sum(n.num_tokens for n in span)
-        if not span:
+        restore = window_restore(self, node, num_tokens)
+        if restore is None:
+            return self._refuse("swa_tail_missing", num_tokens)
+        if not span and not restore.nodes:
             return empty_indices(IndexSpace.DEVICE_FULL)
-        if num_tokens < self.load_back_threshold_tokens:
+        if span and num_tokens < self.load_back_threshold_tokens:
             return self._refuse("below_threshold", num_tokens)
         if num_tokens > device_quota_tokens:
             return self._refuse("over_quota", num_tokens)
@@ -210,16 +225,31 @@ class HiRadixCache(TieredRadixTree):
             return self._refuse("swa_tail_missing", num_tokens)
         op = PendingOp(Direction.HOST_TO_DEVICE, list(span), node)
         self.lock(node)  # held until the ack; also shields the span while we evict
-        loaded = self.io.load(host, host_swa, op)
+        loaded = self.io.load(host, host_swa, op, restore.slots)
         if loaded is None:
+            self.evict_swa(restore.num_tokens + self.io.tail_tokens)
             self.evict(num_tokens)
-            loaded = self.io.load(host, host_swa, op)
+            loaded = self.io.load(host, host_swa, op, restore.slots)
         if loaded is None:
             self.unlock(node)
             return self._refuse("device_full", num_tokens)
         self._assign_loaded(span, loaded, op)
+        restore.assign(self, op)
         self.stats.loaded_back_tokens += num_tokens
         return loaded[0]
+
+    def back_up_window(self, device: Indices) -> None:
+        """Engine-held whole pages that left every future window give back their SWA
+        slots: under ``swa_history: all`` their SWA rows are first copied to the host
+        (kept for the node that will take the page at ``insert``) and the device SWA slots
+        are freed when the copy is acknowledged; otherwise they are freed now."""
+        back_up_window(self, device)
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """Free device SWA rows that have a host copy, of unlocked nodes with nothing in
+        flight (least recently used first); the nodes keep their full rows. Returns the
+        SWA tokens freed."""
+        return evict_swa(self, num_tokens)
 
     def start_loading(self) -> int | None:
         """Issue the queued load-backs; returns the controller's event set id (or ``None``
@@ -236,7 +266,9 @@ class HiRadixCache(TieredRadixTree):
             for tag in ack.tags:
                 if not isinstance(tag, PendingOp):
                     raise TypeError(f"ack of op {ack.op_id} carries tag {tag!r}, not a tree op")
-                if tag.direction is Direction.DEVICE_TO_HOST:
+                if isinstance(tag, WindowBackupOp):
+                    finish_window_backup(self, tag)
+                elif tag.direction is Direction.DEVICE_TO_HOST:
                     self._finish_write(tag)
                 else:
                     self._finish_load(tag)

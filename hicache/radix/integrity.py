@@ -111,7 +111,9 @@ class TreeCheck:
             _check_space(space, used_pages_of(snapshot.used[space]), self.owned[space],
                          snapshot.engine.get(space), busy)
             if space in (IndexSpace.HOST_FULL, IndexSpace.HOST_SWA):
-                _check_host_in_flight(space, self.in_flight[space], busy)
+                engine = snapshot.engine.get(space)
+                allowed = self.in_flight[space] + ([] if engine is None else [engine])
+                _check_host_in_flight(space, allowed, busy)
 
 
 def _check_host_in_flight(space: IndexSpace, in_flight: list[np.ndarray],
@@ -160,8 +162,10 @@ def _check_swa(tree: TieredRadixTree, node: TreeNode) -> None:
         if node.device_swa is not None or node.host_swa is not None:
             raise RuntimeError(f"{node!r} holds SWA slots but the model has no SWA layers")
         return
-    if (node.host is None) != (node.host_swa is None):
-        raise RuntimeError(f"{node!r}: host full and host SWA slots must come together")
+    if node.host is not None and node.host_swa is None:
+        raise RuntimeError(f"{node!r}: a host copy of the full rows without SWA host slots")
+    if node.device is None and node.host is None and node.host_swa is not None:
+        raise RuntimeError(f"{node!r}: SWA host slots on a node with no full rows anywhere")
     if node.device is None:
         if node.device_swa is not None:
             raise RuntimeError(f"{node!r} holds device SWA slots but no device slots")
@@ -189,10 +193,17 @@ def _pages(
 def _engine_pages(
     tree: TieredRadixTree, engine_device: Indices | None
 ) -> dict[IndexSpace, np.ndarray]:
-    if engine_device is None or not len(engine_device):
-        return {}
+    """Pages the engine holds: its device pages, their SWA pages, and the host SWA copies
+    of the rows that left a running request's window (``window_backups``)."""
     allocators = tree.io.allocators()
-    pages = {IndexSpace.DEVICE_FULL: _pages(allocators, engine_device, "engine slots", False)}
+    pages: dict[IndexSpace, np.ndarray] = {}
+    backups = getattr(tree, "window_backups", None)
+    if backups is not None and len(backups):
+        pages[IndexSpace.HOST_SWA] = _pages(allocators, backups.host_slots(),
+                                            "engine window backups", False)
+    if engine_device is None or not len(engine_device):
+        return pages
+    pages |= {IndexSpace.DEVICE_FULL: _pages(allocators, engine_device, "engine slots", False)}
     swa = tree.io.engine_swa_slots(engine_device)
     if swa is not None:
         pages[IndexSpace.DEVICE_SWA] = _pages(allocators, swa, "engine SWA slots", False)
@@ -228,6 +239,9 @@ def _check_space(
     if leaked.size:
         raise RuntimeError(f"{name}: {leaked.size} allocated pages are owned by no node and not "
                            f"held by the engine (leak), first page {int(leaked[0])}")
-    stray = np.setdiff1d(busy, pages)
+    # engine-held SWA pages are in flight while their window backup is written
+    swa = space in (IndexSpace.DEVICE_SWA, IndexSpace.HOST_SWA)
+    stray = np.setdiff1d(busy, held if swa else pages)
     if stray.size:
-        raise RuntimeError(f"{name} page {int(stray[0])} is in flight but owned by no node")
+        raise RuntimeError(f"{name} page {int(stray[0])} is in flight but owned by no node "
+                           f"and not held by the engine")

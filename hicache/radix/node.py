@@ -137,7 +137,10 @@ class CacheStats:
     concerned, keyed by reason: ``no_backup`` (a device
     node evicted before any backup), ``host_full`` (the host had no room), ``orphaned`` (host
     copies below a dropped node), ``below_threshold``, ``over_quota``, ``device_full``,
-    ``swa_tail_missing``.
+    ``swa_tail_missing``, ``host_swa_full``. SWA counters (hybrid models):
+    ``window_backup_tokens`` (SWA rows of engine-held pages copied to the host when they
+    left the window), ``restored_swa_tokens`` (SWA rows a load-back brought back for the
+    device prefix), ``evicted_swa_tokens`` (device SWA rows freed on their own).
     """
 
     matched_tokens: int = 0
@@ -149,6 +152,9 @@ class CacheStats:
     evicted_host_tokens: int = 0
     loaded_back_tokens: int = 0
     backed_up_tokens: int = 0
+    window_backup_tokens: int = 0
+    restored_swa_tokens: int = 0
+    evicted_swa_tokens: int = 0
     dropped_tokens: Counter[str] = field(default_factory=Counter)
     refused_load_backs: Counter[str] = field(default_factory=Counter)
     refused_backups: Counter[str] = field(default_factory=Counter)

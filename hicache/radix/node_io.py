@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.controller import CacheController, HybridCacheController
+from hicache.controller import CacheController, HybridCacheController, HybridSlots
 from hicache.pools import IndexSpace, Indices, PageAllocator
 
 # (full slots, aligned SWA slots or None for a model without SWA)
@@ -24,6 +24,8 @@ class NodeIO:
     """Slot moves of a full-attention model: ``*_swa`` values are always ``None``."""
 
     is_hybrid = False
+    keeps_swa_history = False
+    tail_tokens = 0
 
     def __init__(self, controller: CacheController) -> None:
         self.controller = controller
@@ -33,15 +35,29 @@ class NodeIO:
         """``[num_tokens]`` fresh ``DEVICE_FULL`` slots (whole pages) or ``None``."""
         return self.controller.device_allocator.try_alloc(num_tokens)
 
-    def backup(self, device: Indices, tag: object) -> SlotPair | None:
-        """Queue a device-to-host copy of ``device``; the host slots, or ``None`` if full."""
+    def backup(self, device: Indices, tag: object,
+               host_swa: Indices | None = None) -> SlotPair | None:
+        """Queue a device-to-host copy of ``device``; the host slots, or ``None`` if full.
+        ``host_swa``: the SWA host copies the tokens already have (hybrid; kept, merged
+        into the returned SWA slots)."""
         host = self.controller.write(device, tag)
         return None if host is None else (host, None)
 
-    def load(self, host: Indices, host_swa: Indices | None, tag: object) -> SlotPair | None:
-        """Queue a host-to-device copy; the new device slots, or ``None`` if the device is full."""
+    def load(self, host: Indices, host_swa: Indices | None, tag: object,
+             restore: SlotPair | None = None) -> SlotPair | None:
+        """Queue a host-to-device copy; the new device slots, or ``None`` if the device is
+        full. ``restore`` (hybrid): device slots before ``host`` whose SWA rows come back
+        from their host copies in the same op."""
         device = self.controller.load(host, tag)
         return None if device is None else (device, None)
+
+    def write_swa(self, device: Indices, tag: object) -> Indices | None:
+        """Queue a copy of only the SWA rows of ``device`` (hybrid); aligned host SWA slots
+        (0 where a token has no SWA slot), or ``None`` when the SWA host pool is full."""
+        raise NotImplementedError("a full-attention model has no SWA rows")
+
+    def free_host_swa(self, host_swa: Indices | None) -> None:
+        """Free aligned SWA host slots (0 entries skipped)."""
 
     def free_device(self, device: Indices) -> None:
         """Free device slots (and their SWA slots); raises if any is in flight."""
@@ -95,25 +111,49 @@ class HybridNodeIO(NodeIO):
 
     is_hybrid = True
 
-    def __init__(self, controller: HybridCacheController, window_tokens: int) -> None:
+    def __init__(self, controller: HybridCacheController, window_tokens: int,
+                 keep_swa_history: bool = True) -> None:
         super().__init__(controller)
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1 for a hybrid model, got {window_tokens}")
         self.hybrid = controller
         self.pool = controller.hybrid_pool
         self.tail_tokens = -(-window_tokens // self.page_size) * self.page_size
+        self.keeps_swa_history = keep_swa_history
 
     def try_alloc_device(self, num_tokens: int) -> Indices | None:
         return self.pool.try_alloc(num_tokens)
 
-    def backup(self, device: Indices, tag: object) -> SlotPair | None:
-        slots = self.hybrid.write(device, tag)
+    def backup(self, device: Indices, tag: object,
+               host_swa: Indices | None = None) -> SlotPair | None:
+        have = None if host_swa is None else host_swa.tensor != 0
+        slots = self.hybrid.write(device, tag, swa_skip=have)
+        if slots is None:
+            return None
+        if host_swa is None or have is None:
+            return slots.full, slots.swa
+        merged = torch.where(have, host_swa.tensor.to(torch.int64), slots.swa.tensor)
+        return slots.full, Indices(merged, IndexSpace.HOST_SWA)
+
+    def load(self, host: Indices, host_swa: Indices | None, tag: object,
+             restore: SlotPair | None = None) -> SlotPair | None:
+        assert host_swa is not None, "a hybrid load needs aligned SWA host slots"
+        restore_slots = None
+        if restore is not None and len(restore[0]):
+            assert restore[1] is not None, "a restore needs aligned SWA host slots"
+            restore_slots = HybridSlots(restore[0], restore[1])
+        slots = self.hybrid.load(host, host_swa, self.tail_tokens, tag, restore=restore_slots)
         return None if slots is None else (slots.full, slots.swa)
 
-    def load(self, host: Indices, host_swa: Indices | None, tag: object) -> SlotPair | None:
-        assert host_swa is not None, "a hybrid load needs aligned SWA host slots"
-        slots = self.hybrid.load(host, host_swa, self.tail_tokens, tag)
-        return None if slots is None else (slots.full, slots.swa)
+    def write_swa(self, device: Indices, tag: object) -> Indices | None:
+        return self.hybrid.write_swa(device, tag)
+
+    def free_host_swa(self, host_swa: Indices | None) -> None:
+        if host_swa is None:
+            return
+        swa = host_swa.tensor[host_swa.tensor != 0]
+        if swa.numel():
+            self.hybrid.host_swa_evict(Indices(swa.to(torch.int64), IndexSpace.HOST_SWA))
 
     def free_host(self, host: Indices, host_swa: Indices | None) -> None:
         self.hybrid.evict_host(host, host_swa)

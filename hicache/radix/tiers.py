@@ -44,11 +44,12 @@ class TieredRadixTree(RadixTree):
         eviction_policy: EvictionPolicy,
         window_tokens: int | None,
         clock: Clock | None,
+        keep_swa_history: bool = True,
     ) -> None:
         if isinstance(controller, HybridCacheController):
             if window_tokens is None:
                 raise ValueError("a hybrid controller needs window_tokens (model.window_tokens)")
-            self.io: NodeIO = HybridNodeIO(controller, window_tokens)
+            self.io: NodeIO = HybridNodeIO(controller, window_tokens, keep_swa_history)
         elif window_tokens is not None:
             raise ValueError("window_tokens is for hybrid (SWA) models; pass None")
         else:
@@ -156,9 +157,9 @@ class TieredRadixTree(RadixTree):
         full host evict host leaves and retry once. False (counted) when there is no room."""
         op = PendingOp(Direction.DEVICE_TO_HOST, [node], None)
         device = slots_of(node, "device")
-        slots = self.io.backup(device, op)
+        slots = self.io.backup(device, op, node.host_swa)
         if slots is None and self.evict_host(node.num_tokens) > 0:
-            slots = self.io.backup(device, op)
+            slots = self.io.backup(device, op, node.host_swa)
         if slots is None:
             self.stats.refused_backups["host_full"] += node.num_tokens
             return False
@@ -214,6 +215,9 @@ class TieredRadixTree(RadixTree):
         for orphan in below:
             assert orphan.is_host_only and not orphan.is_in_flight, f"cannot drop {orphan!r}"
             self.io.free_host(slots_of(orphan, "host"), orphan.host_swa)
+        if node.host is None:  # SWA copies of rows that left the window, nothing else
+            self.io.free_host_swa(node.host_swa)
+            node.host_swa = None
         self._detach(node)
         if node.parent is not None:
             self._device_candidates.offer(node.parent)  # may have become a device leaf

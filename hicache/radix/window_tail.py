@@ -1,0 +1,153 @@
+"""The sliding window's side of the tree (hybrid models, ``host.swa_history: all``): SWA
+rows follow the full rows to the host, so any cached prefix can be reused.
+
+A prefix of ``P`` tokens is reusable by SWA layers only if the last window of it (the tree's
+``tail_tokens``) has SWA rows on the device. Those rows may have left the device (the engine
+frees them as a running request moves past them; :func:`evict_swa` frees them under SWA
+pool pressure) as long as they have a host copy: :func:`window_restore` finds which tokens of
+the window lie in the device prefix without SWA rows and a load-back brings their SWA rows
+back in the same op that loads the host span (``restore``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from hicache.controller import Direction
+from hicache.pools import IndexSpace, Indices
+
+from .node import PendingOp, TreeNode, cat_indices
+from .node_io import SlotPair
+from .tree import slots_of
+from .window_backups import WindowBackupOp
+
+if TYPE_CHECKING:
+    from .cache import HiRadixCache
+
+
+@dataclass
+class WindowRestore:
+    """Device-prefix tokens of a load-back's window whose SWA rows come back from the host:
+    ``nodes``, and per node the full slots and host SWA slots of those tokens."""
+
+    nodes: list[TreeNode] = field(default_factory=list)
+    full: list[Indices] = field(default_factory=list)
+    host_swa: list[Indices] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(part) for part in self.full)
+
+    @property
+    def slots(self) -> SlotPair | None:
+        if not self.nodes:
+            return None
+        return (cat_indices(self.full, IndexSpace.DEVICE_FULL),
+                cat_indices(self.host_swa, IndexSpace.HOST_SWA))
+
+    def assign(self, tree: HiRadixCache, op: PendingOp) -> None:
+        """The restored nodes' SWA slots are in the pool's map now; they wait for ``op``."""
+        for node in self.nodes:
+            node.device_swa = tree.io.swa_of(slots_of(node, "device"))
+            node.load_op = op
+            op.nodes.append(node)
+        tree.stats.restored_swa_tokens += self.num_tokens
+
+
+def window_restore(tree: HiRadixCache, node: TreeNode, span_tokens: int) -> WindowRestore | None:
+    """What a load-back down to ``node`` (whose host-only span is ``span_tokens`` long) must
+    restore in the device prefix; ``None`` when a token of the window has SWA rows on
+    neither tier (the prefix cannot be reused)."""
+    restore = WindowRestore()
+    need = tree.io.tail_tokens - span_tokens
+    if need <= 0 or not tree.io.keeps_swa_history:
+        return restore
+    device_nodes = [n for n in tree._ancestry(node, "load_back") if n.on_device]
+    for ancestor in device_nodes:  # deepest first
+        take = min(need, ancestor.num_tokens)
+        start = ancestor.num_tokens - take
+        device = slots_of(ancestor, "device")
+        swa = tree.io.swa_of(device)
+        assert swa is not None, "a hybrid tree maps every device slot"
+        missing = swa.tensor[start:] == 0
+        if bool(missing.any()):
+            host = ancestor.host_swa
+            if host is None or ancestor.load_op is not None or \
+                    bool((host.tensor[start:][missing] == 0).any()):
+                return None
+            restore.nodes.append(ancestor)
+            restore.full.append(Indices(device.tensor[start:][missing], IndexSpace.DEVICE_FULL))
+            restore.host_swa.append(Indices(host.tensor[start:][missing].to(torch.int64),
+                                            IndexSpace.HOST_SWA))
+        need -= take
+        if need <= 0:
+            break
+    return restore
+
+
+def back_up_window(tree: HiRadixCache, device: Indices) -> None:
+    """See :meth:`HiRadixCache.back_up_window`."""
+    if not tree.io.keeps_swa_history:
+        tree.io.release_swa(device)
+        return
+    op = WindowBackupOp(Direction.DEVICE_TO_HOST, [], None, device=device)
+    host_swa = tree.io.write_swa(device, op)
+    if host_swa is None and tree.evict_host(len(device)) > 0:
+        host_swa = tree.io.write_swa(device, op)
+    if host_swa is None:
+        tree.stats.refused_backups["host_swa_full"] += len(device)
+        tree.io.release_swa(device)
+        return
+    if not bool((host_swa.tensor != 0).any()):
+        return  # no page had SWA rows left: nothing was queued
+    tree.window_backups.add(device, host_swa, op)
+    tree.stats.window_backup_tokens += int((host_swa.tensor != 0).sum())
+    tree.controller.start_writing()
+
+
+def finish_window_backup(tree: HiRadixCache, op: WindowBackupOp) -> None:
+    """The host copy of ``op``'s SWA rows is complete: free their device SWA slots."""
+    tree.window_backups.finish(op)
+    tree.io.release_swa(op.device)
+
+
+def adopt_window_backups(tree: HiRadixCache, node: TreeNode) -> None:
+    """Give ``node`` (which just took engine pages) the host SWA copies of its pages."""
+    adopted = tree.window_backups.take(slots_of(node, "device"))
+    if adopted is None:
+        return
+    if node.host_swa is None:
+        node.host_swa = adopted
+        return
+    have = node.host_swa.tensor != 0
+    assert not bool((have & (adopted.tensor != 0)).any()), "two SWA host copies of a token"
+    node.host_swa = Indices(torch.where(have, node.host_swa.tensor.to(torch.int64),
+                                         adopted.tensor), IndexSpace.HOST_SWA)
+
+
+def evict_swa(tree: HiRadixCache, num_tokens: int) -> int:
+    """See :meth:`HiRadixCache.evict_swa` (a pass over the device nodes)."""
+    if not tree.io.keeps_swa_history or num_tokens <= 0:
+        return 0
+    candidates = sorted(
+        (n for n in tree.nodes() if n.device is not None and n.host_swa is not None
+         and n.lock_count == 0 and not n.is_in_flight),
+        key=lambda n: (n.last_access, n.node_id))
+    freed = 0
+    for node in candidates:
+        device = slots_of(node, "device")
+        swa = tree.io.swa_of(device)
+        assert swa is not None and node.host_swa is not None
+        backed = (swa.tensor != 0) & (node.host_swa.tensor != 0)
+        if not bool(backed.any()):
+            continue
+        tree.io.release_swa(Indices(device.tensor[backed], IndexSpace.DEVICE_FULL))
+        node.device_swa = tree.io.swa_of(device)
+        freed += int(backed.sum())
+        if freed >= num_tokens:
+            break
+    tree.stats.evicted_swa_tokens += freed
+    return freed
