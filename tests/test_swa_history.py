@@ -1,0 +1,110 @@
+"""SWA rows follow the full rows into the host tier (``host.swa_history: all``): rows that
+leave a running request's window are copied to the host (``release_window``), the tree takes
+the copies at ``insert``, a load-back restores a reused prefix's window, and ``evict_swa``
+frees device SWA rows that have a host copy. Every SWA row that comes back is compared with
+what was written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_service import PAGE, make_config
+
+from hicache.factory import build_service
+from hicache.pools import HybridSWAPool, IndexSpace, Indices
+from hicache.service import HiCacheService
+
+
+def swa_rows(pool: HybridSWAPool, full: Indices) -> torch.Tensor:
+    """The SWA rows (every SWA layer, K and V) of the tokens at ``full``."""
+    swa = pool.swa_slots_of(full).tensor
+    assert bool((swa != 0).all()), "some token has no SWA slot"
+    return pool.swa.data[:, :, swa].clone()
+
+
+def serve(service: HiCacheService, tokens: list[int]) -> Indices:
+    """Allocate, write distinct SWA rows, give back every page before the window (the
+    engine's early release), insert; returns the full slots."""
+    pool = service.device_pool
+    assert isinstance(pool, HybridSWAPool)
+    slots = service.alloc_device(len(tokens))
+    assert slots is not None
+    swa = pool.swa_slots_of(slots).tensor
+    pool.swa.data[:, :, swa] = torch.arange(len(tokens), dtype=torch.float32)[None, None, :, None] \
+        + 1000.0 * float(tokens[0])
+    service.release_window(Indices(slots.tensor[:len(tokens) - 2 * PAGE],
+                                   IndexSpace.DEVICE_FULL))
+    service.insert(tokens, slots)
+    return slots
+
+
+@pytest.fixture
+def service() -> HiCacheService:
+    svc = build_service(make_config(hybrid=True))
+    yield svc
+    svc.stop()
+
+
+def test_a_prefix_cut_from_a_longer_sequence_gets_its_window_back(service: HiCacheService
+                                                                  ) -> None:
+    pool = service.device_pool
+    assert isinstance(pool, HybridSWAPool)
+    tokens = list(range(1, 13))
+    full = serve(service, tokens)
+    service.step()
+    service.check_integrity()
+    # tokens 4..7 (the window of the 8-token prefix) lost their device SWA rows
+    prefix = Indices(full.tensor[:8], IndexSpace.DEVICE_FULL)
+    assert bool((pool.swa_slots_of(prefix).tensor[4:8] == 0).all())
+    assert service.tree.stats.window_backup_tokens >= 8
+    match = service.match([*tokens[:8], 99, 98])
+    assert match.device_hit_tokens == 8 and match.host_hit_tokens == 0
+    service.lock(match.last_device_node)
+    loaded = service.load_back(match, 32)
+    assert loaded is not None and len(loaded) == 0
+    service.start_loading()
+    service.step()
+    window = Indices(full.tensor[4:8], IndexSpace.DEVICE_FULL)
+    want = torch.arange(4, 8, dtype=torch.float32)[None, None, :, None] + 1000.0
+    assert torch.equal(swa_rows(pool, window), want.expand(-1, -1, -1, pool.swa.data.shape[-1])
+                       .expand(pool.swa.data.shape[0], pool.swa.data.shape[1], -1, -1))
+    assert service.tree.stats.restored_swa_tokens == 4
+    service.release(match.last_device_node)
+    service.check_integrity()
+
+
+def test_evict_swa_frees_backed_up_rows_and_keeps_full_rows(service: HiCacheService) -> None:
+    pool = service.device_pool
+    assert isinstance(pool, HybridSWAPool)
+    full = serve(service, list(range(1, 9)))
+    service.step()
+    free_before = pool.swa_allocator.num_free_tokens
+    assert service.evict_swa(4) >= 4
+    assert pool.swa_allocator.num_free_tokens >= free_before + 4
+    assert pool.full_allocator.is_allocated(full)
+    service.check_integrity()
+
+
+def test_release_window_of_a_page_the_engine_does_not_hold_changes_nothing(
+        service: HiCacheService) -> None:
+    full = serve(service, list(range(1, 9)))  # inserted: the tree owns these pages now
+    service.step()
+    backed = service.tree.stats.window_backup_tokens
+    with pytest.raises(ValueError, match="release_window"):
+        service.release_window(Indices(full.tensor[:PAGE], IndexSpace.DEVICE_FULL))
+    assert service.tree.stats.window_backup_tokens == backed
+    service.check_integrity()
+
+
+def test_free_device_drops_the_copies_of_pages_never_inserted(service: HiCacheService) -> None:
+    pool = service.device_pool
+    assert isinstance(pool, HybridSWAPool)
+    slots = service.alloc_device(8)
+    assert slots is not None
+    service.release_window(Indices(slots.tensor[:4], IndexSpace.DEVICE_FULL))
+    used = service.controller.host_swa.allocator.num_used_tokens
+    assert used == 4
+    service.free_device(slots)  # waits for the copy, then frees it with the pages
+    assert service.controller.host_swa.allocator.num_used_tokens == 0
+    assert len(service.tree.window_backups) == 0
+    service.check_integrity()
