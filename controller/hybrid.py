@@ -22,11 +22,10 @@ from hicache.pools import (
     HybridSWAPool,
     IndexSpace,
     Indices,
-    PageAllocator,
 )
 
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
-from .controller import CacheController
+from .controller import CacheController, _owned_slots
 
 
 class HybridCacheController(CacheController):
@@ -185,7 +184,8 @@ class HybridCacheController(CacheController):
         Raises:
             ValueError: as :meth:`write` for the SWA slots (nothing allocated or queued).
         """
-        _owned_pages(device_indices, self.device_allocator, "write_swa")
+        _owned_slots(device_indices, self.device_allocator, "write_swa",
+                     "back up only device slots that are allocated and hold rows")
         device_swa = self.hybrid_pool.swa_slots_of(device_indices)
         mapped = device_swa.tensor != 0
         swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
@@ -207,7 +207,8 @@ class HybridCacheController(CacheController):
         allocated whole full pages without an SWA slot, aligned host SWA slots, none 0."""
         if restore is None:
             return _empty(IndexSpace.DEVICE_FULL), _empty(IndexSpace.HOST_SWA)
-        _owned_pages(restore.full, self.device_allocator, "load (restore)")
+        _owned_slots(restore.full, self.device_allocator, "load (restore)",
+                     "restore only device slots the tree owns")
         host = self._check_cpu(restore.swa, self.host_swa, "load (restore)")
         if host.numel() != len(restore.full):
             raise ValueError(
@@ -272,16 +273,6 @@ class HybridCacheController(CacheController):
         mask = torch.zeros(num_tokens, dtype=torch.bool)
         mask[num_tokens - tail:] = True
         return mask
-
-
-def _owned_pages(indices: Indices, allocator: PageAllocator, op: str) -> None:
-    """Raise ``ValueError`` unless ``indices`` are whole, distinct, allocated pages."""
-    slot = allocator.first_unallocated(indices, op=op)
-    if slot is not None:
-        raise ValueError(
-            f"{op}: {allocator.space.name} slot {slot} of pool '{allocator.name}' is not "
-            f"allocated (never allocated, or already freed)"
-        )
 
 
 def _empty(space: IndexSpace) -> Indices:

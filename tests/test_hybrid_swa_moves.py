@@ -105,3 +105,52 @@ def test_write_swa_refuses_unallocated_and_in_flight_pages() -> None:
     ctrl.hybrid_pool.free(full)
     with pytest.raises(ValueError, match="not allocated"):
         ctrl.write_swa(full)
+
+
+def test_write_with_a_bad_swa_skip_is_refused_before_allocating() -> None:
+    ctrl = make_hybrid(TorchBackend())
+    full = ctrl.hybrid_pool.try_alloc(4)
+    assert full is not None
+    used = (ctrl.host_pool.allocator.num_used_tokens, ctrl.host_swa.allocator.num_used_tokens)
+    with pytest.raises(ValueError, match="swa_skip must be a bool tensor of shape"):
+        ctrl.write(full, swa_skip=torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="swa_skip must be a bool tensor"):
+        ctrl.write(full, swa_skip=torch.zeros(4, dtype=torch.int64))
+    assert (ctrl.host_pool.allocator.num_used_tokens,
+            ctrl.host_swa.allocator.num_used_tokens) == used
+    assert ctrl.num_in_flight == 0
+
+
+def test_write_skips_swa_rows_that_already_have_a_host_copy() -> None:
+    ctrl = make_hybrid(TorchBackend())
+    full = ctrl.hybrid_pool.try_alloc(4)
+    assert full is not None
+    skip = torch.tensor([True, True, False, False])
+    host = ctrl.write(full, swa_skip=skip)
+    assert host is not None
+    assert host.swa.tensor.tolist()[:2] == [0, 0] and bool((host.swa.tensor[2:] != 0).all())
+    ctrl.start_writing()
+    assert [a.tokens_by_pool for a in ctrl.poll()] == [{"full": 4, "swa": 2}]
+
+
+def test_observer_sees_every_queued_call_until_removed() -> None:
+    ctrl = make_hybrid(TorchBackend())
+    seen: list[tuple[str, dict[str, int], object]] = []
+
+    def observe(direction: object, transfers: object, tag: object) -> None:
+        assert isinstance(transfers, list)
+        seen.append((getattr(direction, "value", ""),
+                     {t.name: t.num_tokens for t in transfers}, tag))
+
+    ctrl.add_observer(observe)
+    full = ctrl.hybrid_pool.try_alloc(4)
+    assert full is not None
+    assert ctrl.write_swa(full, tag="swa") is not None
+    ctrl.drain()
+    assert seen == [("device_to_host", {"full": 0, "swa": 4}, "swa")]
+    ctrl.remove_observer(observe)
+    ctrl.hybrid_pool.free_swa(full)
+    assert ctrl.write(full, tag="after") is not None
+    assert len(seen) == 1
+    with pytest.raises(ValueError):
+        ctrl.remove_observer(observe)
