@@ -369,18 +369,17 @@ class CacheController:
             raise ValueError(
                 f"move_indices: {host.numel()} host indices but {device.numel()} device indices"
             )
-        keep = (host != 0) & (device != 0)
-        host, device = host[keep].to(torch.int64), device[keep].to(torch.int64)
-        backend = backend or self.backend
-        host, device = backend.order_pairs(host, device)
-        host_target, device_target = backend.index_devices(host_pool, device_pool)
-        return _to_device(host, host_target), _to_device(device, device_target)
+        return _move_checked(host, device, host_pool, device_pool, backend or self.backend)
 
     def move_op_indices(self, op: TransferOp) -> list[MovedTransfer]:
         """Move the indices of every pool transfer of ``op`` (its own list, so a pool kind
-        added later is covered without touching call sites)."""
+        added later is covered without touching call sites). The op's indices are the
+        controller's own copies, checked when their call was queued, so they are not
+        checked again here."""
+        backend = op.executor or self.backend
         return [
-            MovedTransfer(t, *self.move_indices(t.host_indices, t.device_indices, op.executor))
+            MovedTransfer(t, *_move_checked(t.host_indices.tensor, t.device_indices.tensor,
+                                            t.host_pool, t.device_pool, backend))
             for t in op.transfers
         ]
 
@@ -426,6 +425,10 @@ class CacheController:
         self._held.refuse_conflicts(host_indices.space, slots, op, Direction.HOST_TO_DEVICE)
 
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object) -> None:
+        """Queue one call's transfers. The op keeps its own copies of the slots: a caller
+        that changes its index tensors after the call (or the host slots it got back) cannot
+        change what the op copies or unbalance the in-flight counts."""
+        transfers = [_owned_copy(t) for t in transfers]
         op = TransferOp(next(self._op_ids), direction, transfers, [tag], held=list(transfers))
         self._held.add(op, +1)
         self._queued[direction].append(op)
@@ -534,10 +537,38 @@ def _owned_slots(indices: Indices, allocator: PageAllocator, op: str, fix: str) 
     return indices.tensor.numpy()
 
 
+def _owned_copy(transfer: PoolTransfer) -> PoolTransfer:
+    host, device = transfer.host_indices, transfer.device_indices
+    return PoolTransfer(
+        name=transfer.name, host_pool=transfer.host_pool, device_pool=transfer.device_pool,
+        host_indices=Indices(host.tensor.clone(), host.space),
+        device_indices=Indices(device.tensor.clone(), device.space), layers=transfer.layers,
+    )
+
+
 def _cat(parts: list[Indices]) -> Indices:
     if len(parts) == 1:
         return parts[0]
     return Indices(torch.cat([p.tensor for p in parts]), parts[0].space)
+
+
+def _move_checked(
+    host: torch.Tensor, device: torch.Tensor, host_pool: HostKVPool, device_pool: DeviceKVPool,
+    backend: TransferBackend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`CacheController.move_indices` past its checks: aligned, checked CPU index
+    tensors of equal length. Pairs touching the padding slot are dropped (numpy on the
+    CPU: a few torch calls on small tensors would cost more than the whole op's
+    bookkeeping)."""
+    host_np, device_np = host.numpy(), device.numpy()
+    if host_np.size and not (host_np.all() and device_np.all()):
+        keep = (host_np != 0) & (device_np != 0)
+        host_np, device_np = host_np[keep], device_np[keep]
+    host = torch.from_numpy(host_np.astype(np.int64))  # a copy: the op owns what it moves
+    device = torch.from_numpy(device_np.astype(np.int64))
+    host, device = backend.order_pairs(host, device)
+    host_target, device_target = backend.index_devices(host_pool, device_pool)
+    return _to_device(host, host_target), _to_device(device, device_target)
 
 
 def _to_device(index: torch.Tensor, target: torch.device) -> torch.Tensor:

@@ -78,9 +78,11 @@ class InFlightSlots:
                 self._held.pop(id(transfer), None)
             for indices in (transfer.host_indices, transfer.device_indices):
                 slots = indices.tensor.numpy()
+                if not slots.all():  # padding (0) entries of a hybrid op
+                    slots = slots[slots != 0]
                 # Fancy-index += counts a repeated slot once: fine per queued call, where the
                 # entry checks leave no repeats (np.add.at: ~6 ms per 32k slots).
-                counts[indices.space][slots[slots != 0]] += delta
+                counts[indices.space][slots] += delta
 
     def mask(self, space: IndexSpace, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` (checked, in range) any op holds."""

@@ -38,7 +38,8 @@ class TransferStats:
         self.backend_ops[(op.direction.value, op.backend)] += 1
         for transfer in op.transfers:
             slots = transfer.host_indices.tensor.numpy()
-            slots = slots[slots != 0]
+            if not slots.all():
+                slots = slots[slots != 0]
             if slots.size:
                 steps = np.diff(slots)
                 if (steps < 0).any():  # allocations are ascending: sort only the rare rest

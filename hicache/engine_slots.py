@@ -27,11 +27,14 @@ class EngineSlots:
 
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
-        self._pages: set[int] = set()
+        # held[p]: the engine holds page p (a map, so a check costs per page asked about,
+        # not per page held)
+        self._held = np.zeros(allocator.num_pages + 1, dtype=bool)
+        self._num_held = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self._pages) * self.allocator.page_size
+        return self._num_held * self.allocator.page_size
 
     def pages_of(self, indices: Indices, op: str) -> np.ndarray:
         """Page ids of whole-page ``DEVICE_FULL`` ``indices``; ``ValueError`` otherwise."""
@@ -39,16 +42,19 @@ class EngineSlots:
 
     def add(self, indices: Indices) -> None:
         """Record freshly allocated slots."""
-        self._pages.update(self.pages_of(indices, "alloc_device").tolist())
+        pages = self._trusted_pages(indices)  # the allocator's own output
+        assert not self._held[pages].any(), "alloc_device handed out a page the engine holds"
+        self._held[pages] = True
+        self._num_held += int(pages.size)
 
     def held_pages(self, indices: Indices, op: str) -> np.ndarray:
         """Pages of ``indices``; ``ValueError`` for any the engine does not hold."""
         pages = self.pages_of(indices, op)
-        stray = [int(p) for p in pages if int(p) not in self._pages]
-        if stray:
+        stray = pages[~self._held[pages]]
+        if stray.size:
             raise ValueError(
-                f"{op}: page {stray[0]} was not handed out by alloc_device, or was already "
-                f"inserted or freed"
+                f"{op}: page {int(stray[0])} was not handed out by alloc_device, or was "
+                f"already inserted or freed"
             )
         return pages
 
@@ -60,11 +66,10 @@ class EngineSlots:
         own page at the same position."""
         head = Indices(device_indices.tensor[:num_tokens], device_indices.space)
         pages = self.pages_of(head, "insert")
-        own = self.pages_of(tree.device_prefix(key), "insert")
+        own = self._trusted_pages(tree.device_prefix(key))  # the tree's own slots
         at_own_place = np.zeros(pages.size, dtype=bool)
         at_own_place[:own.size] = pages[:own.size] == own
-        held = np.isin(pages, np.fromiter(self._pages, dtype=np.int64))
-        bad = np.flatnonzero(~(held | at_own_place))
+        bad = np.flatnonzero(~(self._held[pages] | at_own_place))
         if bad.size:
             raise ValueError(
                 f"insert: page {int(pages[bad[0]])} at token {int(bad[0]) * tree.page_size} is "
@@ -72,13 +77,20 @@ class EngineSlots:
             )
         return pages
 
+    def _trusted_pages(self, indices: Indices) -> np.ndarray:
+        """Pages of whole-page slots that hicache itself produced (an allocation, the
+        tree's nodes): no checks, one strided read."""
+        return indices.tensor.numpy()[::self.allocator.page_size] // self.allocator.page_size
+
     def forget(self, pages: np.ndarray) -> None:
         """The engine no longer holds ``pages`` (inserted into the tree, or freed)."""
-        self._pages.difference_update(pages.tolist())
+        held = self._held[pages]
+        self._held[pages] = False
+        self._num_held -= int(np.count_nonzero(held))
 
     def as_indices(self) -> Indices:
         """Every held slot as CPU int64 ``DEVICE_FULL`` indices (for integrity checks)."""
         page = self.allocator.page_size
-        pages = np.fromiter(sorted(self._pages), dtype=np.int64)
+        pages = np.flatnonzero(self._held).astype(np.int64)
         slots = (pages[:, None] * page + np.arange(page, dtype=np.int64)[None, :]).reshape(-1)
         return Indices(torch.from_numpy(slots), IndexSpace.DEVICE_FULL)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import IndexSpace, Indices, check_indices, check_page_multiple
+from .base import IndexSpace, Indices, check_page_multiple
 from .free_runs import FreeRuns
+from .page_ids import page_ids
 
 CPU = torch.device("cpu")
 
@@ -95,8 +96,9 @@ class PageAllocator:
         self._runs.take(start, num_pages)
         self._is_free[start : start + num_pages] = False
         self._num_free_pages -= num_pages
-        slots = np.arange(start * self.page_size, (start + num_pages) * self.page_size,
-                          dtype=np.int64)
+        slots = np.arange(
+            start * self.page_size, (start + num_pages) * self.page_size, dtype=np.int64
+        )
         return Indices(torch.from_numpy(slots), self.space)
 
     def free(self, indices: Indices) -> None:
@@ -123,36 +125,17 @@ class PageAllocator:
             self._runs.add(start, length)
 
     def pages_of(self, indices: Indices, *, op: str) -> np.ndarray:
-        """Page ids of slot ``indices`` that must be whole pages in order; raises otherwise."""
-        tensor = check_indices(
-            indices, space=self.space, pool_name=self.name, num_slots=self.num_slots,
-            device=CPU, op=op,
+        """Page ids of slot ``indices`` that must be whole pages in order, distinct, not the
+        padding page, in this pool's space and range; raises ``TypeError``/``ValueError``
+        (see :func:`~hicache.pools.page_ids.page_ids`) otherwise. A new array."""
+        return page_ids(
+            indices,
+            space=self.space,
+            pool_name=self.name,
+            page_size=self.page_size,
+            num_pages=self.num_pages,
+            op=op,
         )
-        slots = tensor.numpy().astype(np.int64, copy=False)
-        if slots.size % self.page_size != 0:
-            raise ValueError(
-                f"{op}: {slots.size} slots is not a whole number of pages of {self.page_size}"
-            )
-        if slots.size == 0:
-            return np.empty(0, dtype=np.int64)
-        if self.page_size == 1:
-            pages = slots.copy()  # every slot is a whole page; copied so we never alias the caller
-        else:
-            by_page = slots.reshape(-1, self.page_size)
-            pages = by_page[:, 0] // self.page_size
-            if not (by_page == pages[:, None] * self.page_size + self._page_offsets).all():
-                raise ValueError(
-                    f"{op}: slots must come in whole, ordered pages of {self.page_size}"
-                )
-        # Ascending pages (what allocations hand out) are distinct without a sort, and their
-        # lowest is the first. Few numpy calls: this is on every free.
-        ascending = pages.size == 1 or bool((pages[1:] > pages[:-1]).all())
-        has_padding = pages[0] == 0 if ascending else bool((pages == 0).any())
-        if has_padding:
-            raise ValueError(f"{op}: page 0 of pool '{self.name}' is reserved for padding")
-        if not ascending and np.unique(pages).size != pages.size:
-            raise ValueError(f"{op}: the same page appears twice")
-        return pages
 
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""
@@ -231,8 +214,10 @@ class PageAllocator:
                 f"capacity {self.num_pages} pages"
             )
         scanned_starts, scanned_lengths = _scan_runs(is_free)
-        if not (np.array_equal(snapshot.run_starts, scanned_starts)
-                and np.array_equal(snapshot.run_lengths, scanned_lengths)):
+        if not (
+            np.array_equal(snapshot.run_starts, scanned_starts)
+            and np.array_equal(snapshot.run_lengths, scanned_lengths)
+        ):
             raise RuntimeError(
                 f"pool '{self.name}': the free-run index ({snapshot.run_starts.size} runs) "
                 f"differs from the free map ({scanned_starts.size} runs)"

@@ -111,6 +111,33 @@ def test_merged_writes_release_every_slot_on_ack() -> None:
     assert_sound(ctrl)
 
 
+def test_caller_changing_its_indices_after_a_call_changes_nothing() -> None:
+    """The controller keeps its own copies of a call's slots: a caller that refills the
+    index tensor it passed (or the host slots it got back) between ``write`` and
+    ``start_writing`` neither redirects the copy nor unbalances the in-flight counts."""
+    ctrl = plain()
+    device = ctrl.device_allocator.try_alloc(4)
+    other = ctrl.device_allocator.try_alloc(4)
+    assert device is not None and other is not None
+    expected = ctrl.device_pool.data[:, :, device.tensor].clone()
+    host_slots = ctrl.write(device)
+    assert host_slots is not None
+    kept_host = host_slots.tensor.clone()
+    device.tensor.copy_(other.tensor)  # the engine reuses its buffer
+    host_slots.tensor.fill_(0)
+    assert ctrl.is_in_flight(Indices(kept_host, IndexSpace.HOST_FULL))
+    assert not ctrl.is_in_flight(other)
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    assert ctrl.busy_slots(IndexSpace.DEVICE_FULL).size == 0
+    assert ctrl.busy_slots(IndexSpace.HOST_FULL).size == 0
+    for layer in range(ctrl.device_pool.num_layers):
+        for component in range(expected.shape[0]):
+            assert torch.equal(ctrl.host_pool.layer_rows(component, layer)[kept_host],
+                               expected[component, layer])
+    assert_sound(ctrl)
+
+
 def test_hybrid_merged_loads_of_one_host_page_release_it_on_ack() -> None:
     """The hybrid controller's two loads of one backup balance the full and SWA counts."""
     ctrl = make_hybrid(TorchBackend())

@@ -21,6 +21,8 @@ Thread ownership: the engine's scheduler thread is the only caller.
 
 from __future__ import annotations
 
+import torch
+
 from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import CacheController, Direction, HybridCacheController
 from hicache.pools import IndexSpace, Indices
@@ -114,16 +116,27 @@ class TieredRadixTree(RadixTree):
         the device and slots in flight are never touched."""
         self._refresh_candidates()
         freed = 0
-        while freed < num_tokens:
-            node = self._host_candidates.pop()
-            if node is None:
-                break
-            parent = node.parent
-            self.io.free_host(slots_of(node, "host"), node.host_swa)
-            self._detach(node)
-            freed += node.num_tokens
-            if parent is not None:
-                self._host_candidates.offer(parent)
+        hosts: list[Indices] = []  # freed in one controller call
+        host_swas: list[Indices] = []
+        try:
+            while freed < num_tokens:
+                node = self._host_candidates.pop()
+                if node is None:
+                    break
+                parent = node.parent
+                hosts.append(slots_of(node, "host"))
+                host_swas.append(node.host_swa if node.host_swa is not None
+                                 else Indices(torch.zeros(node.num_tokens, dtype=torch.int64),
+                                              IndexSpace.HOST_SWA))
+                self._detach(node)
+                freed += node.num_tokens
+                if parent is not None:
+                    self._host_candidates.offer(parent)
+        finally:
+            if hosts:
+                # aligned SWA host slots (0 = none), only for a model that has them
+                swa = cat_indices(host_swas, IndexSpace.HOST_SWA) if self.io.is_hybrid else None
+                self.io.free_host(cat_indices(hosts, IndexSpace.HOST_FULL), swa)
         self.stats.evicted_host_tokens += freed
         return freed
 

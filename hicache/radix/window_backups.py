@@ -57,12 +57,16 @@ class WindowBackups:
 
     def in_flight(self, device: Indices) -> bool:
         """True when a copy for one of the pages of ``device`` is not acknowledged yet."""
+        if not self._entries:  # the common case; a model without SWA layers never has any
+            return False
         return any(self._entries.get(page, (None, None))[1] is not None
                    for page in self._pages(device))
 
     def take(self, device: Indices) -> Indices | None:
         """Remove the copies of ``device``'s pages (all acknowledged); aligned ``HOST_SWA``
         slots (0 for a page without one), or ``None`` when no page has one."""
+        if not self._entries:
+            return None
         pages = self._pages(device)
         found = [self._entries.pop(page, None) for page in pages]
         if all(entry is None for entry in found):

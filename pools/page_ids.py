@@ -1,0 +1,111 @@
+"""Page ids of slot indices: the check every allocator call and controller entry makes.
+
+Slot indices name whole pages in order (``page * page_size + 0 .. page_size - 1``). Valid
+input, the common case on the scheduler thread, is recognised with a few numpy calls per
+call (:func:`_valid_pages`); anything else goes through every check in turn so that the
+error names the first thing wrong.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .base import INDEX_DTYPES, IndexSpace, Indices, check_indices
+
+CPU = torch.device("cpu")
+_INDEX_DTYPES = frozenset(INDEX_DTYPES)
+
+
+def page_ids(
+    indices: Indices, *, space: IndexSpace, pool_name: str, page_size: int, num_pages: int, op: str
+) -> np.ndarray:
+    """Page ids (int64, a new array, never a view of the caller's tensor) of ``indices``.
+
+    ``indices`` must be CPU int32/int64 1-D :class:`Indices` of ``space``, whole ordered
+    pages of ``page_size`` slots, each page once, none of them the padding page 0, all in
+    ``[1, num_pages]``.
+
+    Raises:
+        TypeError: not :class:`Indices`.
+        ValueError: wrong space, dtype, device or shape; a value out of range
+            (:class:`~hicache.pools.BoundsError`); a partial or unordered page; page 0; a
+            page twice.
+    """
+    pages = _valid_pages(indices, space, page_size, num_pages)
+    if pages is not None:
+        return pages
+    return _checked_page_ids(
+        indices, space=space, pool_name=pool_name, page_size=page_size, num_pages=num_pages, op=op
+    )
+
+
+def _checked_page_ids(
+    indices: Indices, *, space: IndexSpace, pool_name: str, page_size: int, num_pages: int, op: str
+) -> np.ndarray:
+    """:func:`page_ids` one check at a time, raising at the first that fails."""
+    tensor = check_indices(
+        indices,
+        space=space,
+        pool_name=pool_name,
+        num_slots=(num_pages + 1) * page_size,
+        device=CPU,
+        op=op,
+    )
+    slots = tensor.numpy().astype(np.int64, copy=False)
+    if slots.size % page_size != 0:
+        raise ValueError(f"{op}: {slots.size} slots is not a whole number of pages of {page_size}")
+    if slots.size == 0:
+        return np.empty(0, dtype=np.int64)
+    if page_size == 1:
+        pages = slots.copy()  # every slot is a whole page; copied so we never alias the caller
+    else:
+        by_page = slots.reshape(-1, page_size)
+        pages = by_page[:, 0] // page_size
+        offsets = np.arange(page_size, dtype=np.int64)
+        if not (by_page == pages[:, None] * page_size + offsets).all():
+            raise ValueError(f"{op}: slots must come in whole, ordered pages of {page_size}")
+    ascending = pages.size == 1 or bool((pages[1:] > pages[:-1]).all())
+    has_padding = pages[0] == 0 if ascending else bool((pages == 0).any())
+    if has_padding:
+        raise ValueError(f"{op}: page 0 of pool '{pool_name}' is reserved for padding")
+    if not ascending and np.unique(pages).size != pages.size:
+        raise ValueError(f"{op}: the same page appears twice")
+    return pages
+
+
+def _valid_pages(
+    indices: Indices, space: IndexSpace, page_size: int, num_pages: int
+) -> np.ndarray | None:
+    """The pages of ``indices`` when every check of :func:`page_ids` passes; ``None``
+    otherwise (empty input included), for the long path to name what is wrong.
+
+    Whole ordered pages whose first slots are page multiples are in range once their lowest
+    and highest page are; ascending pages (what allocations hand out) are distinct without a
+    sort; others (concatenated frees) sort their pages, not their slots."""
+    if type(indices) is not Indices or indices.space is not space:
+        return None
+    tensor = indices.tensor
+    if tensor.dtype not in _INDEX_DTYPES or tensor.dim() != 1 or not tensor.is_cpu:
+        return None
+    slots = tensor.numpy()
+    if slots.size == 0 or slots.size % page_size:
+        return None
+    if page_size == 1:
+        pages = slots.astype(np.int64)  # a copy
+    else:
+        by_page = slots.reshape(-1, page_size)
+        pages = by_page[:, 0].astype(np.int64)  # a copy
+        if (pages % page_size).any() or not (
+            by_page - by_page[:, :1] == np.arange(page_size)
+        ).all():
+            return None
+        pages //= page_size
+    if pages.size == 1 or (pages[1:] > pages[:-1]).all():
+        low, high = pages[0], pages[-1]
+    else:
+        ordered = np.sort(pages)
+        if (ordered[1:] == ordered[:-1]).any():
+            return None
+        low, high = ordered[0], ordered[-1]
+    return pages if low >= 1 and high <= num_pages else None

@@ -1,0 +1,94 @@
+"""The fast recognition of valid slot indices agrees with the full checks on any input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.pools import IndexSpace, Indices
+from hicache.pools.page_ids import _checked_page_ids, _valid_pages, page_ids
+
+PAGE, PAGES = 4, 12
+
+
+def checked_the_long_way(indices: Indices) -> np.ndarray | None:
+    """The pages by the one-check-at-a-time path, or ``None`` when it raises."""
+    try:
+        return _checked_page_ids(
+            indices,
+            space=IndexSpace.DEVICE_FULL,
+            pool_name="full",
+            page_size=PAGE,
+            num_pages=PAGES,
+            op="test",
+        )
+    except (TypeError, ValueError):
+        return None
+
+
+slot_lists = st.one_of(
+    # whole pages, maybe shuffled or repeated, maybe out of range
+    st.lists(st.integers(-2, PAGES + 2), max_size=8).map(
+        lambda pages: [p * PAGE + o for p in pages for o in range(PAGE)]
+    ),
+    # arbitrary slots
+    st.lists(st.integers(-5, (PAGES + 2) * PAGE), max_size=16),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    slots=slot_lists,
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+    space=st.sampled_from([IndexSpace.DEVICE_FULL, IndexSpace.HOST_FULL]),
+)
+def test_fast_path_accepts_only_what_the_checks_accept(
+    slots: list[int], dtype: torch.dtype, space: IndexSpace
+) -> None:
+    indices = Indices(torch.tensor(slots, dtype=dtype), space)
+    fast = _valid_pages(indices, IndexSpace.DEVICE_FULL, PAGE, PAGES)
+    long = checked_the_long_way(indices)
+    if fast is not None:
+        assert long is not None and np.array_equal(fast, long)
+    if long is not None and len(slots):
+        assert fast is not None  # valid input never takes the long path
+    else:
+        assert fast is None
+
+
+def test_pages_are_a_copy() -> None:
+    tensor = torch.arange(PAGE, 2 * PAGE, dtype=torch.int64)
+    pages = page_ids(
+        Indices(tensor, IndexSpace.DEVICE_FULL),
+        space=IndexSpace.DEVICE_FULL,
+        pool_name="full",
+        page_size=PAGE,
+        num_pages=PAGES,
+        op="test",
+    )
+    tensor.fill_(0)
+    assert pages.tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    "slots, message",
+    [
+        ([PAGE, PAGE + 1], "whole number of pages"),
+        ([0, 1, 2, 3], "reserved for padding"),
+        ([PAGE + 1, PAGE, PAGE + 2, PAGE + 3], "whole, ordered pages"),
+        ([PAGE * 13, PAGE * 13 + 1, PAGE * 13 + 2, PAGE * 13 + 3], "out of range"),
+    ],
+)
+def test_errors_name_what_is_wrong(slots: list[int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        page_ids(
+            Indices(torch.tensor(slots), IndexSpace.DEVICE_FULL),
+            space=IndexSpace.DEVICE_FULL,
+            pool_name="full",
+            page_size=PAGE,
+            num_pages=PAGES,
+            op="test",
+        )
