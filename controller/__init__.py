@@ -13,6 +13,7 @@ from .base import (
     TransferOp,
 )
 from .controller import CacheController
+from .core import TransferCore
 from .events import Event, LayerEventRing
 from .hybrid import HybridCacheController
 from .stats import TransferStats
@@ -31,6 +32,7 @@ __all__ = [
     "PoolTransfer",
     "TorchBackend",
     "TransferBackend",
+    "TransferCore",
     "TransferOp",
     "TransferStats",
     "make_backend",

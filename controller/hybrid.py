@@ -25,17 +25,18 @@ from hicache.pools import (
 )
 
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
-from .controller import CacheController, _owned_slots
+from .core import TransferCore
+from .slot_checks import owned_slots
 
 
-class HybridCacheController(CacheController):
+class HybridCacheController(TransferCore):
     """Moves full and SWA rows of a :class:`HybridSWAPool` in one op.
 
     Args:
         hybrid_pool: the device pools, allocators and full-to-SWA map.
         host_full: host pool of the full layers (``HOST_FULL``).
         host_swa: host pool of the SWA layers (``HOST_SWA``).
-        backend, producer_streams, event_ring_size: as for :class:`CacheController`.
+        backend, producer_streams, event_ring_size: as for :class:`TransferCore`.
     """
 
     def __init__(
@@ -63,7 +64,7 @@ class HybridCacheController(CacheController):
             num_model_layers=hybrid_pool.num_layers,
         )
 
-    def write(  # type: ignore[override]
+    def write(
         self, device_indices: Indices, tag: object = None, *, swa_skip: torch.Tensor | None = None
     ) -> HybridSlots | None:
         """Back up full rows of ``device_indices`` and SWA rows of those tokens that still
@@ -80,7 +81,7 @@ class HybridCacheController(CacheController):
             ValueError: as :meth:`CacheController.write`, for the full slots and for the SWA
                 slots they map to (nothing is allocated or queued then).
         """
-        self._check_writable(device_indices, "write")
+        self._checks.writable(device_indices, self.device_allocator, "write")
         device_swa = self.hybrid_pool.swa_slots_of(device_indices)
         mapped = device_swa.tensor != 0
         if swa_skip is not None:
@@ -108,7 +109,7 @@ class HybridCacheController(CacheController):
             self._queue(Direction.DEVICE_TO_HOST, transfers, tag)
         return HybridSlots(host_full, host_swa)
 
-    def load(  # type: ignore[override]
+    def load(
         self, host_indices: Indices, host_swa: Indices, swa_tail_tokens: int, tag: object = None,
         *, restore: HybridSlots | None = None,
     ) -> HybridSlots | None:
@@ -135,8 +136,8 @@ class HybridCacheController(CacheController):
                 (as :meth:`CacheController.load`) full or tail SWA host slots that are not
                 allocated pages or that a write is still filling; nothing allocated then.
         """
-        self._check_cpu(host_indices, self.host_pool, "load")  # shape errors first
-        swa_host = self._check_cpu(host_swa, self.host_swa, "load")
+        self._checks.cpu(host_indices, self.host_pool, "load")  # shape errors first
+        swa_host = self._checks.cpu(host_swa, self.host_swa, "load")
         if swa_host.numel() != len(host_indices):
             raise ValueError(
                 f"load: host_swa has {swa_host.numel()} slots for {len(host_indices)} tokens; "
@@ -148,11 +149,11 @@ class HybridCacheController(CacheController):
                 "load: a token of the window tail has no SWA host slot; its SWA rows were "
                 "never backed up, so it cannot be restored (recompute it instead)"
             )
-        self._check_loadable(host_indices, self.host_pool.allocator, "load")
+        self._checks.loadable(host_indices, self.host_pool.allocator, "load")
         swa_tail = Indices(swa_host[tail], IndexSpace.HOST_SWA)
         restore_full, restore_host = self._check_restore(restore)
         swa_sources = _cat_space([swa_tail, restore_host], IndexSpace.HOST_SWA)
-        self._check_loadable(swa_sources, self.host_swa.allocator, "load")
+        self._checks.loadable(swa_sources, self.host_swa.allocator, "load")
         device_full = self.device_allocator.try_alloc(len(host_indices))
         if device_full is None:
             return None
@@ -184,7 +185,7 @@ class HybridCacheController(CacheController):
         Raises:
             ValueError: as :meth:`write` for the SWA slots (nothing allocated or queued).
         """
-        _owned_slots(device_indices, self.device_allocator, "write_swa",
+        owned_slots(device_indices, self.device_allocator, "write_swa",
                      "back up only device slots that are allocated and hold rows")
         device_swa = self.hybrid_pool.swa_slots_of(device_indices)
         mapped = device_swa.tensor != 0
@@ -207,9 +208,9 @@ class HybridCacheController(CacheController):
         allocated whole full pages without an SWA slot, aligned host SWA slots, none 0."""
         if restore is None:
             return _empty(IndexSpace.DEVICE_FULL), _empty(IndexSpace.HOST_SWA)
-        _owned_slots(restore.full, self.device_allocator, "load (restore)",
+        owned_slots(restore.full, self.device_allocator, "load (restore)",
                      "restore only device slots the tree owns")
-        host = self._check_cpu(restore.swa, self.host_swa, "load (restore)")
+        host = self._checks.cpu(restore.swa, self.host_swa, "load (restore)")
         if host.numel() != len(restore.full):
             raise ValueError(
                 f"load (restore): {host.numel()} HOST_SWA slots for {len(restore.full)} "
@@ -230,25 +231,25 @@ class HybridCacheController(CacheController):
 
     def evict_device(self, device_indices: Indices) -> None:
         """Free full slots and their SWA slots; raises if any is in flight."""
-        self._check_not_busy(device_indices, "evict_device")
-        self._check_not_busy(self._mapped_swa(device_indices), "evict_device")
+        self._checks.not_busy(device_indices, "evict_device")
+        self._checks.not_busy(self._mapped_swa(device_indices), "evict_device")
         self.hybrid_pool.free(device_indices)
 
     def evict_host(self, host_indices: Indices, host_swa: Indices | None = None) -> None:
         """Free host full slots and the aligned SWA host slots (0 entries skipped)."""
-        self._check_not_busy(host_indices, "evict_host")
+        self._checks.not_busy(host_indices, "evict_host")
         swa = None
         if host_swa is not None:
-            swa_slots = self._check_cpu(host_swa, self.host_swa, "evict_host")
+            swa_slots = self._checks.cpu(host_swa, self.host_swa, "evict_host")
             swa = Indices(swa_slots[swa_slots != 0], IndexSpace.HOST_SWA)
-            self._check_not_busy(swa, "evict_host")
+            self._checks.not_busy(swa, "evict_host")
         self.host_pool.allocator.free(host_indices)
         if swa is not None:
             self.host_swa.allocator.free(swa)
 
     def host_swa_evict(self, host_swa: Indices) -> None:
         """Free SWA host slots on their own (whole pages; none in flight)."""
-        self._check_not_busy(host_swa, "host_swa_evict")
+        self._checks.not_busy(host_swa, "host_swa_evict")
         self.host_swa.allocator.free(host_swa)
 
     def _pools(self) -> list[DeviceKVPool | HostKVPool]:

@@ -17,6 +17,7 @@ from hicache.controller import (
     CacheController,
     HybridCacheController,
     TransferBackend,
+    TransferCore,
     make_backend,
 )
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, PageAllocator
@@ -28,7 +29,7 @@ from .service import HiCacheService
 
 logger = logging.getLogger(__name__)
 
-_Built = tuple[DeviceKVPool | HybridSWAPool, CacheController, list[HostKVPool]]
+_Built = tuple[DeviceKVPool | HybridSWAPool, TransferCore, list[HostKVPool]]
 
 
 def build_service(config: HiCacheConfig) -> HiCacheService:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_hybrid, untouched
 
-from hicache.controller import HybridCacheController, TorchBackend
+from hicache.controller import Direction, HybridCacheController, TorchBackend
 from hicache.pools import IndexSpace, Indices
 
 
@@ -120,7 +120,7 @@ def test_move_hybrid_indices_covers_every_pool() -> None:
     ctrl = make_hybrid(TorchBackend())
     full = alloc_sequence(ctrl, 4, window_tokens=2)
     assert ctrl.write(full) is not None
-    op = ctrl._merge(next(iter(ctrl._queued)))
+    op = ctrl._ops.merge(Direction.DEVICE_TO_HOST, ctrl.backend)
     assert op is not None
     moved = ctrl.move_hybrid_indices(op)
     assert [m.source.name for m in moved] == ["full", "swa"]
@@ -137,7 +137,7 @@ def test_per_layer_load_routes_layers_to_their_pools() -> None:
     ctrl.drain()
     ctrl.evict_device(full)
     assert ctrl.load(host.full, host.swa, 2) is not None
-    op = ctrl._merge(next(d for d, q in ctrl._queued.items() if q))
+    op = ctrl._ops.merge(Direction.HOST_TO_DEVICE, ctrl.backend)
     assert op is not None
     layers = [[m.local_layers_of(layer) for m in op.moved] for layer in range(4)]
     assert layers == [[[0], []], [[], [0]], [[1], []], [[], [1]]]

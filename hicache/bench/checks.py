@@ -130,7 +130,7 @@ def transfer_rows(device: torch.device, tokens: int, repeats: int
         controller.evict_host(host_slots)
 
     def validate() -> None:
-        controller._check_cpu(slots, pool, "write")
+        controller._checks.cpu(slots, pool, "write")
         allocator.pages_of(slots, op="write")
 
     try:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from hicache.config import config_from_dict
+from hicache.controller import CacheController
 from hicache.factory import build_service
 from hicache.pools import IndexSpace, Indices, PageAllocator
 from hicache.service import HiCacheService
@@ -207,6 +208,7 @@ def measure_controller(repeats: int) -> dict[str, list[float]]:
     per acknowledged op."""
     service = make_service(capacity_tokens=1 << 16, host_ratio=1.0)
     controller = service.controller
+    assert isinstance(controller, CacheController), "the benchmark's model has no SWA layers"
     out: dict[str, list[float]] = {}
     try:
         for num_pages in (1, 256):

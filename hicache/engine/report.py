@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hicache.controller import Ack, CacheController, Direction
+from hicache.controller import Ack, Direction, TransferCore
 
 DIRECTIONS = {Direction.DEVICE_TO_HOST.value: "device -> host",
               Direction.HOST_TO_DEVICE.value: "host -> device"}
@@ -32,7 +32,7 @@ class TransferTimer:
     attributes; :meth:`close` restores them).
     """
 
-    def __init__(self, controller: CacheController) -> None:
+    def __init__(self, controller: TransferCore) -> None:
         self.controller = controller
         self.on_gpu = controller.device.type == "cuda"
         self.seconds: dict[str, float] = defaultdict(float)
@@ -215,7 +215,7 @@ class DemoReport:
         return "\n".join(lines)
 
 
-def transfer_lines(controller: CacheController, timer: TransferTimer) -> list[TransferLine]:
+def transfer_lines(controller: TransferCore, timer: TransferTimer) -> list[TransferLine]:
     """Per-direction totals from the controller's ``TransferStats`` and the timer."""
     stats = controller.stats
     lines = []

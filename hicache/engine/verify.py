@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hicache.controller import CacheController, Direction, HybridCacheController, PoolTransfer
+from hicache.controller import Direction, HybridCacheController, PoolTransfer, TransferCore
 from hicache.pools import DeviceKVPool, HostKVPool
 
 from .reference import TurnKey
@@ -49,7 +49,7 @@ class TransferAudit:
             :meth:`check_loads` must report that page.
     """
 
-    def __init__(self, controller: CacheController, *, corrupt_host_byte: bool = False) -> None:
+    def __init__(self, controller: TransferCore, *, corrupt_host_byte: bool = False) -> None:
         self.controller = controller
         self.request = "-"
         self.mismatches: list[str] = []

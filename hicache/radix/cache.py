@@ -39,7 +39,7 @@ from collections.abc import Iterable
 import torch
 
 from hicache.config import EvictionPolicy, WritePolicy
-from hicache.controller import Ack, CacheController, Direction
+from hicache.controller import Ack, Direction, TransferCore
 from hicache.pools import IndexSpace, Indices
 
 from .integrity import check_tree
@@ -76,7 +76,7 @@ class HiRadixCache(TieredRadixTree):
 
     def __init__(
         self,
-        controller: CacheController,
+        controller: TransferCore,
         *,
         write_policy: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE,
         write_through_hits: int = 2,

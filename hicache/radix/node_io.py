@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.controller import CacheController, HybridCacheController, HybridSlots
+from hicache.controller import CacheController, HybridCacheController, HybridSlots, TransferCore
 from hicache.pools import IndexSpace, Indices, PageAllocator
 
 # (full slots, aligned SWA slots or None for a model without SWA)
@@ -27,8 +27,11 @@ class NodeIO:
     keeps_swa_history = False
     tail_tokens = 0
 
+    controller: TransferCore
+
     def __init__(self, controller: CacheController) -> None:
         self.controller = controller
+        self.plain = controller  # its write and load (a hybrid controller has its own)
         self.page_size = controller.device_allocator.page_size
 
     def try_alloc_device(self, num_tokens: int) -> Indices | None:
@@ -40,7 +43,7 @@ class NodeIO:
         """Queue a device-to-host copy of ``device``; the host slots, or ``None`` if full.
         ``host_swa``: the SWA host copies the tokens already have (hybrid; kept, merged
         into the returned SWA slots)."""
-        host = self.controller.write(device, tag)
+        host = self.plain.write(device, tag)
         return None if host is None else (host, None)
 
     def load(self, host: Indices, host_swa: Indices | None, tag: object,
@@ -48,7 +51,7 @@ class NodeIO:
         """Queue a host-to-device copy; the new device slots, or ``None`` if the device is
         full. ``restore`` (hybrid): device slots before ``host`` whose SWA rows come back
         from their host copies in the same op."""
-        device = self.controller.load(host, tag)
+        device = self.plain.load(host, tag)
         return None if device is None else (device, None)
 
     def write_swa(self, device: Indices, tag: object) -> Indices | None:
@@ -113,7 +116,8 @@ class HybridNodeIO(NodeIO):
 
     def __init__(self, controller: HybridCacheController, window_tokens: int,
                  keep_swa_history: bool = True) -> None:
-        super().__init__(controller)
+        self.controller = controller
+        self.page_size = controller.device_allocator.page_size
         if window_tokens < 1:
             raise ValueError(f"window_tokens must be >= 1 for a hybrid model, got {window_tokens}")
         self.hybrid = controller

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from hicache.config import EvictionPolicy, WritePolicy
-from hicache.controller import CacheController, Direction, HybridCacheController
+from hicache.controller import CacheController, Direction, HybridCacheController, TransferCore
 from hicache.pools import IndexSpace, Indices
 
 from .eviction import CandidateHeap, eviction_key
@@ -39,7 +39,7 @@ class TieredRadixTree(RadixTree):
 
     def __init__(
         self,
-        controller: CacheController,
+        controller: TransferCore,
         *,
         write_policy: WritePolicy,
         write_through_hits: int,
@@ -54,8 +54,11 @@ class TieredRadixTree(RadixTree):
             self.io: NodeIO = HybridNodeIO(controller, window_tokens, keep_swa_history)
         elif window_tokens is not None:
             raise ValueError("window_tokens is for hybrid (SWA) models; pass None")
-        else:
+        elif isinstance(controller, CacheController):
             self.io = NodeIO(controller)
+        else:
+            raise TypeError(f"expected a CacheController or HybridCacheController, got "
+                            f"{type(controller).__name__}")
         if write_through_hits < 1:
             raise ValueError(f"write_through_hits must be >= 1, got {write_through_hits}")
         super().__init__(self.io.page_size, clock)

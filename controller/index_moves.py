@@ -1,0 +1,67 @@
+"""Index tensors of queued transfer ops: the controller's own copies of a call's slots, the
+merge of several calls, and the move to where a backend reads them.
+
+``move_checked`` is the one place that casts and moves index tensors on the way to a side
+stream; ``record_on_stream`` then records every tensor that stream reads.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hicache.pools import DeviceKVPool, HostKVPool, Indices
+
+from .base import PoolTransfer, TransferBackend, TransferOp
+
+
+def owned_copy(transfer: PoolTransfer) -> PoolTransfer:
+    """``transfer`` with copies of its index tensors (the caller keeps its own)."""
+    host, device = transfer.host_indices, transfer.device_indices
+    return PoolTransfer(
+        name=transfer.name, host_pool=transfer.host_pool, device_pool=transfer.device_pool,
+        host_indices=Indices(host.tensor.clone(), host.space),
+        device_indices=Indices(device.tensor.clone(), device.space), layers=transfer.layers,
+    )
+
+
+def cat_parts(parts: list[Indices]) -> Indices:
+    """One :class:`Indices` of the parts (all of one space); a single part as it is."""
+    if len(parts) == 1:
+        return parts[0]
+    return Indices(torch.cat([p.tensor for p in parts]), parts[0].space)
+
+
+def move_checked(
+    host: torch.Tensor, device: torch.Tensor, host_pool: HostKVPool, device_pool: DeviceKVPool,
+    backend: TransferBackend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`TransferCore.move_indices` past its checks: aligned, checked CPU index
+    tensors of equal length. Pairs touching the padding slot are dropped (numpy on the
+    CPU: a few torch calls on small tensors would cost more than the whole op's
+    bookkeeping)."""
+    host_np, device_np = host.numpy(), device.numpy()
+    if host_np.size and not (host_np.all() and device_np.all()):
+        keep = (host_np != 0) & (device_np != 0)
+        host_np, device_np = host_np[keep], device_np[keep]
+    host = torch.from_numpy(host_np.astype(np.int64))  # a copy: the op owns what it moves
+    device = torch.from_numpy(device_np.astype(np.int64))
+    host, device = backend.order_pairs(host, device)
+    host_target, device_target = backend.index_devices(host_pool, device_pool)
+    return to_device(host, host_target), to_device(device, device_target)
+
+
+def to_device(index: torch.Tensor, target: torch.device) -> torch.Tensor:
+    """``index`` on ``target``: staged through pinned memory, copied without blocking."""
+    if target.type == "cpu":
+        return index
+    return index.pin_memory().to(target, non_blocking=True)
+
+
+def record_on_stream(op: TransferOp, stream: torch.cuda.Stream) -> None:
+    """``record_stream`` every CUDA tensor the op's side stream reads: each pool transfer's
+    moved indices (iterating the op's own list) and every temporary."""
+    tensors = [t for moved in op.moved for t in (moved.host_index, moved.device_index)]
+    for tensor in tensors + op.keep_alive:
+        if tensor.is_cuda:
+            tensor.record_stream(stream)

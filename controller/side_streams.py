@@ -1,0 +1,103 @@
+"""The controller's side streams: where merged ops are issued and how they are ordered.
+
+Stream rules (DESIGN section 4): before a write the write stream waits on an event recorded
+on every registered producer stream and on the caller's stream; before a load the load
+stream does the same, so loads into reused slots never race the forward pass. Every tensor
+a side stream reads (moved indices and temporaries) is recorded on that stream and held by
+its op until the op is acknowledged. On a CPU device there are no streams: copies run at
+once, in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from .base import TransferBackend, TransferOp
+from .events import Event
+from .index_moves import record_on_stream
+
+
+class SideStreams:
+    """The write and load streams of one device, and the producer streams they wait on.
+
+    Args:
+        device: the pools' device (``cpu``: no streams).
+        producer_streams: streams that write KV (the engine's forward stream).
+    """
+
+    def __init__(self, device: torch.device, producer_streams: Sequence[torch.cuda.Stream]
+                 ) -> None:
+        self.device = device
+        self.producers = list(producer_streams)
+        on_cuda = device.type == "cuda"
+        self.write_stream = torch.cuda.Stream(device) if on_cuda else None
+        self.load_stream = torch.cuda.Stream(device) if on_cuda else None
+
+    def register_producer(self, stream: torch.cuda.Stream) -> None:
+        """Add a stream that writes KV; every later op waits on it."""
+        if all(stream != s for s in self.producers):
+            self.producers.append(stream)
+
+    def issue_write(self, op: TransferOp) -> None:
+        """Copy every layer of every pool transfer of ``op`` on the write stream."""
+        stream = self.write_stream
+        self._begin(op, stream)
+        with _on_stream(stream):
+            for moved in op.moved:
+                local = list(range(len(moved.source.layers)))
+                _executor(op).copy(moved, local, op.direction, op.keep_alive)
+            op.finish_event = Event(self.device, timing=True)
+            op.finish_event.record(stream)
+        self._finish(op, stream)
+
+    def issue_load(self, op: TransferOp, events: Sequence[Event]) -> None:
+        """Copy ``op`` model layer by model layer on the load stream, recording
+        ``events[layer]`` after each layer (one event per model layer)."""
+        stream = self.load_stream
+        self._begin(op, stream)
+        with _on_stream(stream):
+            for layer, event in enumerate(events):
+                for moved in op.moved:
+                    local = moved.local_layers_of(layer)
+                    if local:
+                        _executor(op).copy(moved, local, op.direction, op.keep_alive)
+                event.record(stream)
+        op.finish_event = events[-1]
+        self._finish(op, stream)
+
+    def _begin(self, op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
+        """Order the side stream after every producer and after the caller's stream (which
+        issued the index copies of ``move_indices``). Must run before the side stream is made
+        current: inside it, "the current stream" would be the side stream itself."""
+        for stream in self.producers:
+            event = Event(self.device)
+            event.record(stream)
+            event.wait(side_stream)
+        if side_stream is not None:
+            caller = torch.cuda.current_stream(self.device)
+            assert caller != side_stream, "_begin must run on the caller's stream"
+            side_stream.wait_stream(caller)
+        op.start_event = Event(self.device, timing=True)
+        op.start_event.record(side_stream)
+
+    @staticmethod
+    def _finish(op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
+        if side_stream is not None:
+            record_on_stream(op, side_stream)
+
+
+def _executor(op: TransferOp) -> TransferBackend:
+    assert op.executor is not None, f"op {op.op_id} has no backend"
+    return op.executor
+
+
+@contextmanager
+def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
+    if stream is None:
+        yield
+        return
+    with torch.cuda.stream(stream):
+        yield
