@@ -27,6 +27,8 @@ class Direction(enum.Enum):
     DEVICE_TO_HOST = "device_to_host"
     HOST_TO_DEVICE = "host_to_device"
 
+    __hash__ = object.__hash__  # singletons: identity hash, in C (as IndexSpace)
+
 
 @dataclass(eq=False)
 class PoolTransfer:

@@ -43,6 +43,10 @@ class IndexSpace(enum.Enum):
     HOST_FULL = "host_full"
     HOST_SWA = "host_swa"
 
+    # Members are singletons: hash by identity, in C (Enum's own hash is a Python call,
+    # and the in-flight counts look a space up several times per op).
+    __hash__ = object.__hash__
+
     @property
     def is_host(self) -> bool:
         return self in (IndexSpace.HOST_FULL, IndexSpace.HOST_SWA)

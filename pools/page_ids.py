@@ -91,6 +91,12 @@ def _valid_pages(
     slots = tensor.numpy()
     if slots.size == 0 or slots.size % page_size:
         return None
+    if slots.size == page_size:  # one page, the common free and backup: no numpy calls
+        first = int(slots[0])
+        if first % page_size or slots.tolist() != list(range(first, first + page_size)):
+            return None
+        page = first // page_size
+        return np.array([page], dtype=np.int64) if 1 <= page <= num_pages else None
     if page_size == 1:
         pages = slots.astype(np.int64)  # a copy
     else:
