@@ -6,7 +6,13 @@ import pytest
 import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, make_hybrid
 
-from hicache.controller import CacheController, KernelBackend, TorchBackend, TransferBackend
+from hicache.controller import (
+    CacheController,
+    HybridSlots,
+    KernelBackend,
+    TorchBackend,
+    TransferBackend,
+)
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
 from hicache.pools import HostLayout, IndexSpace, Indices
@@ -230,3 +236,43 @@ def test_hybrid_round_trip_on_gpu(backend: TransferBackend) -> None:
     assert torch.equal(device_rows(pool.swa)[back.swa.tensor[tail]], swa_rows[swa_before[tail]])
     pool.check_integrity()
 
+
+
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST],
+                         ids=lambda layout: layout.value)
+def test_swa_history_round_trip_on_gpu(backend: TransferBackend, layout: HostLayout) -> None:
+    """SWA rows that leave the window go to the host on their own (``write_swa``); a later
+    load brings back a host span and, in the same op, restores the SWA rows of device
+    tokens before it (``restore=``): every row is compared on real streams."""
+    ctrl = make_hybrid(backend, device="cuda", layout=layout)
+    pool = ctrl.hybrid_pool
+    assert pool.try_alloc(4) is not None  # the span does not start at the first pages
+    prefix = pool.try_alloc(6)  # stays on the device; its SWA rows leave
+    span = pool.try_alloc(4)  # goes to the host and comes back
+    assert prefix is not None and span is not None
+    prefix_swa = device_rows(pool.swa)[pool.swa_slots_of(prefix).tensor]
+    span_full = device_rows(pool.full)[span.tensor]
+    span_swa = device_rows(pool.swa)[pool.swa_slots_of(span).tensor]
+    host_prefix_swa = ctrl.write_swa(prefix)
+    host_span = ctrl.write(span)
+    assert host_prefix_swa is not None and host_span is not None
+    ctrl.start_writing()
+    churn_allocator()
+    ctrl.drain()
+    pool.free_swa(prefix)
+    ctrl.evict_device(span)
+    pool.full.data.fill_(SENTINEL)
+    pool.swa.data.fill_(SENTINEL)
+    back = ctrl.load(host_span.full, host_span.swa, swa_tail_tokens=4,
+                     restore=HybridSlots(prefix, host_prefix_swa))
+    assert back is not None
+    ctrl.start_loading()
+    churn_allocator()
+    ctrl.drain()
+    assert torch.equal(device_rows(pool.full)[back.full.tensor], span_full)
+    assert torch.equal(device_rows(pool.swa)[back.swa.tensor], span_swa)
+    assert torch.equal(device_rows(pool.swa)[pool.swa_slots_of(prefix).tensor], prefix_swa)
+    ctrl.evict_host(host_span.full, host_span.swa)
+    ctrl.host_swa_evict(host_prefix_swa)
+    pool.check_integrity()
