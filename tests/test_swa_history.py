@@ -108,3 +108,59 @@ def test_free_device_drops_the_copies_of_pages_never_inserted(service: HiCacheSe
     assert service.controller.host_swa.allocator.num_used_tokens == 0
     assert len(service.tree.window_backups) == 0
     service.check_integrity()
+
+
+def test_recomputed_pages_of_a_host_only_prefix_keep_one_host_swa_copy(
+        service: HiCacheService) -> None:
+    """Inserting recomputed pages of a host-only node frees the engine's duplicate copies."""
+    pool = service.device_pool
+    assert isinstance(pool, HybridSWAPool)
+    tokens = list(range(1, 13))
+    serve(service, tokens)
+    service.step()
+    service.evict(10**6)  # host-only now, with the SWA rows of every token on the host
+    (node,) = service.tree.nodes()
+    assert node.is_host_only and node.host_swa is not None
+    kept = node.host_swa.tensor.clone()
+    assert bool((kept != 0).all())
+    used = service.controller.host_swa.allocator.num_used_tokens
+    serve(service, tokens)  # recomputed: its early pages get host SWA copies again
+    service.step()
+    assert node.on_device and torch.equal(node.host_swa.tensor, kept)
+    assert service.controller.host_swa.allocator.num_used_tokens == used
+    service.check_integrity()
+
+
+def test_a_prefix_whose_load_is_in_flight_gets_its_window_restored(
+        service: HiCacheService) -> None:
+    """A window inside a load still in flight is restored; the node waits for both acks."""
+    pool = service.device_pool
+    assert isinstance(pool, HybridSWAPool)
+    tokens = list(range(1, 13))
+    serve(service, tokens)
+    service.step()
+    service.evict(10**6)
+    first = service.match(tokens)  # a load of all 12 tokens: SWA rows for the last 4
+    service.lock(first.last_host_node)
+    assert service.load_back(first, 32) is not None
+    service.start_loading()
+    second = service.match([*tokens[:8], 99, 98])  # its window (4..7) lies in that load
+    assert second.device_hit_tokens == 8
+    service.lock(second.last_device_node)
+    loaded = service.load_back(second, 32)
+    assert loaded is not None and len(loaded) == 0
+    assert service.tree.stats.refused_load_backs["swa_tail_missing"] == 0
+    service.start_loading()
+    first_ack, restore_ack = service.controller.poll()  # in the order they were issued
+    service.tree.apply_acks([first_ack])
+    assert second.last_device_node.load_op is not None  # waits for the restore
+    service.tree.apply_acks([restore_ack])
+    assert second.last_device_node.load_op is None
+    window = Indices(second.device_indices.tensor[4:8], IndexSpace.DEVICE_FULL)
+    want = torch.arange(4, 8, dtype=torch.float32)[None, None, :, None] + 1000.0
+    assert torch.equal(swa_rows(pool, window), want.expand(*pool.swa.data.shape[:2], -1,
+                                                           pool.swa.data.shape[-1]))
+    assert service.tree.stats.restored_swa_tokens == 4
+    service.release(second.last_device_node)
+    service.release(first.last_host_node)
+    service.check_integrity()

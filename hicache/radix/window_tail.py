@@ -49,9 +49,14 @@ class WindowRestore:
                 cat_indices(self.host_swa, IndexSpace.HOST_SWA))
 
     def assign(self, tree: HiRadixCache, op: PendingOp) -> None:
-        """The restored nodes' SWA slots are in the pool's map now; they wait for ``op``."""
+        """The restored nodes' SWA slots are in the pool's map now; they wait for ``op``.
+
+        A node whose own load-back is still in flight waits for ``op`` instead: loads are
+        acknowledged in the order they were queued, so ``op``'s ack comes last."""
         for node in self.nodes:
             node.device_swa = tree.io.swa_of(slots_of(node, "device"))
+            if node.load_op is not None:
+                node.load_op.nodes.remove(node)
             node.load_op = op
             op.nodes.append(node)
         tree.stats.restored_swa_tokens += self.num_tokens
@@ -75,8 +80,7 @@ def window_restore(tree: HiRadixCache, node: TreeNode, span_tokens: int) -> Wind
         missing = swa.tensor[start:] == 0
         if bool(missing.any()):
             host = ancestor.host_swa
-            if host is None or ancestor.load_op is not None or \
-                    bool((host.tensor[start:][missing] == 0).any()):
+            if host is None or bool((host.tensor[start:][missing] == 0).any()):
                 return None
             restore.nodes.append(ancestor)
             restore.full.append(Indices(device.tensor[start:][missing], IndexSpace.DEVICE_FULL))
@@ -115,7 +119,11 @@ def finish_window_backup(tree: HiRadixCache, op: WindowBackupOp) -> None:
 
 
 def adopt_window_backups(tree: HiRadixCache, node: TreeNode) -> None:
-    """Give ``node`` (which just took engine pages) the host SWA copies of its pages."""
+    """Give ``node`` (which just took engine pages) the host SWA copies of its pages.
+
+    A host-only node that takes engine pages again (the engine recomputed its tokens, e.g.
+    after a refused load-back) may already have host SWA copies of some of them: it keeps
+    its own, and the engine's copies of those tokens (the same rows) are freed."""
     adopted = tree.window_backups.take(slots_of(node, "device"))
     if adopted is None:
         return
@@ -123,7 +131,7 @@ def adopt_window_backups(tree: HiRadixCache, node: TreeNode) -> None:
         node.host_swa = adopted
         return
     have = node.host_swa.tensor != 0
-    assert not bool((have & (adopted.tensor != 0)).any()), "two SWA host copies of a token"
+    tree.io.free_host_swa(Indices(adopted.tensor[have], IndexSpace.HOST_SWA))
     node.host_swa = Indices(torch.where(have, node.host_swa.tensor.to(torch.int64),
                                          adopted.tensor), IndexSpace.HOST_SWA)
 
