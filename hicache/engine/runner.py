@@ -141,7 +141,10 @@ class DemoEngine:
         """Match, lock and load back; ``None`` (nothing held) to retry once others finish,
         when the host run did not fit on the device now. Other refusals are final: those
         tokens are computed again."""
-        match = self.service.match(prompt)
+        # the last prompt token is always computed (its logits give the first new token),
+        # so match without it: the window a load-back restores is then the window of what
+        # is reused, not of a page the request recomputes anyway
+        match = self.service.match(prompt[:-1])
         node = match.last_host_node
         self.service.lock(node)  # the device prefix and the host run stay put until finish
         prefix = match.device_indices
