@@ -21,6 +21,8 @@ Thread ownership (the rules every caller relies on):
 Slots the engine allocates through :meth:`HiCacheService.alloc_device` are tracked until
 they are inserted or given back with :meth:`HiCacheService.free_device`, so the integrity
 check can prove that every device slot is free, owned by a tree node or held by the engine.
+
+Parts: :class:`~hicache.call_gate.CallGate` admits every scheduler call.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -40,6 +41,7 @@ from hicache.controller import Ack
 from hicache.metrics import MetricsExporter, controller_pool_usage
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
 
+from .call_gate import CallGate
 from .engine_slots import EngineSlots
 from .integrity_slices import SlicedIntegrityCheck
 from .radix import HiRadixCache, MatchResult, TokenIds, TokenKey, TreeNode
@@ -99,15 +101,11 @@ class HiCacheService:
         self._poll_interval_s = poll_interval_s
         self._acks: queue.Queue[Ack] = queue.Queue()
         self._engine = EngineSlots(self.controller.device_allocator)
-        self._error: BaseException | None = None
-        self._error_raised = False
+        self._gate = CallGate(self.service_lock, ServiceError)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._last_call_s = 0.0  # monotonic time of the latest scheduler call
-        self._num_calls = 0  # scheduler calls started (the background check compares it)
         self.background_check = SlicedIntegrityCheck(
-            self.service_lock, tree, self._engine.as_indices, lambda: self._num_calls)
-        self._stopped = False
+            self.service_lock, tree, self._engine.as_indices, lambda: self._gate.num_calls)
         self._metrics_address = metrics_address
         self.exporter = None if metrics_address is None else MetricsExporter(
             self.controller.stats, cache=tree.stats,
@@ -135,7 +133,7 @@ class HiCacheService:
         ids, a list or tuple of ints or a 1-D integer tensor or numpy array; anything else
         raises ``TypeError``, a negative id ``ValueError``, with nothing changed.
         """
-        with self._call():
+        with self._gate.call():
             return self.tree.match_prefix(tokens)
 
     def lock(self, node: TreeNode) -> None:
@@ -147,13 +145,13 @@ class HiCacheService:
             ValueError: ``node`` belongs to another service's cache, or was removed from
                 this one (evicted or dropped): match again. Nothing is changed.
         """
-        with self._call():
+        with self._gate.call():
             self.tree.lock(node)
 
     def release(self, node: TreeNode) -> None:
         """Undo one :meth:`lock` of ``node``; refuses nodes as :meth:`lock` does, and raises
         ``RuntimeError`` for a node that is not locked."""
-        with self._call():
+        with self._gate.call():
             self.tree.unlock(node, op="release")
 
     def load_back(
@@ -162,12 +160,12 @@ class HiCacheService:
         """Queue the load of a match's host-only run (or of a node's host-only ancestors);
         see :meth:`HiRadixCache.load_back`. Issue it with :meth:`start_loading`."""
         node = target.last_host_node if isinstance(target, MatchResult) else target
-        with self._call():
+        with self._gate.call():
             return self.tree.load_back(node, device_quota_tokens)
 
     def start_loading(self) -> int | None:
         """Issue queued load-backs (when the batch that reads them starts); the event set id."""
-        with self._call():
+        with self._gate.call():
             return self.tree.start_loading()
 
     def insert(self, tokens: TokenIds | TokenKey, device_indices: Indices) -> int:
@@ -185,7 +183,7 @@ class HiCacheService:
         """
         if not isinstance(device_indices, Indices):
             raise TypeError(f"insert: expected DEVICE_FULL Indices, got {type(device_indices)}")
-        with self._call():
+        with self._gate.call():
             key = self.tree.key(tokens, "insert")  # checked once, reused below
             num_tokens = len(key.pages)
             if len(device_indices) < num_tokens:
@@ -230,7 +228,7 @@ class HiCacheService:
             )
         page = self.tree.page_size
         rounded = -(-int(num_tokens) // page) * page
-        with self._call():
+        with self._gate.call():
             slots = self.tree.io.try_alloc_device(rounded)
             if slots is None:
                 short = rounded - self.controller.device_allocator.num_free_tokens
@@ -243,7 +241,7 @@ class HiCacheService:
 
     def free_device(self, device_indices: Indices) -> None:
         """Give back whole pages from :meth:`alloc_device` that were never inserted."""
-        with self._call():
+        with self._gate.call():
             pages = self._engine.held_pages(device_indices, "free_device")
             self._finish_window_backups(device_indices)
             self.controller.evict_device(device_indices)
@@ -264,7 +262,7 @@ class HiCacheService:
             ValueError: a page the engine does not hold (never handed out, inserted or
                 freed), or not whole pages. Nothing is changed.
         """
-        with self._call():
+        with self._gate.call():
             self._engine.held_pages(device_indices, "release_window")
             if self.tree.io.is_hybrid:
                 self.tree.back_up_window(device_indices)
@@ -272,18 +270,18 @@ class HiCacheService:
     def evict_swa(self, num_tokens: int) -> int:
         """:meth:`HiRadixCache.evict_swa`: device SWA tokens freed (the nodes keep their
         full rows; a load-back restores the SWA rows of a reused window from the host)."""
-        with self._call():
+        with self._gate.call():
             return self.tree.evict_swa(num_tokens)
 
     def evict(self, num_tokens: int) -> int:
         """:meth:`HiRadixCache.evict`: device tokens freed now. Under ``write_back`` the
         tokens it writes back first are freed by a later :meth:`step`, once written."""
-        with self._call():
+        with self._gate.call():
             return self.tree.evict(num_tokens)
 
     def evict_host(self, num_tokens: int) -> int:
         """:meth:`HiRadixCache.evict_host`: host tokens freed."""
-        with self._call():
+        with self._gate.call():
             return self.tree.evict_host(num_tokens)
 
     def step(self) -> int:
@@ -295,7 +293,7 @@ class HiCacheService:
                 range; nothing live was written (see :mod:`hicache.pools.bounds`). Raised
                 before anything is applied; the next step goes on normally.
         """
-        with self._call():
+        with self._gate.call():
             self.controller.raise_if_tripped()
             acks = self._collect_acks()
             self._apply(acks)
@@ -303,7 +301,7 @@ class HiCacheService:
 
     def wait_until(self, layer: int) -> None:
         """GPU-side wait of the current stream for ``layer`` of the latest load; no lock."""
-        self._raise_if_failed()
+        self._gate.raise_if_failed()
         self.controller.wait_until(layer)
 
     def check_integrity(self) -> None:
@@ -330,8 +328,8 @@ class HiCacheService:
                 kept. Nothing is started: ``start`` may be called again once the port is
                 free, and ``stop`` works as usual.
         """
-        self._raise_if_failed()
-        if self._stopped:
+        self._gate.raise_if_failed()
+        if self._gate.stopped:
             raise RuntimeError("the service was stopped; build a new one")
         if self._thread is not None:
             return
@@ -346,7 +344,7 @@ class HiCacheService:
 
         Idempotent. Raises the background thread's error if no scheduler call did.
         """
-        if self._stopped:
+        if self._gate.stopped:
             return
         self._stopping.set()
         if self._thread is not None:
@@ -359,9 +357,8 @@ class HiCacheService:
             self._apply(acks)
             for pool in self._host_pools:
                 pool.close()
-            self._stopped = True
-        if self._error is not None and not self._error_raised:
-            self._raise_if_failed()
+            self._gate.stopped = True
+        self._gate.raise_if_unsurfaced()
 
     def __enter__(self) -> HiCacheService:
         try:
@@ -389,14 +386,14 @@ class HiCacheService:
                 # Idle: no ack and no scheduler call for an interval. A check, once
                 # started, goes on in short slices and gives up at a scheduler call.
                 elif (self.background_check.in_progress or min(
-                        now - last_ack, now - self._last_call_s, now - last_check,
+                        now - last_ack, now - self._gate.last_call_s, now - last_check,
                 ) >= self._check_interval_s) and self._step_check():
                     last_check = now
                 busy = self.background_check.in_progress
                 self._stopping.wait(min(self._poll_interval_s, 0.0002) if busy
                                     else self._poll_interval_s)
         except BaseException as exc:  # recorded and raised on the scheduler thread
-            self._error = exc
+            self._gate.fail(exc)
             self.stats.background_errors += 1
             logger.exception("hicache background thread failed")
 
@@ -421,23 +418,6 @@ class HiCacheService:
         return done
 
     # ---- helpers (called with the lock held) ---------------------------------------------
-
-    @contextmanager
-    def _call(self) -> Iterator[None]:
-        self._raise_if_failed()
-        if self._stopped:
-            raise RuntimeError("the service was stopped")
-        self._last_call_s = time.monotonic()
-        self._num_calls += 1  # before the lock: a background check between slices sees it
-        with self.service_lock:
-            yield
-
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            self._error_raised = True
-            raise ServiceError(
-                f"hicache background thread failed: {self._error!r}; stop the service"
-            ) from self._error
 
     def _drain_queue(self) -> list[Ack]:
         acks = []

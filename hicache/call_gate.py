@@ -1,0 +1,72 @@
+"""The way every scheduler call enters :class:`~hicache.service.HiCacheService`.
+
+A call first raises the background thread's recorded failure (as
+:class:`~hicache.service.ServiceError`, with the original as ``__cause__``) and refuses to
+run after ``stop``; then it counts itself and notes its time *before* it waits for the
+service lock, so that a background integrity check between two of its slices sees the call
+and gives up, and the idle timer of the background thread restarts; then it holds the lock
+for the rest of the call.
+
+The failure is recorded by the background thread and read by the scheduler thread; the
+call counters and the stopped flag are written by the scheduler thread only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+class CallGate:
+    """The service lock, the count and time of scheduler calls, the stopped flag and the
+    background failure that calls surface.
+
+    Args:
+        lock: the service lock (``HiCacheService.service_lock``).
+        error_type: what a call raises once the background thread failed (the service's
+            ``ServiceError``), with the failure as ``__cause__``.
+    """
+
+    def __init__(self, lock: threading.Lock, error_type: type[Exception]) -> None:
+        self.lock = lock
+        self.stopped = False
+        self.last_call_s = 0.0  # monotonic time of the latest scheduler call
+        self.num_calls = 0  # scheduler calls started (the background check compares it)
+        self._error_type = error_type
+        self._error: BaseException | None = None
+        self._error_raised = False
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Admit one scheduler call and hold the service lock for its body.
+
+        Raises:
+            ServiceError: the background thread failed (see :meth:`raise_if_failed`).
+            RuntimeError: the service was stopped.
+        """
+        self.raise_if_failed()
+        if self.stopped:
+            raise RuntimeError("the service was stopped")
+        self.last_call_s = time.monotonic()
+        self.num_calls += 1  # before the lock: a background check between slices sees it
+        with self.lock:
+            yield
+
+    def fail(self, exc: BaseException) -> None:
+        """Record the background thread's exception; every later call raises it."""
+        self._error = exc
+
+    def raise_if_failed(self) -> None:
+        """Raise ``error_type`` from the recorded exception, if there is one."""
+        if self._error is not None:
+            self._error_raised = True
+            raise self._error_type(
+                f"hicache background thread failed: {self._error!r}; stop the service"
+            ) from self._error
+
+    def raise_if_unsurfaced(self) -> None:
+        """Raise the recorded failure if no call has raised it yet (for ``stop``)."""
+        if self._error is not None and not self._error_raised:
+            self.raise_if_failed()
