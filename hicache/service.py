@@ -22,25 +22,25 @@ Slots the engine allocates through :meth:`HiCacheService.alloc_device` are track
 they are inserted or given back with :meth:`HiCacheService.free_device`, so the integrity
 check can prove that every device slot is free, owned by a tree node or held by the engine.
 
-Parts: :class:`~hicache.call_gate.CallGate` admits every scheduler call.
+Parts: :class:`~hicache.call_gate.CallGate` admits every scheduler call;
+:class:`~hicache.background_poller.BackgroundPoller` is the background thread and its ack
+queue.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
 import numpy as np
 
-from hicache.controller import Ack
 from hicache.metrics import MetricsExporter, controller_pool_usage
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
 
+from .background_poller import BackgroundPoller
 from .call_gate import CallGate
 from .engine_slots import EngineSlots
 from .integrity_slices import SlicedIntegrityCheck
@@ -97,13 +97,8 @@ class HiCacheService:
         self.service_lock = threading.Lock()
         self.stats = ServiceStats()
         self._host_pools = list(host_pools)
-        self._check_interval_s = integrity_check_interval_s
-        self._poll_interval_s = poll_interval_s
-        self._acks: queue.Queue[Ack] = queue.Queue()
         self._engine = EngineSlots(self.controller.device_allocator)
         self._gate = CallGate(self.service_lock, ServiceError)
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
         self.background_check = SlicedIntegrityCheck(
             self.service_lock, tree, self._engine.as_indices, lambda: self._gate.num_calls)
         self._metrics_address = metrics_address
@@ -111,6 +106,11 @@ class HiCacheService:
             self.controller.stats, cache=tree.stats,
             pool_usage=controller_pool_usage(self.controller), service=self.stats,
             source_lock=self.service_lock,
+        )
+        self._poller = BackgroundPoller(
+            gate=self._gate, tree=tree, stats=self.stats,
+            exporter=self.exporter, check=self.background_check,
+            check_interval_s=integrity_check_interval_s, poll_interval_s=poll_interval_s,
         )
 
     # ---- scheduler API ------------------------------------------------------------------
@@ -233,7 +233,7 @@ class HiCacheService:
             if slots is None:
                 short = rounded - self.controller.device_allocator.num_free_tokens
                 self.tree.evict(short if short > 0 else rounded)
-                self._apply(self._collect_acks())
+                self._poller.apply(self._poller.collect())
                 slots = self.tree.io.try_alloc_device(rounded)
             if slots is not None:
                 self._engine.add(slots)
@@ -295,8 +295,8 @@ class HiCacheService:
         """
         with self._gate.call():
             self.controller.raise_if_tripped()
-            acks = self._collect_acks()
-            self._apply(acks)
+            acks = self._poller.collect()
+            self._poller.apply(acks)
             return len(acks)
 
     def wait_until(self, layer: int) -> None:
@@ -331,13 +331,12 @@ class HiCacheService:
         self._gate.raise_if_failed()
         if self._gate.stopped:
             raise RuntimeError("the service was stopped; build a new one")
-        if self._thread is not None:
+        if self._poller.is_running:
             return
         if self.exporter is not None and self._metrics_address is not None:
             port = self.exporter.start_http(*self._metrics_address)
             logger.info("hicache metrics on %s:%d", self._metrics_address[0], port)
-        self._thread = threading.Thread(target=self._run, name="hicache-service", daemon=True)
-        self._thread.start()
+        self._poller.start()
 
     def stop(self) -> None:
         """Join the thread, drain every op in flight and apply its ack, close the host pools.
@@ -346,15 +345,12 @@ class HiCacheService:
         """
         if self._gate.stopped:
             return
-        self._stopping.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._poller.stop()
         if self.exporter is not None:
             self.exporter.stop()
         with self.service_lock:
-            acks = self._drain_queue() + self.controller.drain()
-            self._apply(acks)
+            acks = self._poller.drain() + self.controller.drain()
+            self._poller.apply(acks)
             for pool in self._host_pools:
                 pool.close()
             self._gate.stopped = True
@@ -374,65 +370,7 @@ class HiCacheService:
     ) -> None:
         self.stop()
 
-    # ---- background thread --------------------------------------------------------------
-
-    def _run(self) -> None:
-        last_ack = last_check = time.monotonic()
-        try:
-            while not self._stopping.is_set():
-                now = time.monotonic()
-                if self._poll_once():
-                    last_ack = now
-                # Idle: no ack and no scheduler call for an interval. A check, once
-                # started, goes on in short slices and gives up at a scheduler call.
-                elif (self.background_check.in_progress or min(
-                        now - last_ack, now - self._gate.last_call_s, now - last_check,
-                ) >= self._check_interval_s) and self._step_check():
-                    last_check = now
-                busy = self.background_check.in_progress
-                self._stopping.wait(min(self._poll_interval_s, 0.0002) if busy
-                                    else self._poll_interval_s)
-        except BaseException as exc:  # recorded and raised on the scheduler thread
-            self._gate.fail(exc)
-            self.stats.background_errors += 1
-            logger.exception("hicache background thread failed")
-
-    def _poll_once(self) -> bool:
-        with self.service_lock:
-            acks = self.controller.poll_acks()  # bounds errors go to step(), not this thread
-            self.stats.polls += 1
-            if self.exporter is not None:
-                self.exporter.refresh()
-        for ack in acks:
-            self._acks.put(ack)
-        return bool(acks)
-
-    def _step_check(self) -> bool:
-        """One slice of the background integrity check; True when it completed a check."""
-        check = self.background_check
-        abandoned = check.stats.abandoned
-        done = check.step()
-        self.stats.integrity_checks_abandoned += check.stats.abandoned - abandoned
-        if done:
-            self.stats.integrity_checks += 1
-        return done
-
     # ---- helpers (called with the lock held) ---------------------------------------------
-
-    def _drain_queue(self) -> list[Ack]:
-        acks = []
-        while True:
-            try:
-                acks.append(self._acks.get_nowait())
-            except queue.Empty:
-                return acks
-
-    def _collect_acks(self) -> list[Ack]:
-        """Queued acks first (older), then whatever the controller finished since."""
-        acks = self._drain_queue() + self.controller.poll_acks()
-        if self.exporter is not None:
-            self.exporter.refresh()
-        return acks
 
     def _finish_window_backups(self, device_indices: Indices) -> None:
         """Wait for the window backups of these engine pages still in flight (a short
@@ -440,11 +378,7 @@ class HiCacheService:
         ``free_device`` see complete host copies."""
         if self.tree.io.is_hybrid and self.tree.window_backups.in_flight(device_indices):
             self.controller.finish_writes()
-            self._apply(self._collect_acks())
-
-    def _apply(self, acks: list[Ack]) -> None:
-        self.tree.apply_acks(acks)
-        self.stats.acks_applied += len(acks)
+            self._poller.apply(self._poller.collect())
 
     def _check_locked(self) -> None:
         """CPU state only: it never waits for the GPU, as the lock is held."""
