@@ -24,12 +24,11 @@ check can prove that every device slot is free, owned by a tree node or held by 
 
 Parts: :class:`~hicache.call_gate.CallGate` admits every scheduler call;
 :class:`~hicache.background_poller.BackgroundPoller` is the background thread and its ack
-queue.
+queue; :mod:`hicache.lifecycle` starts and stops them.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,13 +39,12 @@ import numpy as np
 from hicache.metrics import MetricsExporter, controller_pool_usage
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
 
+from . import lifecycle
 from .background_poller import BackgroundPoller
 from .call_gate import CallGate
 from .engine_slots import EngineSlots
 from .integrity_slices import SlicedIntegrityCheck
 from .radix import HiRadixCache, MatchResult, TokenIds, TokenKey, TreeNode
-
-logger = logging.getLogger(__name__)
 
 
 class ServiceError(RuntimeError):
@@ -320,48 +318,18 @@ class HiCacheService:
     # ---- life cycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the background thread (and the metrics endpoint); no-op when running.
-
-        Raises:
-            OSError: the metrics address cannot be bound (the port is taken, the host does
-                not resolve); the message names ``host:port`` and the fix, ``errno`` is
-                kept. Nothing is started: ``start`` may be called again once the port is
-                free, and ``stop`` works as usual.
-        """
-        self._gate.raise_if_failed()
-        if self._gate.stopped:
-            raise RuntimeError("the service was stopped; build a new one")
-        if self._poller.is_running:
-            return
-        if self.exporter is not None and self._metrics_address is not None:
-            port = self.exporter.start_http(*self._metrics_address)
-            logger.info("hicache metrics on %s:%d", self._metrics_address[0], port)
-        self._poller.start()
+        """Start the background thread (and the metrics endpoint); no-op when running;
+        ``OSError`` when the metrics address cannot be bound (then nothing is started).
+        See :func:`hicache.lifecycle.start`."""
+        lifecycle.start(self)
 
     def stop(self) -> None:
         """Join the thread, drain every op in flight and apply its ack, close the host pools.
-
-        Idempotent. Raises the background thread's error if no scheduler call did.
-        """
-        if self._gate.stopped:
-            return
-        self._poller.stop()
-        if self.exporter is not None:
-            self.exporter.stop()
-        with self.service_lock:
-            acks = self._poller.drain() + self.controller.drain()
-            self._poller.apply(acks)
-            for pool in self._host_pools:
-                pool.close()
-            self._gate.stopped = True
-        self._gate.raise_if_unsurfaced()
+        Idempotent; raises the background thread's error if no scheduler call did."""
+        lifecycle.stop(self)
 
     def __enter__(self) -> HiCacheService:
-        try:
-            self.start()
-        except BaseException:  # a Ctrl-C inside start(): __exit__ will not run
-            self.stop()
-            raise
+        lifecycle.enter(self)
         return self
 
     def __exit__(

@@ -1,0 +1,77 @@
+"""Starting and stopping a :class:`~hicache.service.HiCacheService`, and ``with service``.
+
+``start`` brings up the metrics endpoint, then the background thread
+(:class:`~hicache.background_poller.BackgroundPoller`); ``stop`` joins the thread, closes
+the endpoint, drains every op in flight and applies its ack under the service lock, closes
+the host pools, and raises a background failure that no scheduler call raised. After
+``stop`` every scheduler call and ``start`` refuse to run (:class:`~hicache.call_gate.CallGate`).
+
+Plain functions of the service (its methods of the same names call them), on the thread
+that owns the service; ``stop`` blocks until the ops in flight finish.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .service import HiCacheService
+
+logger = logging.getLogger(__name__)
+
+
+def start(service: HiCacheService) -> None:
+    """Start the background thread (and the metrics endpoint); no-op when running.
+
+    Raises:
+        ServiceError: the background thread failed.
+        RuntimeError: the service was stopped (build a new one).
+        OSError: the metrics address cannot be bound (the port is taken, the host does not
+            resolve); the message names ``host:port`` and the fix, ``errno`` is kept.
+            Nothing is started: ``start`` may be called again once the port is free, and
+            ``stop`` works as usual.
+    """
+    gate = service._gate
+    gate.raise_if_failed()
+    if gate.stopped:
+        raise RuntimeError("the service was stopped; build a new one")
+    if service._poller.is_running:
+        return
+    exporter, address = service.exporter, service._metrics_address
+    if exporter is not None and address is not None:
+        port = exporter.start_http(*address)
+        logger.info("hicache metrics on %s:%d", address[0], port)
+    service._poller.start()
+
+
+def stop(service: HiCacheService) -> None:
+    """Join the thread, close the metrics endpoint, drain every op in flight and apply its
+    ack, close the host pools.
+
+    Idempotent. Raises the background thread's error (``ServiceError``) if no scheduler
+    call did.
+    """
+    gate = service._gate
+    if gate.stopped:
+        return
+    service._poller.stop()
+    if service.exporter is not None:
+        service.exporter.stop()
+    with gate.lock:
+        acks = service._poller.drain() + service.controller.drain()
+        service._poller.apply(acks)
+        for pool in service._host_pools:
+            pool.close()
+        gate.stopped = True
+    gate.raise_if_unsurfaced()
+
+
+def enter(service: HiCacheService) -> None:
+    """``with service``: :func:`start`, and :func:`stop` again if ``start`` is interrupted
+    (a Ctrl-C inside it), since ``__exit__`` will not run then."""
+    try:
+        service.start()
+    except BaseException:
+        service.stop()
+        raise
