@@ -22,7 +22,8 @@ Slots the engine allocates through :meth:`HiCacheService.alloc_device` are track
 they are inserted or given back with :meth:`HiCacheService.free_device`, so the integrity
 check can prove that every device slot is free, owned by a tree node or held by the engine.
 
-Parts: :class:`~hicache.call_gate.CallGate` admits every scheduler call;
+Parts: :mod:`hicache.slot_handoff` moves slots between the engine and the tree;
+:class:`~hicache.call_gate.CallGate` admits every scheduler call;
 :class:`~hicache.background_poller.BackgroundPoller` is the background thread and its ack
 queue; :mod:`hicache.lifecycle` starts and stops them.
 """
@@ -34,12 +35,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
-import numpy as np
-
 from hicache.metrics import MetricsExporter, controller_pool_usage
-from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
+from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, Indices
 
-from . import lifecycle
+from . import lifecycle, slot_handoff
 from .background_poller import BackgroundPoller
 from .call_gate import CallGate
 from .engine_slots import EngineSlots
@@ -70,10 +69,9 @@ class HiCacheService:
         device_pool: the pool the engine writes KV into (plain or hybrid).
         host_pools: host pools to close (unpin) at :meth:`stop`.
         integrity_check_interval_s: seconds between integrity checks of the thread, which
-            starts one only after that long with neither a finished transfer nor a
-            scheduler call; it holds the lock well under a millisecond at a time and
-            gives up if the scheduler calls in between (see
-            :mod:`hicache.integrity_slices`).
+            starts one only after that long with neither a finished transfer nor a scheduler
+            call; it holds the lock well under a millisecond at a time and gives up if the
+            scheduler calls in between (see :mod:`hicache.integrity_slices`).
         poll_interval_s: sleep of the background thread between polls.
         metrics_address: ``(host, port)`` to serve Prometheus metrics on from :meth:`start`,
             or ``None`` for no endpoint.
@@ -182,18 +180,7 @@ class HiCacheService:
         if not isinstance(device_indices, Indices):
             raise TypeError(f"insert: expected DEVICE_FULL Indices, got {type(device_indices)}")
         with self._gate.call():
-            key = self.tree.key(tokens, "insert")  # checked once, reused below
-            num_tokens = len(key.pages)
-            if len(device_indices) < num_tokens:
-                raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
-            pages = self._engine.insertable(self.tree, key, device_indices, num_tokens)
-            self._finish_window_backups(device_indices)
-            cached = self.tree.insert(key, device_indices)
-            if self.tree.io.is_hybrid:  # copies of duplicate pages, which the tree freed
-                head = Indices(device_indices.tensor[:num_tokens], IndexSpace.DEVICE_FULL)
-                self.tree.io.free_host_swa(self.tree.window_backups.take(head))
-            self._engine.forget(pages)
-            return cached
+            return slot_handoff.insert(self, tokens, device_indices)
 
     def alloc_device(self, num_tokens: int) -> Indices | None:
         """``num_tokens`` rounded up to whole pages of fresh device slots (with SWA slots for
@@ -207,44 +194,14 @@ class HiCacheService:
                 capacity; for a hybrid pool the smaller of the full and SWA pools). Checked
                 before anything is evicted.
         """
-        if isinstance(num_tokens, (bool, np.bool_)) or \
-                not isinstance(num_tokens, (int, np.integer)):
-            raise TypeError(f"alloc_device: num_tokens must be an int, got "
-                            f"{type(num_tokens).__name__} {num_tokens!r:.40}")
-        if num_tokens < 0:
-            raise ValueError(f"alloc_device: num_tokens must be >= 0, got {num_tokens}")
-        pool = self.device_pool
-        capacity, pool_name, key = (self.controller.device_allocator.capacity_tokens, "device",
-                                    "device_pool.num_tokens")
-        if isinstance(pool, HybridSWAPool) and pool.swa_allocator.capacity_tokens < capacity:
-            capacity, pool_name, key = (pool.swa_allocator.capacity_tokens, "device SWA",
-                                        "device_pool.swa_num_tokens")
-        if num_tokens > capacity:
-            raise ValueError(
-                f"alloc_device: {num_tokens} tokens exceed the {pool_name} pool's capacity of "
-                f"{capacity} tokens; allocate at most {capacity} tokens per call, or raise {key}"
-            )
-        page = self.tree.page_size
-        rounded = -(-int(num_tokens) // page) * page
+        rounded = slot_handoff.check_alloc(self, num_tokens)
         with self._gate.call():
-            slots = self.tree.io.try_alloc_device(rounded)
-            if slots is None:
-                short = rounded - self.controller.device_allocator.num_free_tokens
-                self.tree.evict(short if short > 0 else rounded)
-                self._poller.apply(self._poller.collect())
-                slots = self.tree.io.try_alloc_device(rounded)
-            if slots is not None:
-                self._engine.add(slots)
-            return slots
+            return slot_handoff.alloc(self, rounded)
 
     def free_device(self, device_indices: Indices) -> None:
         """Give back whole pages from :meth:`alloc_device` that were never inserted."""
         with self._gate.call():
-            pages = self._engine.held_pages(device_indices, "free_device")
-            self._finish_window_backups(device_indices)
-            self.controller.evict_device(device_indices)
-            self.tree.io.free_host_swa(self.tree.window_backups.take(device_indices))
-            self._engine.forget(pages)
+            slot_handoff.free(self, device_indices)
 
     def release_window(self, device_indices: Indices) -> None:
         """Give back the SWA slots of engine-held pages (from :meth:`alloc_device`, not
@@ -261,9 +218,7 @@ class HiCacheService:
                 freed), or not whole pages. Nothing is changed.
         """
         with self._gate.call():
-            self._engine.held_pages(device_indices, "release_window")
-            if self.tree.io.is_hybrid:
-                self.tree.back_up_window(device_indices)
+            slot_handoff.release_window(self, device_indices)
 
     def evict_swa(self, num_tokens: int) -> int:
         """:meth:`HiRadixCache.evict_swa`: device SWA tokens freed (the nodes keep their
@@ -306,8 +261,9 @@ class HiCacheService:
         """Conservation of every slot (tree, engine-held, free); ``RuntimeError`` if broken.
         Also allowed after :meth:`stop`. The device copy of the hybrid map is compared after
         the lock is released (it waits for the GPU; only this thread changes the map)."""
-        with self.service_lock:
-            self._check_locked()
+        with self.service_lock:  # CPU state only: no wait for the GPU while the lock is held
+            self.tree.check_integrity(engine_device=self._engine.as_indices(), sync_device=False)
+            self.stats.integrity_checks += 1
         self.tree.io.check_pools(sync_device=True)
 
     @property
@@ -337,19 +293,3 @@ class HiCacheService:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-    # ---- helpers (called with the lock held) ---------------------------------------------
-
-    def _finish_window_backups(self, device_indices: Indices) -> None:
-        """Wait for the window backups of these engine pages still in flight (a short
-        wait for copies already issued) and apply them, so that ``insert`` and
-        ``free_device`` see complete host copies."""
-        if self.tree.io.is_hybrid and self.tree.window_backups.in_flight(device_indices):
-            self.controller.finish_writes()
-            self._poller.apply(self._poller.collect())
-
-    def _check_locked(self) -> None:
-        """CPU state only: it never waits for the GPU, as the lock is held."""
-        engine = self._engine.as_indices()
-        self.tree.check_integrity(engine_device=engine, sync_device=False)
-        self.stats.integrity_checks += 1

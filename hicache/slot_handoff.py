@@ -1,0 +1,112 @@
+"""Device slots handed between the engine and the tree, under the service's scheduler calls.
+
+The engine gets fresh pages from ``alloc_device`` (:func:`check_alloc`, :func:`alloc`) and
+holds them (:class:`~hicache.engine_slots.EngineSlots` records which) until it gives them to
+the tree with ``insert`` (:func:`insert`) or back with ``free_device`` (:func:`free`). For
+a hybrid model, ``release_window`` (:func:`release_window`) gives back the SWA slots of held
+pages that left every future window; under ``host.swa_history: all`` their SWA rows are
+first copied to the host, and those copies follow the pages: ``insert`` hands them to the
+tree, ``free_device`` frees them, both after waiting for copies still in flight
+(:func:`finish_window_backups`).
+
+Plain functions of :class:`~hicache.service.HiCacheService` (its methods call them): on the
+scheduler thread, with the service lock held, except :func:`check_alloc`, which reads no
+state that a call changes and runs before the lock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hicache.pools import HybridSWAPool, IndexSpace, Indices
+
+from .radix import TokenIds, TokenKey
+
+if TYPE_CHECKING:
+    from .service import HiCacheService
+
+
+def check_alloc(service: HiCacheService, num_tokens: int) -> int:
+    """``num_tokens`` rounded up to whole pages, once it is a request ``alloc_device`` can
+    ever meet; ``TypeError``/``ValueError`` as documented there, before anything changes."""
+    if isinstance(num_tokens, (bool, np.bool_)) or \
+            not isinstance(num_tokens, (int, np.integer)):
+        raise TypeError(f"alloc_device: num_tokens must be an int, got "
+                        f"{type(num_tokens).__name__} {num_tokens!r:.40}")
+    if num_tokens < 0:
+        raise ValueError(f"alloc_device: num_tokens must be >= 0, got {num_tokens}")
+    pool = service.device_pool
+    capacity, pool_name, key = (service.controller.device_allocator.capacity_tokens, "device",
+                                "device_pool.num_tokens")
+    if isinstance(pool, HybridSWAPool) and pool.swa_allocator.capacity_tokens < capacity:
+        capacity, pool_name, key = (pool.swa_allocator.capacity_tokens, "device SWA",
+                                    "device_pool.swa_num_tokens")
+    if num_tokens > capacity:
+        raise ValueError(
+            f"alloc_device: {num_tokens} tokens exceed the {pool_name} pool's capacity of "
+            f"{capacity} tokens; allocate at most {capacity} tokens per call, or raise {key}"
+        )
+    page = service.tree.page_size
+    return -(-int(num_tokens) // page) * page
+
+
+def alloc(service: HiCacheService, num_tokens: int) -> Indices | None:
+    """``num_tokens`` (whole pages, from :func:`check_alloc`) fresh device slots, evicting
+    once if needed, recorded as the engine's; ``None`` when there is still no room."""
+    tree = service.tree
+    slots = tree.io.try_alloc_device(num_tokens)
+    if slots is None:
+        short = num_tokens - service.controller.device_allocator.num_free_tokens
+        tree.evict(short if short > 0 else num_tokens)
+        service._poller.apply(service._poller.collect())
+        slots = tree.io.try_alloc_device(num_tokens)
+    if slots is not None:
+        service._engine.add(slots)
+    return slots
+
+
+def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices: Indices) -> int:
+    """The engine's pages (or the tree's own, at their positions) of ``tokens`` go to the
+    tree, with the host SWA copies made of them; tokens already cached."""
+    tree = service.tree
+    key = tree.key(tokens, "insert")  # checked once, reused below
+    num_tokens = len(key.pages)
+    if len(device_indices) < num_tokens:
+        raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
+    pages = service._engine.insertable(tree, key, device_indices, num_tokens)
+    finish_window_backups(service, device_indices)
+    cached = tree.insert(key, device_indices)
+    if tree.io.is_hybrid:  # copies of duplicate pages, which the tree freed
+        head = Indices(device_indices.tensor[:num_tokens], IndexSpace.DEVICE_FULL)
+        tree.io.free_host_swa(tree.window_backups.take(head))
+    service._engine.forget(pages)
+    return cached
+
+
+def free(service: HiCacheService, device_indices: Indices) -> None:
+    """The engine gives back pages it never inserted, and the host SWA copies made of them."""
+    pages = service._engine.held_pages(device_indices, "free_device")
+    finish_window_backups(service, device_indices)
+    service.controller.evict_device(device_indices)
+    service.tree.io.free_host_swa(service.tree.window_backups.take(device_indices))
+    service._engine.forget(pages)
+
+
+def release_window(service: HiCacheService, device_indices: Indices) -> None:
+    """The SWA slots of engine-held pages that left every future window go (see
+    ``HiCacheService.release_window``)."""
+    service._engine.held_pages(device_indices, "release_window")
+    if service.tree.io.is_hybrid:
+        service.tree.back_up_window(device_indices)
+
+
+def finish_window_backups(service: HiCacheService, device_indices: Indices) -> None:
+    """Wait for the window backups of these engine pages still in flight (a short wait for
+    copies already issued) and apply them, so that ``insert`` and ``free_device`` see
+    complete host copies."""
+    tree = service.tree
+    if tree.io.is_hybrid and tree.window_backups.in_flight(device_indices):
+        service.controller.finish_writes()
+        service._poller.apply(service._poller.collect())
