@@ -2,7 +2,8 @@
 
 - :mod:`~hicache.radix.cache`: :class:`HiRadixCache`, what the service drives (match,
   insert, load-back, acks, integrity);
-- :mod:`~hicache.radix.tiers`: :class:`TieredRadixTree`, the write and eviction policies;
+- :mod:`~hicache.radix.tiers`: :class:`TieredRadixTree`, the write and eviction policies
+  and what an op's ack changes;
 - :mod:`~hicache.radix.eviction`: the per-tier heaps of eviction candidates;
 - :mod:`~hicache.radix.tree`: :class:`RadixTree`, the tree's shape (pages, matching, splits);
 - :mod:`~hicache.radix.key`: :class:`TokenKey`, a request's token ids checked once;

@@ -286,28 +286,6 @@ class HiRadixCache(TieredRadixTree):
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _finish_write(self, op: PendingOp) -> None:
-        for node in op.nodes:
-            assert node.write_op is op, f"{node!r} lost track of its write"
-            node.write_op = None
-            self._touch(node)
-        self.stats.backed_up_tokens += sum(node.num_tokens for node in op.nodes)
-        if op.lock_node is not None:
-            self.unlock(op.lock_node)
-        for node in sorted(op.nodes, key=TreeNode.depth, reverse=True):
-            if node.evict_on_ack:
-                node.evict_on_ack = False
-                if self._can_evict_device(node):
-                    self.stats.evicted_device_tokens += self._free_device(node)
-
-    def _finish_load(self, op: PendingOp) -> None:
-        for node in op.nodes:
-            assert node.load_op is op, f"{node!r} lost track of its load"
-            node.load_op = None
-            self._touch(node)
-        assert op.lock_node is not None, "a load-back always locks its last node"
-        self.unlock(op.lock_node)
-
     def _result(self, path: list[TreeNode]) -> MatchResult:
         on_device = list(itertools.takewhile(lambda n: n.on_device, path))
         host_only = path[len(on_device):]

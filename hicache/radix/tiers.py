@@ -16,6 +16,9 @@ Write policies: ``write_through`` backs up on insert, ``write_through_selective`
 node was matched ``write_through_hits`` times, ``write_back`` only when eviction picks a node
 that has no host copy; its device slots are freed when the write's ack is applied.
 
+Applying an ack (``_finish_write``, ``_finish_load``) clears the op from its nodes and drops
+the lock it held; the nodes become eviction candidates again.
+
 Thread ownership: the engine's scheduler thread is the only caller.
 """
 
@@ -187,6 +190,34 @@ class TieredRadixTree(RadixTree):
             op.lock_node = node
             self.lock(node)
         return True
+
+    # ---- acknowledgements ---------------------------------------------------------------
+
+    def _finish_write(self, op: PendingOp) -> None:
+        """A backup's ack: its nodes' host copies are valid, a write-through lock drops, and
+        a write-back eviction frees the device slots (unless the node was locked or gained
+        device children meanwhile)."""
+        for node in op.nodes:
+            assert node.write_op is op, f"{node!r} lost track of its write"
+            node.write_op = None
+            self._touch(node)
+        self.stats.backed_up_tokens += sum(node.num_tokens for node in op.nodes)
+        if op.lock_node is not None:
+            self.unlock(op.lock_node)
+        for node in sorted(op.nodes, key=TreeNode.depth, reverse=True):
+            if node.evict_on_ack:
+                node.evict_on_ack = False
+                if self._can_evict_device(node):
+                    self.stats.evicted_device_tokens += self._free_device(node)
+
+    def _finish_load(self, op: PendingOp) -> None:
+        """A load-back's ack: its nodes' device rows are valid and its lock drops."""
+        for node in op.nodes:
+            assert node.load_op is op, f"{node!r} lost track of its load"
+            node.load_op = None
+            self._touch(node)
+        assert op.lock_node is not None, "a load-back always locks its last node"
+        self.unlock(op.lock_node)
 
     # ---- helpers ------------------------------------------------------------------------
 
