@@ -8,7 +8,8 @@
 - :mod:`~hicache.radix.tree`: :class:`RadixTree`, the tree's shape (pages, matching, splits);
 - :mod:`~hicache.radix.key`: :class:`TokenKey`, a request's token ids checked once;
 - :mod:`~hicache.radix.node`: :class:`TreeNode`, :class:`MatchResult` and the counters;
-- :mod:`~hicache.radix.node_io`: how nodes' slots move through the controller;
+- :mod:`~hicache.radix.node_io`: how nodes' slots move through the controller, and the
+  slots ``insert`` takes from the engine;
 - :mod:`~hicache.radix.integrity`: the conservation check behind ``check_integrity``.
 
 Bookkeeping only: nothing here touches a stream (the controller does).

@@ -36,8 +36,6 @@ import itertools
 import logging
 from collections.abc import Iterable
 
-import torch
-
 from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import Ack, Direction, TransferCore
 from hicache.pools import IndexSpace, Indices
@@ -141,7 +139,7 @@ class HiRadixCache(TieredRadixTree):
         does not look for that caller bug (``HiCacheService.insert`` refuses it).
         """
         key = self.page_key(tokens, "insert")
-        slots = self._take_slots(device_indices, len(key))
+        slots = self.io.take_slots(device_indices, len(key))
         path, taken, duplicates, cached = self._insert_walk(key, slots)
         duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
         if len(duplicate):
@@ -184,7 +182,7 @@ class HiRadixCache(TieredRadixTree):
                 child.device = part  # re-attach: the host-only node is on the device again
                 taken.append((child, pos))
             else:
-                duplicates.append(self._differing_pages(child.device, part))
+                duplicates.append(self.io.differing_pages(child.device, part))
             child.last_access = now
             self._touch(child)
             path.append(child)
@@ -295,28 +293,6 @@ class HiRadixCache(TieredRadixTree):
         last_device = on_device[-1] if on_device else self.root
         last_host = path[-1] if path else self.root
         return MatchResult(device, last_device, last_host, sum(n.num_tokens for n in host_only))
-
-    def _take_slots(self, device_indices: Indices, num_tokens: int) -> Indices:
-        if not isinstance(device_indices, Indices) or \
-                device_indices.space is not IndexSpace.DEVICE_FULL:
-            raise ValueError("insert: device_indices must be DEVICE_FULL hicache.pools.Indices")
-        if len(device_indices) < num_tokens or device_indices.device.type != "cpu":
-            raise ValueError(
-                f"insert: need >= {num_tokens} CPU slots (the whole pages of the tokens), got "
-                f"{len(device_indices)} on {device_indices.device}"
-            )
-        slots = Indices(device_indices.tensor[:num_tokens].to(torch.int64).clone(),
-                        IndexSpace.DEVICE_FULL)
-        if not self.controller.device_allocator.is_allocated(slots):
-            raise ValueError("insert: some slots are not allocated; insert only slots you hold")
-        return slots
-
-    def _differing_pages(self, mine: Indices, theirs: Indices) -> Indices:
-        """Pages of ``theirs`` that are not the tree's page at the same position."""
-        ours = mine.tensor.view(-1, self.page_size)
-        given = theirs.tensor.view(-1, self.page_size)
-        differ = (ours != given).any(dim=1)
-        return Indices(given[differ].reshape(-1), IndexSpace.DEVICE_FULL)
 
     def _host_span(self, node: TreeNode) -> list[TreeNode]:
         span = []

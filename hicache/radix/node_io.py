@@ -1,4 +1,5 @@
-"""How the radix tree asks the controller to move and free a node's slots.
+"""How the radix tree asks the controller to move and free a node's slots, and takes over
+the slots the engine gives to ``insert`` (checked, with the duplicates of its own pages found).
 
 Two variants behind one interface: :class:`NodeIO` for full-attention models
 (:class:`~hicache.controller.CacheController`) and :class:`HybridNodeIO` for sliding-window
@@ -53,6 +54,35 @@ class NodeIO:
         from their host copies in the same op."""
         device = self.plain.load(host, tag)
         return None if device is None else (device, None)
+
+    def take_slots(self, device_indices: Indices, num_tokens: int) -> Indices:
+        """The first ``num_tokens`` of the slots the engine gives to ``insert``, checked
+        (``DEVICE_FULL`` CPU indices, enough of them, all allocated) and copied as int64.
+
+        Raises:
+            ValueError: any of those checks fails (the message starts with ``insert:``).
+        """
+        if not isinstance(device_indices, Indices) or \
+                device_indices.space is not IndexSpace.DEVICE_FULL:
+            raise ValueError("insert: device_indices must be DEVICE_FULL hicache.pools.Indices")
+        if len(device_indices) < num_tokens or device_indices.device.type != "cpu":
+            raise ValueError(
+                f"insert: need >= {num_tokens} CPU slots (the whole pages of the tokens), got "
+                f"{len(device_indices)} on {device_indices.device}"
+            )
+        slots = Indices(device_indices.tensor[:num_tokens].to(torch.int64).clone(),
+                        IndexSpace.DEVICE_FULL)
+        if not self.controller.device_allocator.is_allocated(slots):
+            raise ValueError("insert: some slots are not allocated; insert only slots you hold")
+        return slots
+
+    def differing_pages(self, mine: Indices, theirs: Indices) -> Indices:
+        """Pages of ``theirs`` that are not the tree's page at the same position
+        (``mine``: a node's ``DEVICE_FULL`` slots; both whole pages, aligned)."""
+        ours = mine.tensor.view(-1, self.page_size)
+        given = theirs.tensor.view(-1, self.page_size)
+        differ = (ours != given).any(dim=1)
+        return Indices(given[differ].reshape(-1), IndexSpace.DEVICE_FULL)
 
     def write_swa(self, device: Indices, tag: object) -> Indices | None:
         """Queue a copy of only the SWA rows of ``device`` (hybrid); aligned host SWA slots
