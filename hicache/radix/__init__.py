@@ -4,6 +4,7 @@
   insert, load-back, acks, integrity);
 - :mod:`~hicache.radix.tiers`: :class:`TieredRadixTree`, the write and eviction policies
   and what an op's ack changes;
+- :mod:`~hicache.radix.load_back`: a match's host-only run brought back to the device;
 - :mod:`~hicache.radix.eviction`: the per-tier heaps of eviction candidates;
 - :mod:`~hicache.radix.tree`: :class:`RadixTree`, the tree's shape (pages, matching, splits);
 - :mod:`~hicache.radix.key`: :class:`TokenKey`, a request's token ids checked once;

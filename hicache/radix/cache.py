@@ -3,8 +3,9 @@
 A node's KV rows sit on the device (``DEVICE_FULL`` slots), on the host (``HOST_FULL``), or
 both; hybrid models add aligned SWA slots. Device-resident nodes form an ancestor-closed
 set and every other node has a complete host copy, so a match is a device prefix followed
-by a host-only run that :meth:`HiRadixCache.load_back` can bring back. Policies (write and
-eviction) live in :mod:`hicache.radix.tiers`, the tree's shape in :mod:`hicache.radix.tree`.
+by a host-only run that :meth:`HiRadixCache.load_back` can bring back
+(:mod:`hicache.radix.load_back`). Policies (write and eviction) live in
+:mod:`hicache.radix.tiers`, the tree's shape in :mod:`hicache.radix.tree`.
 
 Slot ownership (the contract with the engine):
 
@@ -33,7 +34,6 @@ access with its lock).
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterable
 
 from hicache.config import EvictionPolicy, WritePolicy
@@ -42,20 +42,12 @@ from hicache.pools import IndexSpace, Indices
 
 from .integrity import check_tree
 from .key import TokenIds, TokenKey
-from .node import MatchResult, PendingOp, TreeNode, cat_indices, empty_indices, slice_indices
-from .node_io import SlotPair
+from .load_back import load_back
+from .node import MatchResult, PendingOp, TreeNode, cat_indices, slice_indices
 from .tiers import TieredRadixTree
 from .tree import Clock, slots_of
 from .window_backups import WindowBackupOp, WindowBackups
-from .window_tail import (
-    adopt_window_backups,
-    back_up_window,
-    evict_swa,
-    finish_window_backup,
-    window_restore,
-)
-
-logger = logging.getLogger(__name__)
+from .window_tail import adopt_window_backups, back_up_window, evict_swa, finish_window_backup
 
 
 class HiRadixCache(TieredRadixTree):
@@ -205,36 +197,7 @@ class HiRadixCache(TieredRadixTree):
             ``[span]`` CPU ``DEVICE_FULL`` slots of the loaded tokens (empty when nothing is
             host-only), or ``None``.
         """
-        span = self._host_span(node)
-        num_tokens = sum(n.num_tokens for n in span)
-        restore = window_restore(self, node, num_tokens)
-        if restore is None:
-            return self._refuse("swa_tail_missing", num_tokens)
-        if not span and not restore.nodes:
-            return empty_indices(IndexSpace.DEVICE_FULL)
-        if span and num_tokens < self.load_back_threshold_tokens:
-            return self._refuse("below_threshold", num_tokens)
-        if num_tokens > device_quota_tokens:
-            return self._refuse("over_quota", num_tokens)
-        host = cat_indices([slots_of(n, "host") for n in span], IndexSpace.HOST_FULL)
-        host_swa = (cat_indices([slots_of(n, "host_swa") for n in span], IndexSpace.HOST_SWA)
-                    if self.io.is_hybrid else None)
-        if not self.io.tail_has_swa(host_swa):
-            return self._refuse("swa_tail_missing", num_tokens)
-        op = PendingOp(Direction.HOST_TO_DEVICE, list(span), node)
-        self.lock(node)  # held until the ack; also shields the span while we evict
-        loaded = self.io.load(host, host_swa, op, restore.slots)
-        if loaded is None:
-            self.evict_swa(restore.num_tokens + self.io.tail_tokens)
-            self.evict(num_tokens)
-            loaded = self.io.load(host, host_swa, op, restore.slots)
-        if loaded is None:
-            self.unlock(node)
-            return self._refuse("device_full", num_tokens)
-        self._assign_loaded(span, loaded, op)
-        restore.assign(self, op)
-        self.stats.loaded_back_tokens += num_tokens
-        return loaded[0]
+        return load_back(self, node, device_quota_tokens)
 
     def back_up_window(self, device: Indices) -> None:
         """Engine-held whole pages that left every future window give back their SWA
@@ -293,29 +256,3 @@ class HiRadixCache(TieredRadixTree):
         last_device = on_device[-1] if on_device else self.root
         last_host = path[-1] if path else self.root
         return MatchResult(device, last_device, last_host, sum(n.num_tokens for n in host_only))
-
-    def _host_span(self, node: TreeNode) -> list[TreeNode]:
-        span = []
-        for ancestor in self._ancestry(node, "load_back"):
-            if ancestor.on_device:
-                break
-            assert ancestor.is_backed_up, f"host-only {ancestor!r} has no complete host copy"
-            span.append(ancestor)
-        span.reverse()
-        return span
-
-    def _assign_loaded(self, span: list[TreeNode], loaded: SlotPair, op: PendingOp) -> None:
-        device, device_swa = loaded
-        now, offset = self._clock(), 0
-        for node in span:
-            end = offset + node.num_tokens
-            node.device = slice_indices(device, offset, end)
-            node.device_swa = None if device_swa is None else slice_indices(device_swa, offset, end)
-            node.load_op, node.last_access, offset = op, now, end
-            self._touch(node)
-
-    def _refuse(self, reason: str, num_tokens: int) -> Indices | None:
-        """Count a refused load-back; always ``None`` (the refusal)."""
-        self.stats.refused_load_backs[reason] += num_tokens
-        logger.debug("load-back of %d tokens refused: %s", num_tokens, reason)
-        return None

@@ -1,0 +1,100 @@
+"""Load-backs: a cached prefix's host-only run brought back to the device.
+
+A match is a device prefix followed by a host-only run (:class:`~hicache.radix.MatchResult`).
+:func:`load_back` queues one host-to-device op for the host-only ancestors of a node (the
+span), all or nothing; the controller issues it at ``start_loading``. The span's nodes own
+their new device slots at once and wait for the op (``load_op``); the node stays locked
+until the ack (``TieredRadixTree._finish_load``). For a hybrid model the same op restores
+the SWA rows of the window that lie in the device prefix
+(:func:`~hicache.radix.window_tail.window_restore`). A refusal is counted by reason in
+``CacheStats.refused_load_backs``.
+
+Plain functions of :class:`~hicache.radix.HiRadixCache` (its ``load_back`` calls
+:func:`load_back`), on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from hicache.controller import Direction
+from hicache.pools import IndexSpace, Indices
+
+from .node import PendingOp, TreeNode, cat_indices, empty_indices, slice_indices
+from .node_io import SlotPair
+from .tree import slots_of
+from .window_tail import window_restore
+
+if TYPE_CHECKING:
+    from .cache import HiRadixCache
+
+logger = logging.getLogger(__name__)
+
+
+def load_back(tree: HiRadixCache, node: TreeNode, device_quota_tokens: int) -> Indices | None:
+    """See :meth:`HiRadixCache.load_back`."""
+    span = host_span(tree, node)
+    num_tokens = sum(n.num_tokens for n in span)
+    restore = window_restore(tree, node, num_tokens)
+    if restore is None:
+        return refuse(tree, "swa_tail_missing", num_tokens)
+    if not span and not restore.nodes:
+        return empty_indices(IndexSpace.DEVICE_FULL)
+    if span and num_tokens < tree.load_back_threshold_tokens:
+        return refuse(tree, "below_threshold", num_tokens)
+    if num_tokens > device_quota_tokens:
+        return refuse(tree, "over_quota", num_tokens)
+    host = cat_indices([slots_of(n, "host") for n in span], IndexSpace.HOST_FULL)
+    host_swa = (cat_indices([slots_of(n, "host_swa") for n in span], IndexSpace.HOST_SWA)
+                if tree.io.is_hybrid else None)
+    if not tree.io.tail_has_swa(host_swa):
+        return refuse(tree, "swa_tail_missing", num_tokens)
+    op = PendingOp(Direction.HOST_TO_DEVICE, list(span), node)
+    tree.lock(node)  # held until the ack; also shields the span while we evict
+    loaded = tree.io.load(host, host_swa, op, restore.slots)
+    if loaded is None:
+        tree.evict_swa(restore.num_tokens + tree.io.tail_tokens)
+        tree.evict(num_tokens)
+        loaded = tree.io.load(host, host_swa, op, restore.slots)
+    if loaded is None:
+        tree.unlock(node)
+        return refuse(tree, "device_full", num_tokens)
+    assign_loaded(tree, span, loaded, op)
+    restore.assign(tree, op)
+    tree.stats.loaded_back_tokens += num_tokens
+    return loaded[0]
+
+
+def host_span(tree: HiRadixCache, node: TreeNode) -> list[TreeNode]:
+    """The host-only ancestors of ``node`` (itself included), root side first, down from
+    the first device-resident one."""
+    span = []
+    for ancestor in tree._ancestry(node, "load_back"):
+        if ancestor.on_device:
+            break
+        assert ancestor.is_backed_up, f"host-only {ancestor!r} has no complete host copy"
+        span.append(ancestor)
+    span.reverse()
+    return span
+
+
+def assign_loaded(
+    tree: HiRadixCache, span: list[TreeNode], loaded: SlotPair, op: PendingOp
+) -> None:
+    """Give the span's nodes their slices of the ``loaded`` slots; they wait for ``op``."""
+    device, device_swa = loaded
+    now, offset = tree._clock(), 0
+    for node in span:
+        end = offset + node.num_tokens
+        node.device = slice_indices(device, offset, end)
+        node.device_swa = None if device_swa is None else slice_indices(device_swa, offset, end)
+        node.load_op, node.last_access, offset = op, now, end
+        tree._touch(node)
+
+
+def refuse(tree: HiRadixCache, reason: str, num_tokens: int) -> Indices | None:
+    """Count a refused load-back; always ``None`` (the refusal)."""
+    tree.stats.refused_load_backs[reason] += num_tokens
+    logger.debug("load-back of %d tokens refused: %s", num_tokens, reason)
+    return None
