@@ -19,9 +19,13 @@ with build_service(config) as service:
         match = service.match(key)
         service.lock(match.last_host_node)  # keep the prefix until the request is done
         prefix = match.device_indices
-        loaded = service.load_back(match, 1024) if match.host_hit_tokens else None
-        if loaded is not None:
-            prefix = Indices(torch.cat([prefix.tensor, loaded.tensor]), IndexSpace.DEVICE_FULL)
+        loaded_tokens = 0
+        if match.host_hit_tokens:
+            loaded = service.load_back(match, 1024)  # a LoadBack: queued, or why not
+            if loaded.queued:
+                prefix = Indices(torch.cat([prefix.tensor, loaded.device_indices.tensor]),
+                                 IndexSpace.DEVICE_FULL)
+                loaded_tokens = loaded.num_tokens
         own = service.alloc_device(len(prompt) - len(prefix))
         assert own is not None, "device pool full: a real scheduler would wait or retract"
         service.start_loading()
@@ -31,4 +35,4 @@ with build_service(config) as service:
         service.insert(key, slots)
         service.release(match.last_host_node)
         print(f"request {step}: {len(prompt)} tokens, {len(match.device_indices)} from the "
-              f"device, {0 if loaded is None else len(loaded)} loaded back from the host")
+              f"device, {loaded_tokens} loaded back from the host")

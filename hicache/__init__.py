@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     )
     from hicache.factory import build_service
     from hicache.pools import BoundsError, ForwardLocs, IndexSpace, Indices, PageTable
-    from hicache.radix import MatchResult, TokenKey, TreeNode
+    from hicache.radix import LoadBack, MatchResult, Refusal, TokenKey, TreeNode
     from hicache.service import HiCacheService, ServiceError
 
 # The module that defines each public name (the imports above, for type checkers).
@@ -42,7 +42,9 @@ _SOURCES: dict[str, str] = {
     "IndexSpace": "hicache.pools",
     "Indices": "hicache.pools",
     "PageTable": "hicache.pools",
+    "LoadBack": "hicache.radix",
     "MatchResult": "hicache.radix",
+    "Refusal": "hicache.radix",
     "TokenKey": "hicache.radix",
     "TreeNode": "hicache.radix",
     "HiCacheService": "hicache.service",
@@ -57,8 +59,10 @@ __all__ = [
     "HiCacheService",
     "IndexSpace",
     "Indices",
+    "LoadBack",
     "MatchResult",
     "PageTable",
+    "Refusal",
     "ServiceError",
     "TokenKey",
     "TreeNode",

@@ -43,7 +43,7 @@ from .background_poller import BackgroundPoller
 from .call_gate import CallGate
 from .engine_slots import EngineSlots
 from .integrity_slices import SlicedIntegrityCheck
-from .radix import HiRadixCache, MatchResult, TokenIds, TokenKey, TreeNode
+from .radix import HiRadixCache, LoadBack, MatchResult, TokenIds, TokenKey, TreeNode
 
 
 class ServiceError(RuntimeError):
@@ -152,9 +152,15 @@ class HiCacheService:
 
     def load_back(
         self, target: MatchResult | TreeNode, device_quota_tokens: int
-    ) -> Indices | None:
+    ) -> LoadBack:
         """Queue the load of a match's host-only run (or of a node's host-only ancestors);
-        see :meth:`HiRadixCache.load_back`. Issue it with :meth:`start_loading`."""
+        see :meth:`HiRadixCache.load_back`. Issue it with :meth:`start_loading`.
+
+        Returns:
+            a :class:`~hicache.radix.LoadBack`: ``queued`` with the loaded run's device
+            slots, or ``refused`` with the reason (``device_full``: retry after other
+            requests finished; the others are final: compute those tokens).
+        """
         node = target.last_host_node if isinstance(target, MatchResult) else target
         with self._gate.call():
             return self.tree.load_back(node, device_quota_tokens)

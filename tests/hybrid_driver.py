@@ -232,7 +232,8 @@ class HybridDriver:
         loaded = None
         quota = self.pool.full_allocator.capacity_tokens
         if match.device_hit_tokens or match.host_hit_tokens:
-            loaded = self.svc.load_back(match, quota)
+            result = self.svc.load_back(match, quota)
+            loaded = result.device_indices if result.queued else None
         if loaded is None and match.device_hit_tokens:
             loaded = self._restore_window(match.last_device_node, quota)
         if loaded is not None:
@@ -251,13 +252,13 @@ class HybridDriver:
     def _restore_window(self, node: TreeNode, quota: int) -> Indices | None:
         """The host run was refused: restore at least the SWA rows of the device prefix's
         window; once more after freeing SWA slots if that was refused too."""
-        loaded = self.svc.load_back(node, quota)
-        if loaded is None:
+        result = self.svc.load_back(node, quota)
+        if not result.queued:
             self.svc.step()  # acknowledged window backups free their SWA slots
             self.svc.evict(2 * self.tree.io.tail_tokens)  # and so do device leaves
             self.svc.step()
-            loaded = self.svc.load_back(node, quota)
-        return loaded
+            result = self.svc.load_back(node, quota)
+        return result.device_indices if result.queued else None
 
     def _check_loaded(
         self, prefix: torch.Tensor, loaded: Indices, codes: torch.Tensor

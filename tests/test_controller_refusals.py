@@ -506,7 +506,7 @@ def test_service_read_before_start_loading_raises() -> None:
         assert service.evict(10**6) == 4
         match = service.match(tokens)
         assert match.host_hit_tokens == 4
-        assert service.load_back(match, 16) is not None
+        assert service.load_back(match, 16).queued
         with pytest.raises(RuntimeError, match="layer 1 is read while 1 queued load"):
             service.device_pool.value_buffer(1)
         with pytest.raises(RuntimeError, match="call start_loading"):

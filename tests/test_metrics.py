@@ -88,7 +88,7 @@ def run_workload(rig: Rig) -> None:
     rig.put(B)
     assert rig.tree.evict(len(A) + len(B)) == len(A) + len(B)
     match = rig.tree.match_prefix(A)
-    assert rig.tree.load_back(match.last_host_node, device_quota_tokens=100) is not None
+    assert rig.tree.load_back(match.last_host_node, device_quota_tokens=100).queued
     rig.tree.start_loading()
     assert rig.ack() == 1
     rig.tree.check_integrity()
@@ -169,7 +169,7 @@ def test_refused_load_back_is_counted_by_reason() -> None:
     rig.ack()
     rig.tree.evict(len(A))
     match = rig.tree.match_prefix(A)
-    assert rig.tree.load_back(match.last_host_node, device_quota_tokens=4) is None
+    assert not rig.tree.load_back(match.last_host_node, device_quota_tokens=4).queued
     samples = parse(exporter.render().decode())
     assert value(samples, "hicache_refused_load_back_tokens_total", reason="over_quota") == 8
     assert value(samples, "hicache_load_back_tokens_total") == 0

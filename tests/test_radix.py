@@ -21,6 +21,7 @@ from radix_helpers import (
 )
 
 from hicache.config import EvictionPolicy, WritePolicy
+from hicache.radix import Refusal
 from hicache.radix.tree import slots_of
 
 A = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -294,14 +295,16 @@ def _host_only(rig: Rig, tokens: list[int]) -> None:
 def test_load_back_below_threshold_is_refused() -> None:
     rig = Rig(threshold=6)
     _host_only(rig, A[:4])
-    assert rig.tree.load_back(find(rig.tree, A[:4]), 100) is None
+    refused = rig.tree.load_back(find(rig.tree, A[:4]), 100)
+    assert refused.refused is Refusal.BELOW_THRESHOLD and refused.num_tokens == 4
+    assert len(refused.device_indices) == 0 and not refused.queued
     assert rig.tree.stats.refused_load_backs["below_threshold"] == 4
 
 
 def test_load_back_over_quota_is_refused() -> None:
     rig = Rig()
     _host_only(rig, A[:4])
-    assert rig.tree.load_back(find(rig.tree, A[:4]), 2) is None
+    assert rig.tree.load_back(find(rig.tree, A[:4]), 2).refused is Refusal.OVER_QUOTA
     assert rig.tree.stats.refused_load_backs["over_quota"] == 4
 
 
@@ -313,7 +316,7 @@ def test_load_back_is_all_or_nothing() -> None:
     match = rig.tree.match_prefix([5, 5, 6, 6, 7, 7])
     rig.tree.lock(match.last_device_node)
     assert rig.allocator.num_free_tokens == 2
-    assert rig.tree.load_back(find(rig.tree, A[:4]), 100) is None
+    assert rig.tree.load_back(find(rig.tree, A[:4]), 100).refused is Refusal.DEVICE_FULL
     assert rig.allocator.num_free_tokens == 2 and find(rig.tree, A[:4]).lock_count == 0
     assert rig.tree.stats.refused_load_backs["device_full"] == 4
     rig.tree.check_integrity()
@@ -325,8 +328,8 @@ def test_load_back_evicts_and_retries() -> None:
     _host_only(rig, A[:4])
     rig.put([5, 5, 6, 6, 7, 7])
     rig.ack()
-    slots = rig.tree.load_back(find(rig.tree, A[:4]), 100)
-    assert slots is not None and len(slots) == 4
+    loaded = rig.tree.load_back(find(rig.tree, A[:4]), 100)
+    assert loaded.queued and len(loaded.device_indices) == loaded.num_tokens == 4
     assert find(rig.tree, [5, 5, 6, 6, 7, 7]).device is None
     rig.tree.start_loading()
     rig.ack()
@@ -343,8 +346,9 @@ def test_load_back_restores_rows_bit_for_bit() -> None:
     rig.pool.data.fill_(SENTINEL)
     match = rig.tree.match_prefix(A[:6])
     assert (match.device_hit_tokens, match.host_hit_tokens) == (0, 6)
-    slots = rig.tree.load_back(match.last_host_node, 100)
-    assert slots is not None and match.last_host_node.lock_count == 1
+    loaded = rig.tree.load_back(match.last_host_node, 100)
+    assert loaded.queued and match.last_host_node.lock_count == 1
+    slots = loaded.device_indices
     rig.tree.start_loading()
     rig.ack()
     assert match.last_host_node.lock_count == 0

@@ -233,8 +233,8 @@ class EvictionModel(RuleBasedStateMachine):
         loaded = []
         for rig in self.rigs():
             result = rig.tree.match_prefix(tokens)
-            slots = rig.tree.load_back(result.last_host_node, quota)
-            loaded.append(None if slots is None else ids(slots))
+            got = rig.tree.load_back(result.last_host_node, quota)
+            loaded.append((got.refused, ids(got.device_indices)))
             if start:
                 rig.tree.start_loading()
         assert loaded[0] == loaded[1]

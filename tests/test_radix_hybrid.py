@@ -11,6 +11,7 @@ import torch
 from radix_helpers import SENTINEL, HybridRig, expected_rows, find, ids, read_rows
 
 from hicache.pools import IndexSpace, Indices
+from hicache.radix import Refusal
 
 SEQ = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
 
@@ -62,8 +63,9 @@ def test_write_evict_load_back_restores_full_and_swa_rows() -> None:
     assert rig.pool.swa_allocator.num_used_tokens == 0
     rig.pool.full.data.fill_(SENTINEL)
     rig.pool.swa.data.fill_(SENTINEL)
-    slots = rig.tree.load_back(node, 100)
-    assert slots is not None
+    loaded = rig.tree.load_back(node, 100)
+    assert loaded.queued
+    slots = loaded.device_indices
     rig.tree.start_loading()
     rig.ack()
     assert torch.equal(read_rows(rig.pool.full, slots.tensor), expected_rows(SEQ, 2))
@@ -82,10 +84,10 @@ def test_load_back_refused_when_the_tail_has_no_swa_backup() -> None:
     rig.tree.match_prefix(SEQ[:6])  # split: tokens 0..5 never had SWA rows kept
     rig.tree.evict(100)
     free = rig.pool.full_allocator.num_free_tokens
-    assert rig.tree.load_back(find(rig.tree, SEQ[:6]), 100) is None
+    assert rig.tree.load_back(find(rig.tree, SEQ[:6]), 100).refused is Refusal.SWA_TAIL_MISSING
     assert rig.tree.stats.refused_load_backs["swa_tail_missing"] == 6
     assert rig.pool.full_allocator.num_free_tokens == free
-    assert rig.tree.load_back(find(rig.tree, SEQ), 100) is not None, "whole sequence has a tail"
+    assert rig.tree.load_back(find(rig.tree, SEQ), 100).queued, "whole sequence has a tail"
     rig.tree.start_loading()
     rig.ack()
     rig.tree.check_integrity()

@@ -106,9 +106,10 @@ class RadixMachine(RuleBasedStateMachine):
         result = self.tree.match_prefix(tokens)
         if not result.host_hit_tokens:
             return
-        loaded = self.tree.load_back(result.last_host_node, quota)
-        if loaded is None:
+        got = self.tree.load_back(result.last_host_node, quota)
+        if not got.queued:
             return
+        loaded = got.device_indices
         assert len(loaded) == result.host_hit_tokens <= quota
         self.tree.start_loading()  # on a CPU the rows are in place once issued
         prefix = self.tree.device_prefix(tokens)

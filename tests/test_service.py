@@ -136,7 +136,7 @@ def scheduler_ops(service: HiCacheService, seed: int, num_ops: int) -> None:
             assert rows_ok(service, tokens, match.device_indices)
         elif op < 0.65:
             match = service.match(tokens)
-            if match.host_hit_tokens and service.load_back(match, 16) is not None:
+            if match.host_hit_tokens and service.load_back(match, 16).queued:
                 service.start_loading()
                 for layer in range(service.controller.num_layers):
                     service.wait_until(layer)
@@ -214,7 +214,7 @@ def test_stop_on_a_gpu_finishes_queued_and_running_copies() -> None:
     service.step()
     service.evict(10**6)
     assert put(service, [7, 7, 7, 7])
-    assert service.load_back(service.match([0, 0, 9, 9, 8, 8]), 16) is not None
+    assert service.load_back(service.match([0, 0, 9, 9, 8, 8]), 16).queued
     service.stop()
     assert all(not n.is_in_flight and n.is_backed_up for n in service.tree.nodes())
     assert service.controller.num_in_flight == 0
@@ -230,7 +230,7 @@ def test_stop_with_transfers_in_flight_loses_nothing(plain: HiCacheService) -> N
     plain.evict(10**6)
     assert put(plain, [7, 7, 7, 7])  # its write is not acknowledged yet
     match = plain.match([0, 0, 9, 9])
-    assert plain.load_back(match, 16) is not None  # queued, never started
+    assert plain.load_back(match, 16).queued  # queued, never started
     plain.stop()
     nodes = list(plain.tree.nodes())
     assert all(not n.is_in_flight and n.is_backed_up and n.lock_count == 0 for n in nodes)

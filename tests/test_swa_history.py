@@ -61,7 +61,8 @@ def test_a_prefix_cut_from_a_longer_sequence_gets_its_window_back(service: HiCac
     assert match.device_hit_tokens == 8 and match.host_hit_tokens == 0
     service.lock(match.last_device_node)
     loaded = service.load_back(match, 32)
-    assert loaded is not None and len(loaded) == 0
+    assert loaded.queued and len(loaded.device_indices) == 0 and loaded.num_tokens == 0
+    assert loaded.restored_swa_tokens == 4
     service.start_loading()
     service.step()
     window = Indices(full.tensor[4:8], IndexSpace.DEVICE_FULL)
@@ -142,13 +143,13 @@ def test_a_prefix_whose_load_is_in_flight_gets_its_window_restored(
     service.evict(10**6)
     first = service.match(tokens)  # a load of all 12 tokens: SWA rows for the last 4
     service.lock(first.last_host_node)
-    assert service.load_back(first, 32) is not None
+    assert service.load_back(first, 32).queued
     service.start_loading()
     second = service.match([*tokens[:8], 99, 98])  # its window (4..7) lies in that load
     assert second.device_hit_tokens == 8
     service.lock(second.last_device_node)
     loaded = service.load_back(second, 32)
-    assert loaded is not None and len(loaded) == 0
+    assert loaded.queued and len(loaded.device_indices) == 0
     assert service.tree.stats.refused_load_backs["swa_tail_missing"] == 0
     service.start_loading()
     first_ack, restore_ack = service.controller.poll()  # in the order they were issued

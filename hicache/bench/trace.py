@@ -105,10 +105,10 @@ def _serve(service: HiCacheService, tokens: list[int]) -> tuple[int, int]:
     host_hit = 0
     if match.host_hit_tokens:
         loaded = service.load_back(match, service.controller.device_allocator.capacity_tokens)
-        if loaded is not None:
+        if loaded.queued:
             service.start_loading()
-            prefix = torch.cat([prefix, loaded.tensor])
-            host_hit = len(loaded)
+            prefix = torch.cat([prefix, loaded.device_indices.tensor])
+            host_hit = loaded.num_tokens
     need = max(0, len(tokens) - len(prefix))
     new = service.alloc_device(need) if need else None
     if need and new is None:  # the pools cannot hold this request: count it, cache nothing

@@ -20,13 +20,14 @@ reusable; a load-back restores the SWA rows of a reused prefix's last window).
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from hicache.pools import HybridSWAPool, IndexSpace, Indices
+from hicache.radix import Refusal
 from hicache.service import HiCacheService
 
 from .attention import DecodeBuffers, PagedKV, exact_batch
@@ -151,15 +152,14 @@ class DemoEngine:
         # a hybrid model also needs the SWA rows of the prefix's last window, which a
         # load-back restores from the host when they left the device
         if match.host_hit_tokens or (self.window is not None and match.device_hit_tokens):
-            refused = Counter(self.service.tree.stats.refused_load_backs)
             with self.audit.serving(turn.name):
                 loaded = self.service.load_back(match, self.pool_tokens())
-            refused = self.service.tree.stats.refused_load_backs - refused
-            if loaded is None and refused["device_full"] and self.running:
+            if loaded.refused is Refusal.DEVICE_FULL and self.running:
                 self.service.release(node)
                 return None
-            if loaded is not None:
-                prefix = Indices(torch.cat([prefix.tensor, loaded.tensor]), IndexSpace.DEVICE_FULL)
+            if loaded.queued:
+                prefix = Indices(torch.cat([prefix.tensor, loaded.device_indices.tensor]),
+                                 IndexSpace.DEVICE_FULL)
         usable = self._usable_prefix(prefix, len(prompt))
         device = min(usable, match.device_hit_tokens)
         return Request(turn, prompt, self.page_size, node,

@@ -8,7 +8,10 @@
 - :mod:`~hicache.radix.eviction`: the per-tier heaps of eviction candidates;
 - :mod:`~hicache.radix.tree`: :class:`RadixTree`, the tree's shape (pages, matching, splits);
 - :mod:`~hicache.radix.key`: :class:`TokenKey`, a request's token ids checked once;
-- :mod:`~hicache.radix.node`: :class:`TreeNode`, :class:`MatchResult` and the counters;
+- :mod:`~hicache.radix.node`: :class:`TreeNode`, :class:`MatchResult`, :class:`LoadBack` and
+  the counters;
+- :mod:`~hicache.radix.window_tail`, :mod:`~hicache.radix.window_backups`: the SWA rows of
+  sliding-window models on the host tier (window restores, backups, SWA eviction);
 - :mod:`~hicache.radix.node_io`: how nodes' slots move through the controller, and the
   slots ``insert`` takes from the engine;
 - :mod:`~hicache.radix.integrity`: the conservation check behind ``check_integrity``.
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 from .cache import HiRadixCache
 from .key import TokenIds, TokenKey
-from .node import CacheStats, MatchResult, PendingOp, TreeNode
+from .node import CacheStats, LoadBack, MatchResult, PendingOp, Refusal, TreeNode
 from .tiers import TieredRadixTree
 from .tree import Clock, RadixTree
 
@@ -28,9 +31,11 @@ __all__ = [
     "CacheStats",
     "Clock",
     "HiRadixCache",
+    "LoadBack",
     "MatchResult",
     "PendingOp",
     "RadixTree",
+    "Refusal",
     "TieredRadixTree",
     "TokenIds",
     "TokenKey",

@@ -43,7 +43,7 @@ from hicache.pools import IndexSpace, Indices
 from .integrity import check_tree
 from .key import TokenIds, TokenKey
 from .load_back import load_back
-from .node import MatchResult, PendingOp, TreeNode, cat_indices, slice_indices
+from .node import LoadBack, MatchResult, PendingOp, TreeNode, cat_indices, slice_indices
 from .tiers import TieredRadixTree
 from .tree import Clock, slots_of
 from .window_backups import WindowBackupOp, WindowBackups
@@ -183,19 +183,20 @@ class HiRadixCache(TieredRadixTree):
 
     # ---- load-back ----------------------------------------------------------------------
 
-    def load_back(self, node: TreeNode, device_quota_tokens: int) -> Indices | None:
+    def load_back(self, node: TreeNode, device_quota_tokens: int) -> LoadBack:
         """Queue the load of ``node`` and its host-only ancestors, down from the first
         device-resident ancestor.
 
-        All or nothing: refused (``None``, counted by reason) when the span is shorter than
-        ``load_back_threshold_tokens``, longer than ``device_quota_tokens``, lacks SWA host
-        rows for its window tail (hybrid), or finds no device room after one eviction. On
-        success the nodes own their new slots at once and ``node`` stays locked until the
-        ack; the rows are valid after :meth:`start_loading` and ``wait_until(layer)``.
+        All or nothing: refused (:class:`~hicache.radix.node.Refusal`, also counted by
+        reason) when the span is shorter than ``load_back_threshold_tokens``, longer than
+        ``device_quota_tokens``, lacks SWA host rows for its window tail (hybrid), or finds
+        no device room after one eviction. On success the nodes own their new slots at once
+        and ``node`` stays locked until the ack; the rows are valid after
+        :meth:`start_loading` and ``wait_until(layer)``.
 
         Returns:
-            ``[span]`` CPU ``DEVICE_FULL`` slots of the loaded tokens (empty when nothing is
-            host-only), or ``None``.
+            a :class:`~hicache.radix.node.LoadBack`: the ``[span]`` CPU ``DEVICE_FULL``
+            slots of the loaded tokens (empty when nothing is host-only), or why not.
         """
         return load_back(self, node, device_quota_tokens)
 

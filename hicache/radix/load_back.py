@@ -6,8 +6,8 @@ span), all or nothing; the controller issues it at ``start_loading``. The span's
 their new device slots at once and wait for the op (``load_op``); the node stays locked
 until the ack (``TieredRadixTree._finish_load``). For a hybrid model the same op restores
 the SWA rows of the window that lie in the device prefix
-(:func:`~hicache.radix.window_tail.window_restore`). A refusal is counted by reason in
-``CacheStats.refused_load_backs``.
+(:func:`~hicache.radix.window_tail.window_restore`). The result (:class:`LoadBack`) says
+what was queued or why not; a refusal is also counted in ``CacheStats.refused_load_backs``.
 
 Plain functions of :class:`~hicache.radix.HiRadixCache` (its ``load_back`` calls
 :func:`load_back`), on the scheduler thread.
@@ -19,9 +19,9 @@ import logging
 from typing import TYPE_CHECKING
 
 from hicache.controller import Direction
-from hicache.pools import IndexSpace, Indices
+from hicache.pools import IndexSpace
 
-from .node import PendingOp, TreeNode, cat_indices, empty_indices, slice_indices
+from .node import LoadBack, PendingOp, Refusal, TreeNode, cat_indices, empty_indices, slice_indices
 from .node_io import SlotPair
 from .tree import slots_of
 from .window_tail import window_restore
@@ -32,24 +32,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def load_back(tree: HiRadixCache, node: TreeNode, device_quota_tokens: int) -> Indices | None:
+def load_back(tree: HiRadixCache, node: TreeNode, device_quota_tokens: int) -> LoadBack:
     """See :meth:`HiRadixCache.load_back`."""
     span = host_span(tree, node)
     num_tokens = sum(n.num_tokens for n in span)
     restore = window_restore(tree, node, num_tokens)
     if restore is None:
-        return refuse(tree, "swa_tail_missing", num_tokens)
+        return refuse(tree, Refusal.SWA_TAIL_MISSING, num_tokens)
     if not span and not restore.nodes:
-        return empty_indices(IndexSpace.DEVICE_FULL)
+        return LoadBack(empty_indices(IndexSpace.DEVICE_FULL), None, 0)
     if span and num_tokens < tree.load_back_threshold_tokens:
-        return refuse(tree, "below_threshold", num_tokens)
+        return refuse(tree, Refusal.BELOW_THRESHOLD, num_tokens)
     if num_tokens > device_quota_tokens:
-        return refuse(tree, "over_quota", num_tokens)
+        return refuse(tree, Refusal.OVER_QUOTA, num_tokens)
     host = cat_indices([slots_of(n, "host") for n in span], IndexSpace.HOST_FULL)
     host_swa = (cat_indices([slots_of(n, "host_swa") for n in span], IndexSpace.HOST_SWA)
                 if tree.io.is_hybrid else None)
     if not tree.io.tail_has_swa(host_swa):
-        return refuse(tree, "swa_tail_missing", num_tokens)
+        return refuse(tree, Refusal.SWA_TAIL_MISSING, num_tokens)
     op = PendingOp(Direction.HOST_TO_DEVICE, list(span), node)
     tree.lock(node)  # held until the ack; also shields the span while we evict
     loaded = tree.io.load(host, host_swa, op, restore.slots)
@@ -59,11 +59,11 @@ def load_back(tree: HiRadixCache, node: TreeNode, device_quota_tokens: int) -> I
         loaded = tree.io.load(host, host_swa, op, restore.slots)
     if loaded is None:
         tree.unlock(node)
-        return refuse(tree, "device_full", num_tokens)
+        return refuse(tree, Refusal.DEVICE_FULL, num_tokens)
     assign_loaded(tree, span, loaded, op)
     restore.assign(tree, op)
     tree.stats.loaded_back_tokens += num_tokens
-    return loaded[0]
+    return LoadBack(loaded[0], None, num_tokens, restore.num_tokens)
 
 
 def host_span(tree: HiRadixCache, node: TreeNode) -> list[TreeNode]:
@@ -93,8 +93,8 @@ def assign_loaded(
         tree._touch(node)
 
 
-def refuse(tree: HiRadixCache, reason: str, num_tokens: int) -> Indices | None:
-    """Count a refused load-back; always ``None`` (the refusal)."""
-    tree.stats.refused_load_backs[reason] += num_tokens
-    logger.debug("load-back of %d tokens refused: %s", num_tokens, reason)
-    return None
+def refuse(tree: HiRadixCache, reason: Refusal, num_tokens: int) -> LoadBack:
+    """Count a refused load-back and say why."""
+    tree.stats.refused_load_backs[reason.value] += num_tokens
+    logger.debug("load-back of %d tokens refused: %s", num_tokens, reason.value)
+    return LoadBack(empty_indices(IndexSpace.DEVICE_FULL), reason, num_tokens)

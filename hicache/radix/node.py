@@ -15,6 +15,7 @@ touches a stream.
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -127,6 +128,37 @@ class MatchResult(NamedTuple):
     @property
     def device_hit_tokens(self) -> int:
         return len(self.device_indices)
+
+
+class Refusal(enum.Enum):
+    """Why a load-back was refused (the ``refused_load_backs`` counters use the values)."""
+
+    BELOW_THRESHOLD = "below_threshold"  # a host run shorter than load_back_threshold_tokens
+    OVER_QUOTA = "over_quota"  # longer than the caller's device_quota_tokens
+    SWA_TAIL_MISSING = "swa_tail_missing"  # the window's SWA rows are on no tier
+    DEVICE_FULL = "device_full"  # no device room, even after one eviction: retry later
+
+
+class LoadBack(NamedTuple):
+    """What :meth:`HiRadixCache.load_back` did.
+
+    ``device_indices``: ``[n]`` CPU int64 ``DEVICE_FULL`` slots of the loaded host run, valid
+    after ``start_loading`` and ``wait_until(layer)`` (empty when nothing was host-only, or
+    when refused). ``refused``: ``None`` when queued (or nothing needed loading), else why
+    not; nothing was allocated or locked then. ``num_tokens``: tokens of the host run.
+    ``restored_swa_tokens``: device-prefix tokens whose window SWA rows the op restores
+    (hybrid models).
+    """
+
+    device_indices: Indices
+    refused: Refusal | None
+    num_tokens: int
+    restored_swa_tokens: int = 0
+
+    @property
+    def queued(self) -> bool:
+        """True unless refused: the prefix is usable once the op's layers arrived."""
+        return self.refused is None
 
 
 @dataclass
