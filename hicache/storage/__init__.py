@@ -3,6 +3,7 @@
 - :func:`chain_page_hashes`, :class:`Namespace`: what a page is called and where it belongs;
 - :class:`StorageBackend` (:class:`FileStore`, :class:`RedisStore`), :func:`open_store`: the
   interface the controller's worker threads call, and its two implementations;
+- :func:`parse_location`: the location strings ``open_store`` and the config accept;
 - :func:`host_page_views`: a host pool's pages as the byte segments the backends read and write.
 """
 
@@ -22,7 +23,7 @@ from .host_views import byte_view, host_page_views
 from .keys import PAGE_HASH_BYTES, Namespace, chain_page_hashes
 from .page_format import PageFormat
 from .redis_store import RedisStore
-from .store_url import open_store
+from .store_url import StoreLocation, open_store, parse_location
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -37,8 +38,10 @@ __all__ = [
     "StorageResult",
     "StorageStats",
     "StorageUnavailable",
+    "StoreLocation",
     "byte_view",
     "chain_page_hashes",
     "host_page_views",
     "open_store",
+    "parse_location",
 ]
