@@ -23,7 +23,7 @@ from .host_views import byte_view, host_page_views
 from .keys import PAGE_HASH_BYTES, Namespace, chain_page_hashes
 from .page_format import PageFormat
 from .redis_store import RedisStore
-from .store_url import StoreLocation, open_store, parse_location
+from .store_url import StoreLocation, open_store, parse_address, parse_location
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -43,5 +43,6 @@ __all__ = [
     "chain_page_hashes",
     "host_page_views",
     "open_store",
+    "parse_address",
     "parse_location",
 ]
