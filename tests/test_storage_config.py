@@ -1,12 +1,18 @@
-"""The ``storage`` config section (hicache.config.storage)."""
+"""The ``storage`` config section (hicache.config.storage) and the store built from it
+(hicache.factory.storage_namespace, open_configured_store)."""
 
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from storage_helpers import needs_redis
 
+from hicache.bench.redis_local import RedisServer
 from hicache.config import (
     GIB,
     ConfigError,
@@ -17,6 +23,12 @@ from hicache.config import (
     WritePolicy,
     config_from_dict,
 )
+from hicache.config.sizing import host_num_pages
+from hicache.factory import open_configured_store, storage_namespace
+from hicache.pools import HostKVPool, HostLayout, IndexSpace, Indices
+from hicache.storage import FileStore, Namespace, PageStatus, RedisStore, host_page_views
+
+MODEL = {"model_id": "test/model", "model_revision": "r1"}
 
 
 def base(storage: dict[str, Any] | None = None, **top: Any) -> dict[str, Any]:
@@ -176,3 +188,96 @@ def test_bad_storage_section_names_key_value_and_fix(storage: dict[str, Any],
     with pytest.raises(ConfigError, match=message) as info:
         load(storage)
     assert info.value.key is not None and info.value.key.startswith("storage")
+
+
+# ---- the store built from the config ------------------------------------------------------------
+
+
+def host_pool(config: HiCacheConfig) -> HostKVPool:
+    """The host pool of a dense ``config``, filled with random values."""
+    pool = HostKVPool(name="full", space=IndexSpace.HOST_FULL,
+                      num_layers=config.model.num_layers,
+                      num_pages=host_num_pages(config, "full"),
+                      page_size=config.page_size_tokens, geometry=config.model.row_geometry,
+                      layout=config.host.layout, pin=False)
+    pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)))
+    return pool
+
+
+def page_slots(first_page: int, num_pages: int, page_size: int = 4) -> Indices:
+    start = first_page * page_size
+    return Indices(torch.arange(start, start + num_pages * page_size), IndexSpace.HOST_FULL)
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_namespace_from_config_is_the_host_pools(layout: str) -> None:
+    """A dense config's namespace is the one its host pool's pages are stored under."""
+    config = config_from_dict(base(FILE) | {"host": {"ratio": 2.0, "layout": layout}},
+                              check_ram=False)
+    assert storage_namespace(config, **MODEL) == Namespace.for_host_pool(host_pool(config),
+                                                                        **MODEL)
+
+
+def test_hybrid_namespace_carries_the_swa_rows_as_a_second_segment() -> None:
+    """A hybrid page's payload is its full rows, then its SWA rows; a new revision is a new
+    namespace."""
+    data = base(FILE)
+    data["model"] |= {"num_layers": 3, "swa_layers": [1], "window_tokens": 8}
+    data["device_pool"]["swa_num_tokens"] = 16
+    config = config_from_dict(data, check_ram=False)
+    namespace = storage_namespace(config, **MODEL)
+    row_bytes = 2 * 8 * 2  # heads x dims x bfloat16
+    assert namespace.num_layers == 2 and namespace.layout == "page_first"
+    assert namespace.segment_bytes == (4 * 2 * 2 * row_bytes, 4 * 2 * 1 * row_bytes)
+    other = storage_namespace(config, model_id="test/model", model_revision="r2")
+    assert other.digest != namespace.digest
+
+
+def test_no_store_without_a_backend() -> None:
+    """backend none builds nothing."""
+    config = load()
+    assert open_configured_store(config, storage_namespace(config, **MODEL)) is None
+
+
+def test_file_store_from_config_round_trips_pages(tmp_path: Path) -> None:
+    """The configured file store keeps pages in storage.path under its cap, and a get brings
+    them back bit for bit into other host slots."""
+    config = load(FILE | {"path": str(tmp_path / "pages"), "size_cap_gib": 0.001,
+                          "timeout_s": 5, "checksum": False})
+    pool = host_pool(config)
+    hashes = [bytes([i]) * 32 for i in range(3)]
+    with open_configured_store(config, storage_namespace(config, **MODEL)) as store:
+        assert isinstance(store, FileStore)
+        assert store.directory.parent == tmp_path / "pages"
+        assert store.lru.capacity_bytes == int(0.001 * GIB) and store.timeout_s == 5.0
+        assert not store.format.checksum
+        assert store.put(hashes, host_page_views(pool, page_slots(1, 3))).statuses == (
+            PageStatus.OK,) * 3
+        assert store.get(hashes, host_page_views(pool, page_slots(10, 3))).num_leading_ok == 3
+    assert torch.equal(pool.read_rows(page_slots(10, 3)), pool.read_rows(page_slots(1, 3)))
+
+
+@needs_redis
+def test_redis_store_from_config_round_trips_pages(redis_server: RedisServer) -> None:
+    """The configured Redis store reaches the server of storage.url."""
+    config = load(REDIS | {"url": f"redis://127.0.0.1:{redis_server.port}"})
+    pool = host_pool(config)
+    hashes = [bytes([i + 7]) * 32 for i in range(2)]
+    with open_configured_store(config, storage_namespace(config, **MODEL)) as store:
+        assert isinstance(store, RedisStore)
+        assert store.put(hashes, host_page_views(pool, page_slots(1, 2))).num_leading_ok == 2
+        assert store.get(hashes, host_page_views(pool, page_slots(5, 2))).num_leading_ok == 2
+    assert torch.equal(pool.read_rows(page_slots(5, 2)), pool.read_rows(page_slots(1, 2)))
+
+
+def test_a_namespace_of_other_pages_is_refused(tmp_path: Path) -> None:
+    """A namespace whose page size or layout is not the config's raises before any I/O."""
+    config = load(FILE | {"path": str(tmp_path / "pages")})
+    pool = host_pool(config)
+    wrong = Namespace.for_host_pool(pool, **MODEL)
+    wrong = Namespace(**{**wrong.__dict__, "layout": HostLayout.LAYER_FIRST.value})
+    with pytest.raises(ValueError, match=re.escape("namespace does not describe this config's "
+                                                   "pages (layout differ: ['layer_first'] "
+                                                   "given, ['page_first'] from the config)")):
+        open_configured_store(config, wrong)
+    assert not (tmp_path / "pages").exists()
