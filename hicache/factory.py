@@ -1,10 +1,15 @@
-"""Build a :class:`~hicache.service.HiCacheService` from a validated configuration.
+"""Build a :class:`~hicache.service.HiCacheService`, and the shared store, from a config.
 
 Assembly order: backend, device pool(s), host pool(s) sized by :mod:`hicache.config.sizing`, the
 controller (registered as the device pool's layer waiter, so every attention accessor waits
 for layer-wise loads by construction), the radix tree, the service. Nothing starts a thread
 or opens a socket here; ``service.start()`` (or ``with build_service(config) as service``)
 does.
+
+The store of the ``storage`` section (:func:`open_configured_store`) is opened on its own for
+now: the service does not use it yet. Its pages are named inside the :class:`Namespace` of
+:func:`storage_namespace`, which covers the config's KV geometry and the weights the engine
+says it runs.
 """
 
 from __future__ import annotations
@@ -23,9 +28,18 @@ from hicache.controller import (
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, PageAllocator
 
 from .config import GIB, HiCacheConfig, SWAHistory
-from .config.sizing import PoolName, device_num_pages, host_num_pages, pool_layers, pool_sizes
+from .config.sizing import (
+    PoolName,
+    device_num_pages,
+    host_num_pages,
+    pool_layers,
+    pool_names,
+    pool_sizes,
+    token_bytes,
+)
 from .radix import HiRadixCache
 from .service import HiCacheService
+from .storage import Namespace, StorageBackend, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -117,3 +131,58 @@ def _host_pool(config: HiCacheConfig, name: PoolName, space: IndexSpace) -> Host
         num_pages=host_num_pages(config, name), page_size=config.page_size_tokens,
         geometry=config.model.row_geometry, layout=config.host.layout,
     )
+
+
+def storage_namespace(config: HiCacheConfig, *, model_id: str, model_revision: str,
+                      tp_rank: int = 0, tp_size: int = 1, salt: str = "") -> Namespace:
+    """The namespace of the pages that ``config``'s host pools back up to the store.
+
+    The config gives the bytes' shape: dtype, the full pool's layers and rows, page size,
+    host layout, and one payload segment per host pool (a page's full rows, then its SWA rows
+    for a hybrid model). The engine gives what the config cannot know: which weights made
+    the KV (``model_revision`` must change with every weight update, or the store serves
+    pages of the old weights), its tensor-parallel shard, and an optional tenant ``salt``.
+
+    Raises:
+        ValueError: an empty ``model_id``/``model_revision``, a bad shard.
+    """
+    geometry = config.model.row_geometry
+    page = config.page_size_tokens
+    return Namespace(
+        model_id=model_id, model_revision=model_revision, dtype=config.model.dtype.value,
+        num_layers=len(pool_layers(config, "full")), num_components=geometry.num_components,
+        row_elems=geometry.row_elems, page_size=page, layout=config.host.layout.value,
+        segment_bytes=tuple(page * token_bytes(config, name) for name in pool_names(config)),
+        tp_rank=tp_rank, tp_size=tp_size, salt=salt,
+    )
+
+
+def open_configured_store(config: HiCacheConfig, namespace: Namespace) -> StorageBackend | None:
+    """The store of ``config.storage`` for ``namespace``; ``None`` for ``backend: none``.
+
+    Opens no connection (a Redis store connects on its first call); a file store makes its
+    directory and starts its worker threads. Close it (``with`` or ``close()``) when done.
+
+    Raises:
+        ValueError: ``namespace`` does not describe this config's pages (make it with
+            :func:`storage_namespace`), or the file store's directory cannot be made.
+    """
+    storage = config.storage
+    if storage.location is None:
+        return None
+    expected = storage_namespace(config, model_id=namespace.model_id,
+                                 model_revision=namespace.model_revision,
+                                 tp_rank=namespace.tp_rank, tp_size=namespace.tp_size,
+                                 salt=namespace.salt)
+    if namespace != expected:
+        differ = [name for name in ("dtype", "num_layers", "num_components", "row_elems",
+                                    "page_size", "layout", "segment_bytes")
+                  if getattr(namespace, name) != getattr(expected, name)]
+        raise ValueError(f"namespace does not describe this config's pages ({', '.join(differ)} "
+                         f"differ: {[getattr(namespace, n) for n in differ]} given, "
+                         f"{[getattr(expected, n) for n in differ]} from the config); make it "
+                         f"with storage_namespace(config, ...)")
+    options: dict[str, object] = {"timeout_s": storage.timeout_s, "checksum": storage.checksum}
+    if storage.capacity_bytes is not None:
+        options["capacity_bytes"] = storage.capacity_bytes
+    return open_store(storage.location, namespace, **options)

@@ -121,7 +121,8 @@ def test_console_script(in_repo: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "device  full" in result.stdout
-    assert result.stdout.splitlines()[-3].split()[:2] == ["host", "total"]
+    assert result.stdout.splitlines()[-4].split()[:2] == ["host", "total"]
+    assert result.stdout.splitlines()[-1] == "storage (L3): none"
 
 
 def test_module_entry_point(in_repo: Path) -> None:

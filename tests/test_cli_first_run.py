@@ -32,7 +32,8 @@ def test_check_config_without_path_uses_the_built_in_default(
     assert main(["check-config"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("built-in default: 4 layers (sliding-window 1, 3, window 64 ")
-    assert out[-1].endswith(": fits")
+    assert out[-2].endswith(": fits")
+    assert out[-1] == "storage (L3): none"
 
 
 def test_built_in_default_is_the_repository_config(repo_root: Path) -> None:

@@ -23,6 +23,7 @@ from hicache.config import (
     IOBackend,
     ModelConfig,
     ServiceConfig,
+    StorageConfig,
     WritePolicy,
     config_from_dict,
     load_config,
@@ -451,7 +452,8 @@ def test_readme_documents_every_key(repo_root: Path) -> None:
     """The README's configuration table has a row for every key."""
     readme = (repo_root / "README.md").read_text(encoding="utf-8")
     sections = {"model": ModelConfig, "device_pool": DevicePoolConfig, "host": HostTierConfig,
-                "controller": ControllerConfig, "service": ServiceConfig}
+                "controller": ControllerConfig, "service": ServiceConfig,
+                "storage": StorageConfig}
     keys = ["page_size_tokens"] + [
         f"{name}.{spec.name}" for name, cls in sections.items()
         for spec in dataclasses.fields(cls)

@@ -1,20 +1,36 @@
-"""``hicache check-config [PATH]``: validate a config and print every pool's size."""
+"""``hicache check-config [PATH]``: validate a config, print every pool's size, and ask the
+store of its ``storage`` section whether it can be used from here.
+
+A store that cannot be used (a directory that cannot be written, a server that does not
+answer within ``storage.timeout_s``) ends the command with exit code 1 after the report: the
+config is valid, but an engine started with it here would find nothing in its L3 (every
+lookup a miss, no backup kept), which an operator checking a deployment wants to know before
+starting it. ``--skip-storage-check`` skips the question, for a config meant for another
+machine, as ``--skip-ram-check`` skips the RAM check.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from hicache.config import (
     DEFAULT_CONFIG_NAME,
     GIB,
     HiCacheConfig,
+    PrefetchPolicy,
+    StorageConfig,
     SWAHistory,
+    WritePolicy,
     available_ram_bytes,
     load_config,
     load_default_config,
 )
 from hicache.config.sizing import PoolSize, pool_layers, pool_sizes, staging_bytes
+from hicache.storage import describe_location, probe_store
+
+from .parser import FAILED, one_line
 
 
 def add_check_config(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -31,6 +47,12 @@ def add_check_config(commands: argparse._SubParsersAction[argparse.ArgumentParse
         "--skip-ram-check", action="store_true",
         help="do not check the host pools against the RAM available on this machine "
         "(for a config meant for another machine)",
+    )
+    parser.add_argument(
+        "--skip-storage-check", action="store_true",
+        help="do not ask the store of the storage section whether it can be used from here "
+        "(for a config meant for another machine); otherwise a store that cannot be used "
+        "ends the command with exit code 1 after the report",
     )
     parser.set_defaults(run=_check_config)
 
@@ -52,7 +74,44 @@ def _check_config(args: argparse.Namespace) -> int:
         print(f"device staging ({config.controller.io_backend.value} backend, "
               f"{config.controller.staging_tokens} tokens per chunk): up to {staging} bytes, "
               f"{staging / GIB:.4f} GiB")
+    return _check_storage(config.storage, checked=not args.skip_storage_check)
+
+
+def _check_storage(storage: StorageConfig, *, checked: bool) -> int:
+    """Print the store and its policies; ``FAILED`` (with one line on stderr) when the store
+    cannot be used from here."""
+    if storage.location is None:
+        print("storage (L3): none")
+        return 0
+    if checked:
+        probe = probe_store(storage.location, timeout_s=storage.timeout_s,
+                            capacity_bytes=storage.capacity_bytes)
+        ok, report = probe.ok, probe.report
+    else:
+        ok, report = True, (f"{describe_location(storage.location)}: not checked "
+                            f"(--skip-storage-check)")
+    print(f"storage (L3): {report}")
+    print(f"storage policies: {_storage_policies(storage)}")
+    if not ok:
+        print(f"hicache: error: {one_line(report)}; an engine started with this config here "
+              f"would find nothing in its L3 (--skip-storage-check skips this check)",
+              file=sys.stderr)
+        return FAILED
     return 0
+
+
+def _storage_policies(storage: StorageConfig) -> str:
+    prefetch = f"prefetch {storage.prefetch_policy.value}"
+    if storage.prefetch_policy is PrefetchPolicy.TIMEOUT:
+        prefetch += (f" ({storage.prefetch_timeout_s:g} s + "
+                     f"{storage.prefetch_timeout_per_1024_tokens_s:g} s per 1024 tokens, at most "
+                     f"{storage.prefetch_timeout_max_s:g} s)")
+    backups = f"backups {storage.write_policy.value}"
+    if storage.write_policy is WritePolicy.WRITE_THROUGH_SELECTIVE:
+        backups += f" (after {storage.write_through_hits} hits)"
+    checksum = "on" if storage.checksum else "off"
+    return (f"{prefetch}, {backups}, checksum {checksum}, {storage.timeout_s:g} s per "
+            f"store call")
 
 
 def _swa_history_line(config: HiCacheConfig) -> str:

@@ -2,6 +2,7 @@
 
 - :mod:`~hicache.config.sections`: the choices (enums) and one dataclass per section
   (``model``, ``device_pool``, ``host``, ``controller``, ``service``);
+- :mod:`~hicache.config.storage`: the ``storage`` section (the shared store, L3);
 - :mod:`~hicache.config.hicache`: :class:`HiCacheConfig`, the sections together and the
   checks that span them;
 - :mod:`~hicache.config.loading`: :func:`load_config`, :func:`load_default_config` (the
@@ -49,6 +50,7 @@ from .sizing import (
     pool_sizes,
     staging_bytes,
 )
+from .storage import PrefetchPolicy, StorageConfig, StorageKind
 
 __all__ = [
     "DEFAULT_CONFIG_NAME",
@@ -64,8 +66,11 @@ __all__ = [
     "ModelConfig",
     "PoolName",
     "PoolSize",
+    "PrefetchPolicy",
     "SWAHistory",
     "ServiceConfig",
+    "StorageConfig",
+    "StorageKind",
     "WritePolicy",
     "available_ram_bytes",
     "check_host_memory",

@@ -7,6 +7,7 @@ check that the host pools fit in the RAM available now, live in :mod:`hicache.co
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .parse import ConfigError, check_min, fail, forbid
@@ -17,7 +18,8 @@ from .sections import (
     ModelConfig,
     ServiceConfig,
 )
-from .sizing import pool_sizes
+from .sizing import GIB, pool_names, pool_sizes, token_bytes
+from .storage import StorageConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,7 @@ class HiCacheConfig:
     host: HostTierConfig
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     service: ServiceConfig = field(default_factory=ServiceConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
         check_min("page_size_tokens", self.page_size_tokens, 1)
@@ -42,6 +45,7 @@ class HiCacheConfig:
         else:
             self._check_swa_pool()
         self._check_host_pages()
+        self._check_storage_cap()
 
     def _check_swa_pool(self) -> None:
         pool = self.device_pool
@@ -71,6 +75,16 @@ class HiCacheConfig:
 
     def _check_host_pages(self) -> None:
         pool_sizes(self)  # raises when a host pool would be smaller than one page
+
+    def _check_storage_cap(self) -> None:
+        cap = self.storage.capacity_bytes
+        page_bytes = self.page_size_tokens * sum(token_bytes(self, name)
+                                                 for name in pool_names(self))
+        if cap is not None and cap < page_bytes:
+            least = math.ceil(page_bytes / GIB * 1e6) / 1e6
+            raise fail("storage.size_cap_gib", self.storage.size_cap_gib,
+                        f"smaller than one page ({page_bytes} bytes)",
+                        f"raise it to at least {least}")
 
     def _check_pages(self, key: str, num_tokens: int) -> None:
         page = self.page_size_tokens

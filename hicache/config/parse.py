@@ -63,6 +63,8 @@ def yaml_reason(exc: yaml.YAMLError) -> str:
 # ---- typed conversion ---------------------------------------------------------------------
 
 _TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_PLURALS = {int: "integers", str: "strings"}
+_LIST_EXAMPLES = {int: "[1, 3]", str: "[first, second]"}
 
 
 def build_section(cls: Any, data: object, prefix: str) -> Any:
@@ -95,9 +97,10 @@ def _convert(value: object, hint: Any, key: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return build_section(hint, {} if value is None else value, key)
     if typing.get_origin(hint) is tuple:
-        if not isinstance(value, list | tuple):
-            raise fail(key, value, "expected a list of integers", "write it as [1, 3]")
         item = typing.get_args(hint)[0]
+        if not isinstance(value, list | tuple):
+            raise fail(key, value, f"expected {_describe(hint)}, got {_type_word(value)}",
+                        f"write it as {_LIST_EXAMPLES[item]}")
         return tuple(_convert(v, item, f"{key}[{i}]") for i, v in enumerate(value))
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return _to_enum(value, hint, key)
@@ -122,7 +125,7 @@ def _to_enum(value: object, cls: type[enum.Enum], key: str) -> enum.Enum:
 
 def _describe(hint: Any) -> str:
     if typing.get_origin(hint) is tuple:
-        return "a list of integers"
+        return f"a list of {_PLURALS[typing.get_args(hint)[0]]}"
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return "one of: " + ", ".join(member.value for member in hint)
     if dataclasses.is_dataclass(hint):

@@ -1,7 +1,8 @@
 """The sections of the configuration: one frozen dataclass per component, and its choices.
 
 The YAML file has the sections ``model``, ``device_pool``, ``host``, ``controller`` and
-``service`` plus the top-level ``page_size_tokens``. Every field carries its unit in its name
+``service`` plus the top-level ``page_size_tokens``, and ``storage``
+(:mod:`hicache.config.storage`). Every field carries its unit in its name
 and a docstring; closed choices are enums with string values. Each section checks its own
 fields on construction and raises :class:`~hicache.config.parse.ConfigError`, whose one-line
 message names the dotted key (``host.layout``), the value and the fix. Checks that span
@@ -46,7 +47,8 @@ class IOBackend(enum.Enum):
 
 
 class WritePolicy(enum.Enum):
-    """When device pages are backed up to the host tier."""
+    """When pages are backed up to the tier below: device to host (``controller``), host to
+    the shared store (``storage``)."""
 
     WRITE_THROUGH = "write_through"
     WRITE_THROUGH_SELECTIVE = "write_through_selective"

@@ -101,7 +101,7 @@ class RedisNodes:
                 self.failed(address, exc)
                 continue
             self.succeeded(address)
-            self._slots = _slot_map(reply, address[0])
+            self._slots = slot_map(reply, address[0])
             self._stale = False
             return
 
@@ -169,7 +169,7 @@ class RedisNodes:
         self._stale = True
 
 
-def _slot_map(reply: object, default_host: str) -> list[Address | None]:
+def slot_map(reply: object, default_host: str) -> list[Address | None]:
     """Slot -> master address from a ``CLUSTER SLOTS`` reply (``None``: slot not served)."""
     if not isinstance(reply, list):
         raise ValueError(f"unexpected CLUSTER SLOTS reply {reply!r:.80}")

@@ -3,11 +3,14 @@
 - a directory path, or ``file:///abs/path``: :class:`~hicache.storage.FileStore`;
 - ``redis://[:password@]host:port``: :class:`~hicache.storage.RedisStore` on one server;
 - ``redis+cluster://[:password@]host:port[,host:port...]``: a Redis Cluster, from any nodes.
+
+:func:`parse_location` is the one parser of these strings: ``open_store`` and the config's
+checks both use it, so a location the config accepts is one ``open_store`` opens.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
 
 from .base import StorageBackend
@@ -19,6 +22,22 @@ from .redis_store import RedisStore
 SCHEMES = ("file", "redis", "redis+cluster")
 
 
+class StoreLocation(NamedTuple):
+    """A parsed location: a directory (``path``) or Redis servers (``seeds``)."""
+
+    scheme: str
+    """``file``, ``redis`` or ``redis+cluster``."""
+    path: str | None = None
+    """The file store's directory (``file`` only)."""
+    seeds: tuple[Address, ...] = ()
+    """The standalone server, or any nodes of the cluster."""
+    password: str | None = None
+
+    @property
+    def cluster(self) -> bool:
+        return self.scheme == "redis+cluster"
+
+
 def open_store(location: str, namespace: Namespace, **options: Any) -> StorageBackend:
     """The backend ``location`` names, for ``namespace``; ``options`` go to its constructor
     (``timeout_s``, ``checksum``; ``capacity_bytes``, ``num_threads``, ``direct_io`` for
@@ -27,34 +46,49 @@ def open_store(location: str, namespace: Namespace, **options: Any) -> StorageBa
     Raises:
         ValueError: an unknown scheme, a malformed address, a path that is not a directory.
     """
+    parsed = parse_location(location)
+    if parsed.path is not None:
+        return FileStore(parsed.path, namespace, **options)
+    return RedisStore(parsed.seeds, namespace, cluster=parsed.cluster,
+                      password=parsed.password, **options)
+
+
+def parse_location(location: str) -> StoreLocation:
+    """What ``location`` names (see the module docstring); opens and touches nothing.
+
+    Raises:
+        ValueError: an unknown scheme or a malformed address, naming the fix.
+    """
     if not isinstance(location, str) or not location:
         raise ValueError(f"storage location must be a path or URL, got {location!r}")
     if "://" not in location:
-        return FileStore(location, namespace, **options)
+        return StoreLocation("file", path=location)
     parts = urlsplit(location)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path:
             raise ValueError(f"{location!r}: write file URLs as file:///absolute/path")
-        return FileStore(unquote(parts.path), namespace, **options)
+        return StoreLocation("file", path=unquote(parts.path))
     if parts.scheme in ("redis", "redis+cluster"):
-        cluster = parts.scheme == "redis+cluster"
         password = unquote(parts.password) if parts.password else None
         hosts = parts.netloc.rsplit("@", 1)[-1]
-        seeds = [_address(location, item) for item in hosts.split(",") if item]
+        seeds = tuple(parse_address(item, location) for item in hosts.split(",") if item)
         if not seeds:
             raise ValueError(f"{location!r}: no host:port after {parts.scheme}://")
-        if len(seeds) > 1 and not cluster:
+        if len(seeds) > 1 and parts.scheme == "redis":
             raise ValueError(f"{location!r}: several hosts need redis+cluster://")
         if parts.path not in ("", "/", "/0"):
             raise ValueError(f"{location!r}: only database 0 is supported (cluster mode has "
                              "no other); drop the path")
-        return RedisStore(seeds, namespace, cluster=cluster, password=password, **options)
+        return StoreLocation(parts.scheme, seeds=seeds, password=password)
     raise ValueError(f"{location!r}: unknown storage scheme {parts.scheme!r}; use a directory "
                      f"path or one of {', '.join(s + '://' for s in SCHEMES)}")
 
 
-def _address(location: str, item: str) -> Address:
+def parse_address(item: str, location: str | None = None) -> Address:
+    """``(host, port)`` from ``host:port`` (``[::1]:port`` for IPv6); ``ValueError`` naming
+    ``location`` (the string ``item`` came from) otherwise."""
     host, sep, port = item.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{location!r}: {item!r} is not host:port (e.g. 127.0.0.1:6379)")
+        where = f"{location!r}: " if location is not None else ""
+        raise ValueError(f"{where}{item!r} is not host:port (e.g. 127.0.0.1:6379)")
     return host.strip("[]"), int(port)
