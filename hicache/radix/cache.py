@@ -209,7 +209,7 @@ class HiRadixCache(TieredRadixTree):
 
     def evict_swa(self, num_tokens: int) -> int:
         """Free device SWA rows that have a host copy, of unlocked nodes with nothing in
-        flight (least recently used first); the nodes keep their full rows. Returns the
+        flight, in the eviction policy's order; the nodes keep their full rows. Returns the
         SWA tokens freed."""
         return evict_swa(self, num_tokens)
 

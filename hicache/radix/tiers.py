@@ -74,6 +74,8 @@ class TieredRadixTree(RadixTree):
         key = eviction_key(eviction_policy)
         self._device_candidates = CandidateHeap(key, self._can_evict_device)
         self._host_candidates = CandidateHeap(key, self._is_host_candidate)
+        # device SWA rows that may leave on their own (hybrid models keeping SWA history)
+        self._swa_candidates = CandidateHeap(key, self._is_swa_candidate)
 
     # ---- eviction -----------------------------------------------------------------------
 
@@ -150,7 +152,7 @@ class TieredRadixTree(RadixTree):
         """Offer every node changed since the last eviction to both candidate heaps, and
         drop their stale entries once those pile up."""
         touched, self._touched = self._touched, {}
-        for heap in (self._device_candidates, self._host_candidates):
+        for heap in (self._device_candidates, self._host_candidates, self._swa_candidates):
             for node in touched:
                 heap.offer(node)
             heap.compact_if_stale(self.num_nodes)
@@ -235,6 +237,13 @@ class TieredRadixTree(RadixTree):
         cleared by the ack, after the controller let the slots go (``check_integrity``
         checks that no host page is in flight under a node without an op)."""
         return (node.device is None and node.host is not None and not node.children
+                and node.lock_count == 0 and node.write_op is None and node.load_op is None
+                and node is not self.root)
+
+    def _is_swa_candidate(self, node: TreeNode) -> bool:
+        """An unlocked node with device SWA rows and host SWA copies, nothing in flight; O(1)
+        (which of its rows have a copy is looked at when it is popped)."""
+        return (node.device_swa is not None and node.host_swa is not None
                 and node.lock_count == 0 and node.write_op is None and node.load_op is None
                 and node is not self.root)
 

@@ -137,15 +137,16 @@ def adopt_window_backups(tree: HiRadixCache, node: TreeNode) -> None:
 
 
 def evict_swa(tree: HiRadixCache, num_tokens: int) -> int:
-    """See :meth:`HiRadixCache.evict_swa` (a pass over the device nodes)."""
+    """See :meth:`HiRadixCache.evict_swa`: candidates in the tree's eviction order, from
+    their own heap (costs per node it looks at and per change since the last eviction)."""
     if not tree.io.keeps_swa_history or num_tokens <= 0:
         return 0
-    candidates = sorted(
-        (n for n in tree.nodes() if n.device is not None and n.host_swa is not None
-         and n.lock_count == 0 and not n.is_in_flight),
-        key=lambda n: (n.last_access, n.node_id))
+    tree._refresh_candidates()
     freed = 0
-    for node in candidates:
+    while freed < num_tokens:
+        node = tree._swa_candidates.pop()
+        if node is None:
+            break
         device = slots_of(node, "device")
         swa = tree.io.swa_of(device)
         assert swa is not None and node.host_swa is not None
@@ -155,7 +156,5 @@ def evict_swa(tree: HiRadixCache, num_tokens: int) -> int:
         tree.io.release_swa(Indices(device.tensor[backed], IndexSpace.DEVICE_FULL))
         node.device_swa = tree.io.swa_of(device)
         freed += int(backed.sum())
-        if freed >= num_tokens:
-            break
     tree.stats.evicted_swa_tokens += freed
     return freed
