@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_service import PAGE, make_config
 
+from hicache.controller import HybridCacheController
 from hicache.factory import build_service
 from hicache.pools import HybridSWAPool, IndexSpace, Indices
 from hicache.service import HiCacheService
@@ -164,4 +165,33 @@ def test_a_prefix_whose_load_is_in_flight_gets_its_window_restored(
     assert service.tree.stats.restored_swa_tokens == 4
     service.release(second.last_device_node)
     service.release(first.last_host_node)
+    service.check_integrity()
+
+
+def test_host_swa_copies_leave_on_their_own_when_their_pool_is_short(
+        service: HiCacheService) -> None:
+    """A window backup that finds the SWA host pool full and no host-only leaf to evict
+    frees the host SWA copies of the least recently used node instead of refusing the
+    backup; that node keeps its full rows on both tiers and its device window."""
+    pool = service.device_pool
+    assert isinstance(pool, HybridSWAPool)
+    old = list(range(1, 13))
+    serve(service, old)
+    service.step()  # on the device, backed up: full and SWA host copies
+    node = service.match(old).last_device_node
+    assert node.host is not None and node.host_swa is not None
+    assert bool((node.host_swa.tensor != 0).any())
+    controller = service.controller
+    assert isinstance(controller, HybridCacheController)
+    host_swa = controller.host_swa.allocator
+    squatter = host_swa.try_alloc(host_swa.num_free_tokens)  # the SWA host pool is now full
+    assert squatter is not None and host_swa.num_free_tokens == 0
+    serve(service, list(range(50, 62)))  # its release_window needs SWA host room
+    service.step()
+    stats = service.tree.stats
+    assert stats.evicted_host_swa_tokens > 0 and stats.refused_backups["host_swa_full"] == 0
+    assert stats.evicted_host_tokens == 0, "no full rows left the host"
+    assert node.host is not None and not bool((node.host_swa.tensor != 0).any())
+    assert service.match(old).device_hit_tokens == len(old), "still cached on the device"
+    host_swa.free(squatter)
     service.check_integrity()

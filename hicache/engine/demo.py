@@ -186,6 +186,7 @@ def _fill(
         report.swa = {"window_backup_tokens": stats.window_backup_tokens,
                       "restored_tokens": stats.restored_swa_tokens,
                       "evicted_tokens": stats.evicted_swa_tokens,
+                      "host_evicted_tokens": stats.evicted_host_swa_tokens,
                       "host_used_tokens": used,
                       "host_used_bytes": used * host_swa.geometry.token_bytes(
                           len(controller.swa_layers))}

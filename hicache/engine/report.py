@@ -121,7 +121,8 @@ class DemoReport:
     loaded_back_tokens: int = 0
     swa: dict[str, int] | None = None
     """Hybrid models: SWA rows (tokens) copied to the host as they left a window, restored
-    by load-backs, evicted from the device on their own, and the host SWA pool in use."""
+    by load-backs, evicted from the device (and host copies evicted) on their own, and the
+    host SWA pool in use."""
     refused_load_backs: dict[str, int] = field(default_factory=dict)
     transfers: list[TransferLine] = field(default_factory=list)
     timing_method: str = ""
@@ -191,7 +192,8 @@ class DemoReport:
             lines.append(
                 f"  sliding window     {swa['window_backup_tokens']:>8} SWA rows backed up as "
                 f"they left the window, {swa['restored_tokens']} restored, "
-                f"{swa['evicted_tokens']} evicted; host SWA pool {swa['host_used_tokens']} "
+                f"{swa['evicted_tokens']} evicted (host copies: "
+                f"{swa.get('host_evicted_tokens', 0)}); host SWA pool {swa['host_used_tokens']} "
                 f"tokens in use ({swa['host_used_bytes']} bytes)")
         if self.refused_load_backs:
             refused = ", ".join(f"{k} {v}" for k, v in sorted(self.refused_load_backs.items()))

@@ -172,7 +172,8 @@ class CacheStats:
     ``swa_tail_missing``, ``host_swa_full``. SWA counters (hybrid models):
     ``window_backup_tokens`` (SWA rows of engine-held pages copied to the host when they
     left the window), ``restored_swa_tokens`` (SWA rows a load-back brought back for the
-    device prefix), ``evicted_swa_tokens`` (device SWA rows freed on their own).
+    device prefix), ``evicted_swa_tokens`` (device SWA rows freed on their own),
+    ``evicted_host_swa_tokens`` (host SWA copies freed on their own, the full rows kept).
     """
 
     matched_tokens: int = 0
@@ -187,6 +188,7 @@ class CacheStats:
     window_backup_tokens: int = 0
     restored_swa_tokens: int = 0
     evicted_swa_tokens: int = 0
+    evicted_host_swa_tokens: int = 0
     dropped_tokens: Counter[str] = field(default_factory=Counter)
     refused_load_backs: Counter[str] = field(default_factory=Counter)
     refused_backups: Counter[str] = field(default_factory=Counter)

@@ -92,6 +92,10 @@ class NodeIO:
     def free_host_swa(self, host_swa: Indices | None) -> None:
         """Free aligned SWA host slots (0 entries skipped)."""
 
+    def host_swa_free_tokens(self) -> int:
+        """Free tokens of the SWA host pool (0 without SWA)."""
+        return 0
+
     def free_device(self, device: Indices) -> None:
         """Free device slots (and their SWA slots); raises if any is in flight."""
         self.controller.evict_device(device)
@@ -181,6 +185,9 @@ class HybridNodeIO(NodeIO):
 
     def write_swa(self, device: Indices, tag: object) -> Indices | None:
         return self.hybrid.write_swa(device, tag)
+
+    def host_swa_free_tokens(self) -> int:
+        return self.hybrid.host_swa.allocator.num_free_tokens
 
     def free_host_swa(self, host_swa: Indices | None) -> None:
         if host_swa is None:

@@ -34,6 +34,7 @@ from .eviction import CandidateHeap, eviction_key
 from .node import CacheStats, PendingOp, TreeNode, cat_indices
 from .node_io import HybridNodeIO, NodeIO
 from .tree import Clock, RadixTree, slots_of, subtree
+from .window_tail import evict_host_swa
 
 
 class TieredRadixTree(RadixTree):
@@ -76,6 +77,8 @@ class TieredRadixTree(RadixTree):
         self._host_candidates = CandidateHeap(key, self._is_host_candidate)
         # device SWA rows that may leave on their own (hybrid models keeping SWA history)
         self._swa_candidates = CandidateHeap(key, self._is_swa_candidate)
+        # host SWA copies that may leave on their own (the node keeps its full rows)
+        self._host_swa_candidates = CandidateHeap(key, self._is_host_swa_candidate)
 
     # ---- eviction -----------------------------------------------------------------------
 
@@ -152,7 +155,8 @@ class TieredRadixTree(RadixTree):
         """Offer every node changed since the last eviction to both candidate heaps, and
         drop their stale entries once those pile up."""
         touched, self._touched = self._touched, {}
-        for heap in (self._device_candidates, self._host_candidates, self._swa_candidates):
+        for heap in (self._device_candidates, self._host_candidates, self._swa_candidates,
+                     self._host_swa_candidates):
             for node in touched:
                 heap.offer(node)
             heap.compact_if_stale(self.num_nodes)
@@ -181,6 +185,9 @@ class TieredRadixTree(RadixTree):
         slots = self.io.backup(device, op, node.host_swa)
         if slots is None and self.evict_host(node.num_tokens) > 0:
             slots = self.io.backup(device, op, node.host_swa)
+        if slots is None and self.io.is_hybrid and \
+                evict_host_swa(self, node.num_tokens - self.io.host_swa_free_tokens()) > 0:
+            slots = self.io.backup(device, op, node.host_swa)  # the SWA host pool was short
         if slots is None:
             self.stats.refused_backups["host_full"] += node.num_tokens
             return False
@@ -246,6 +253,11 @@ class TieredRadixTree(RadixTree):
         return (node.device_swa is not None and node.host_swa is not None
                 and node.lock_count == 0 and node.write_op is None and node.load_op is None
                 and node is not self.root)
+
+    def _is_host_swa_candidate(self, node: TreeNode) -> bool:
+        """An unlocked node with host SWA copies and nothing in flight; O(1)."""
+        return (node.host_swa is not None and node.lock_count == 0 and node.write_op is None
+                and node.load_op is None and node is not self.root)
 
     def _free_device(self, node: TreeNode) -> int:
         """Free the device (and SWA) slots of ``node``; it stays in the tree."""

@@ -26,6 +26,7 @@ from .window_backups import WindowBackupOp
 
 if TYPE_CHECKING:
     from .cache import HiRadixCache
+    from .tiers import TieredRadixTree
 
 
 @dataclass
@@ -101,6 +102,8 @@ def back_up_window(tree: HiRadixCache, device: Indices) -> None:
     host_swa = tree.io.write_swa(device, op)
     if host_swa is None and tree.evict_host(len(device)) > 0:
         host_swa = tree.io.write_swa(device, op)
+    if host_swa is None and evict_host_swa(tree, len(device) - tree.io.host_swa_free_tokens()) > 0:
+        host_swa = tree.io.write_swa(device, op)
     if host_swa is None:
         tree.stats.refused_backups["host_swa_full"] += len(device)
         tree.io.release_swa(device)
@@ -157,4 +160,35 @@ def evict_swa(tree: HiRadixCache, num_tokens: int) -> int:
         node.device_swa = tree.io.swa_of(device)
         freed += int(backed.sum())
     tree.stats.evicted_swa_tokens += freed
+    return freed
+
+
+def evict_host_swa(tree: TieredRadixTree, num_tokens: int) -> int:
+    """Free host SWA copies on their own, in the tree's eviction order, until
+    ``num_tokens`` are free. A node that loses them keeps its full rows on every tier:
+    longer prefixes through it stay reusable, a prefix whose window ends in it no longer
+    is. So callers first evict host-only leaves whole (``evict_host``, which keeps every
+    cached prefix reusable: on the randomized hybrid run, SWA-only eviction first raised
+    the ``swa_tail_missing`` refusals from 0 to 1-6% of host hits) and come here only when
+    that frees too little (the SWA host pool is held by nodes still on the device, or by
+    window backups of running requests). Returns tokens freed."""
+    if not tree.io.is_hybrid or num_tokens <= 0:
+        return 0
+    tree._refresh_candidates()
+    freed = 0
+    while freed < num_tokens:
+        node = tree._host_swa_candidates.pop()
+        if node is None:
+            break
+        host_swa = node.host_swa
+        assert host_swa is not None
+        kept = int((host_swa.tensor != 0).sum())
+        if not kept:
+            continue
+        tree.io.free_host_swa(host_swa)
+        # a host copy of the full rows keeps aligned (all 0) SWA host slots
+        node.host_swa = None if node.host is None else Indices(
+            torch.zeros(node.num_tokens, dtype=torch.int64), IndexSpace.HOST_SWA)
+        freed += kept
+    tree.stats.evicted_host_swa_tokens += freed
     return freed
