@@ -9,7 +9,11 @@ import torch
 from hicache import IndexSpace, Indices, build_service, load_default_config
 
 config = load_default_config()  # a small hybrid model on the CPU; metrics on a free port:
-config = dataclasses.replace(config, service=dataclasses.replace(config.service, metrics_port=0))
+# and a device pool of 320 tokens, so that the conversations outgrow it and come back
+# from the host
+config = dataclasses.replace(
+    config, service=dataclasses.replace(config.service, metrics_port=0),
+    device_pool=dataclasses.replace(config.device_pool, num_tokens=320))
 system_prompt = list(range(1000, 1128))
 with build_service(config) as service:
     for step in range(12):  # three conversations, taking turns

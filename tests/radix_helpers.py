@@ -176,6 +176,7 @@ class HybridRig(_RigBase):
         full_pages: int = 16,
         swa_pages: int = 8,
         host_pages: int = 32,
+        keep_swa_history: bool = True,
     ) -> None:
         self.page_size = 2
         self.num_full_layers = 2
@@ -198,7 +199,7 @@ class HybridRig(_RigBase):
         )
         self.tree = HiRadixCache(
             self.controller, write_policy=write_policy, load_back_threshold_tokens=0,
-            window_tokens=self.WINDOW,
+            window_tokens=self.WINDOW, keep_swa_history=keep_swa_history,
         )
 
     def try_alloc(self, num_tokens: int) -> Indices | None:

@@ -184,11 +184,12 @@ def test_hybrid_pools_are_labelled_full_and_swa() -> None:
     samples = parse(exporter.render().decode())
     used = {(tier, pool): value(samples, "hicache_pool_used_tokens", tier=tier, pool=pool)
             for tier in ("device", "host") for pool in ("full", "swa")}
-    assert used == {("device", "full"): 8, ("device", "swa"): 4,
-                    ("host", "full"): 8, ("host", "swa"): 4}
+    # swa_history all: every SWA row stays on the device and is backed up with its node
+    assert used == {("device", "full"): 8, ("device", "swa"): 8,
+                    ("host", "full"): 8, ("host", "swa"): 8}
     assert value(samples, "hicache_pool_capacity_tokens", tier="device", pool="swa") == 16
     assert value(samples, "hicache_transfer_tokens_total", direction=D2H, pool="full") == 8
-    assert value(samples, "hicache_transfer_tokens_total", direction=D2H, pool="swa") == 4
+    assert value(samples, "hicache_transfer_tokens_total", direction=D2H, pool="swa") == 8
     assert value(samples, "hicache_transfer_tokens_total", direction=H2D, pool="swa") == 0
 
 

@@ -136,7 +136,10 @@ class HiRadixCache(TieredRadixTree):
         duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
         if len(duplicate):
             self.io.free_device(duplicate)
-        window_start = self.io.window_start(len(key))
+        # SWA rows before the sequence's window: kept (to be backed up with the node, and
+        # freed by evict_swa once their host copy exists) when the host keeps SWA history,
+        # else freed now (an engine that calls release_window has freed them already)
+        window_start = 0 if self.io.keeps_swa_history else self.io.window_start(len(key))
         for node, offset in taken:
             device = slots_of(node, "device")
             cut = max(0, min(node.num_tokens, window_start - offset))

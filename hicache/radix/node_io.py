@@ -96,6 +96,10 @@ class NodeIO:
         """Free tokens of the SWA host pool (0 without SWA)."""
         return 0
 
+    def device_swa_free_tokens(self) -> int:
+        """Free tokens of the device SWA pool (unbounded without SWA)."""
+        return self.controller.device_allocator.num_free_tokens
+
     def free_device(self, device: Indices) -> None:
         """Free device slots (and their SWA slots); raises if any is in flight."""
         self.controller.evict_device(device)
@@ -188,6 +192,9 @@ class HybridNodeIO(NodeIO):
 
     def host_swa_free_tokens(self) -> int:
         return self.hybrid.host_swa.allocator.num_free_tokens
+
+    def device_swa_free_tokens(self) -> int:
+        return self.pool.swa_allocator.num_free_tokens
 
     def free_host_swa(self, host_swa: Indices | None) -> None:
         if host_swa is None:
