@@ -24,6 +24,7 @@ from hicache.pools import (
     RowGeometry,
 )
 from hicache.radix import HiRadixCache, TreeNode
+from hicache.radix.key import key_bytes
 
 GEOMETRY = RowGeometry(AttentionKind.MHA, 1, 2, 0, torch.float32)  # rows of 2 elements
 NUM_LAYERS = 3
@@ -218,7 +219,7 @@ def find(tree: HiRadixCache, tokens: Sequence[int]) -> TreeNode:
     """The node whose key ends exactly after ``tokens`` (no split, no side effect)."""
     node, pos = tree.root, 0
     while pos < len(tokens):
-        child = node.children.get(tuple(tokens[pos:pos + tree.page_size]))
+        child = node.children.get(key_bytes(tokens[pos:pos + tree.page_size], "find"))
         assert child is not None, f"no node for {list(tokens[:pos + tree.page_size])}"
         node, pos = child, pos + child.num_tokens
     assert pos == len(tokens), f"no node ends after {len(tokens)} tokens"

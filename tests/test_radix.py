@@ -41,7 +41,7 @@ def test_match_returns_exact_device_prefix() -> None:
     assert full.last_device_node is full.last_host_node
     partial = rig.tree.match_prefix([1, 2, 3, 9])
     assert ids(partial.device_indices) == [2, 3]
-    assert partial.last_device_node.key == (1, 2)
+    assert partial.last_device_node.tokens == (1, 2)
     rig.tree.check_integrity()
 
 
@@ -64,7 +64,8 @@ def test_host_only_and_mixed_prefixes() -> None:
     assert rig.tree.evict(1) == 4
     mixed = rig.tree.match_prefix(A)
     assert ids(mixed.device_indices) == [2, 3, 4, 5] and mixed.host_hit_tokens == 4
-    assert mixed.last_device_node.key == (1, 2, 3, 4) and mixed.last_host_node.key == (5, 6, 7, 8)
+    assert mixed.last_device_node.tokens == (1, 2, 3, 4)
+    assert mixed.last_host_node.tokens == (5, 6, 7, 8)
     assert rig.tree.evict(1) == 4
     host_only = rig.tree.match_prefix(A)
     assert host_only.device_hit_tokens == 0 and host_only.host_hit_tokens == 8
@@ -145,7 +146,7 @@ def _three_leaves(rig: Rig) -> None:
 
 
 def _device_keys(rig: Rig) -> list[tuple[int, ...]]:
-    return sorted(node.key for node in rig.tree.nodes() if node.on_device)
+    return sorted(node.tokens for node in rig.tree.nodes() if node.on_device)
 
 
 def test_lru_evicts_least_recently_used_first() -> None:

@@ -139,7 +139,7 @@ def snapshot(rig: Rig | HybridRig) -> dict[str, object]:
     counters, and each allocator's free runs."""
     tree = rig.tree
     nodes = sorted(
-        (n.node_id, n.key, n.parent.node_id if n.parent else None,
+        (n.node_id, n.tokens, n.parent.node_id if n.parent else None,
          *(ids(getattr(n, name)) if getattr(n, name) is not None else None
            for name in ("device", "host", "device_swa", "host_swa")),
          n.lock_count, n.hit_count, n.last_access, n.write_op is None, n.load_op is None,
@@ -312,7 +312,7 @@ def test_eviction_never_walks_the_tree(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(rig.tree._device_candidates, "_is_candidate", counted)
     monkeypatch.setattr(rig.tree, "nodes", lambda: pytest.fail("eviction walked the tree"))
     assert rig.tree.evict(2) == 4 and rig.tree.evict_host(2) == 4
-    assert [n.key for n in checked] == [(0, 0, 1, 1), ()]  # the oldest leaf, its parent
+    assert [n.tokens for n in checked] == [(0, 0, 1, 1), ()]  # the oldest leaf, its parent
     monkeypatch.undo()
     rig.tree.check_integrity()
 

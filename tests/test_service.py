@@ -280,7 +280,7 @@ def test_idle_integrity_check_catches_a_planted_double_owner() -> None:
     service = build_service(make_config(interval_s=0.0))
     assert put(service, [1, 1]) and put(service, [2, 2])
     service.step()
-    nodes = {node.key: node for node in service.tree.nodes()}
+    nodes = {node.tokens: node for node in service.tree.nodes()}
     with service.service_lock:
         nodes[(2, 2)].device = nodes[(1, 1)].device
     service.start()

@@ -44,7 +44,7 @@ def snapshot(service: HiCacheService) -> dict[str, object]:
     tree = service.tree
     return {
         "free": {space: a.num_free_tokens for space, a in tree.io.allocators().items()},
-        "nodes": sorted((n.node_id, n.key, n.lock_count, n.hit_count, n.on_device,
+        "nodes": sorted((n.node_id, n.tokens, n.lock_count, n.hit_count, n.on_device,
                          n.host is not None, n.is_detached) for n in tree.nodes()),
         "root_locks": tree.root.lock_count,
         "engine_held_tokens": service.engine_held_tokens,

@@ -71,3 +71,37 @@ def test_key_of_another_page_size_is_refused_before_anything_changes() -> None:
     finally:
         service.stop()
         other.stop()
+
+
+@pytest.mark.parametrize("tokens", [
+    [2**63 - 1, 5, 2**62, 0],
+    (7,) * 32,
+    torch.arange(40, dtype=torch.int64),
+    list(range(10**6, 10**6 + 35)),
+])
+def test_the_tree_keeps_every_token_id_exactly(tokens: object) -> None:
+    """Keys are held as bytes: every whole-page token id comes back from a node as it went
+    in, whatever the input form (a packed list, or the checked path of a tensor)."""
+    service = make_service(capacity_tokens=256, page_size=4)
+    try:
+        key = service.key(tokens)  # type: ignore[arg-type]
+        slots = service.alloc_device(len(key))
+        assert slots is not None
+        service.insert(key, slots)
+        node = service.match(key).last_device_node
+        assert node.tokens == key.pages and len(key.pages) == len(key) // 4 * 4
+        service.check_integrity()
+    finally:
+        service.stop()
+
+
+def test_a_token_id_of_2_to_the_63_is_refused_by_name() -> None:
+    service = make_service(capacity_tokens=256, page_size=4)
+    try:
+        with pytest.raises(ValueError, match=r"key: token ids must be < 2\*\*63, got tokens\[2\]"):
+            service.key([1, 2, 2**63, 4])
+        with pytest.raises(ValueError, match=r"match: token ids must be < 2\*\*63"):
+            service.match([1, 2, 3, 2**64])
+        service.check_integrity()
+    finally:
+        service.stop()

@@ -41,7 +41,7 @@ from hicache.controller import Ack, Direction, TransferCore
 from hicache.pools import IndexSpace, Indices
 
 from .integrity import check_tree
-from .key import TokenIds, TokenKey
+from .key import TOKEN_BYTES, TokenIds, TokenKey
 from .load_back import load_back
 from .node import LoadBack, MatchResult, PendingOp, TreeNode, cat_indices, slice_indices
 from .tiers import TieredRadixTree
@@ -98,7 +98,7 @@ class HiRadixCache(TieredRadixTree):
         device nodes whose hit count reached the threshold. ``tokens`` as for
         :meth:`page_key`, which refuses bad ones (``TypeError``/``ValueError``) first.
         """
-        key = self.page_key(tokens, "match")
+        key = self.key_data(tokens, "match")
         path = [node for node, _ in self._descend(key, split=True)]
         now = self._clock()
         for node in path:
@@ -108,7 +108,7 @@ class HiRadixCache(TieredRadixTree):
         if self.backup_hits is not None:
             self._backup_nodes([n for n in path if n.hit_count >= self.backup_hits], path)
         result = self._result(path)
-        self.stats.matched_tokens += len(key)
+        self.stats.matched_tokens += len(key) // TOKEN_BYTES
         self.stats.device_hit_tokens += result.device_hit_tokens
         self.stats.host_hit_tokens += result.host_hit_tokens
         return result
@@ -130,8 +130,9 @@ class HiRadixCache(TieredRadixTree):
         A slot the tree owns at another position would be freed as a duplicate: the tree
         does not look for that caller bug (``HiCacheService.insert`` refuses it).
         """
-        key = self.page_key(tokens, "insert")
-        slots = self.io.take_slots(device_indices, len(key))
+        key = self.key_data(tokens, "insert")
+        num_tokens = len(key) // TOKEN_BYTES
+        slots = self.io.take_slots(device_indices, num_tokens)
         path, taken, duplicates, cached = self._insert_walk(key, slots)
         duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
         if len(duplicate):
@@ -139,37 +140,40 @@ class HiRadixCache(TieredRadixTree):
         # SWA rows before the sequence's window: kept (to be backed up with the node, and
         # freed by evict_swa once their host copy exists) when the host keeps SWA history,
         # else freed now (an engine that calls release_window has freed them already)
-        window_start = 0 if self.io.keeps_swa_history else self.io.window_start(len(key))
+        window_start = 0 if self.io.keeps_swa_history else self.io.window_start(num_tokens)
         for node, offset in taken:
             device = slots_of(node, "device")
             cut = max(0, min(node.num_tokens, window_start - offset))
             self.io.release_swa(slice_indices(device, 0, cut))
             node.device_swa = self.io.swa_of(device)
             adopt_window_backups(self, node)
-        self.stats.inserted_tokens += len(key) - cached
+        self.stats.inserted_tokens += num_tokens - cached
         self.stats.duplicate_tokens += len(duplicate)
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             self._backup_nodes(path, path)
         return cached
 
     def _insert_walk(
-        self, key: tuple[int, ...], slots: Indices
+        self, key: bytes, slots: Indices
     ) -> tuple[list[TreeNode], list[tuple[TreeNode, int]], list[Indices], int]:
-        """Walk and extend the tree along ``key``. Returns the path, the nodes that took
-        caller slots (with their token offset), the duplicate slots and the cached length."""
-        now, node, pos, cached = self._clock(), self.root, 0, 0
+        """Walk and extend the tree along ``key`` (bytes). Returns the path, the nodes that
+        took caller slots (with their token offset), the duplicate slots and the cached
+        length in tokens."""
+        now, node, at, cached = self._clock(), self.root, 0, 0  # at: a byte offset
         path: list[TreeNode] = []
         taken: list[tuple[TreeNode, int]] = []
         duplicates: list[Indices] = []
-        while pos < len(key):
-            child = node.children.get(key[pos:pos + self.page_size])
+        step, total = self._page_bytes, len(slots)
+        while at < len(key):
+            pos = at // TOKEN_BYTES
+            child = node.children.get(key[at:at + step])
             if child is None:
-                child = self._new_child(node, key[pos:], slice_indices(slots, pos, len(key)))
+                child = self._new_child(node, key[at:], slice_indices(slots, pos, total))
                 child.last_access = now
                 taken.append((child, pos))
                 path.append(child)
                 break
-            common = self._common_tokens(child.key, key, pos)
+            common = self._common_bytes(child.key, key, at) // TOKEN_BYTES
             if common < child.num_tokens:
                 child = self._split(child, common)
             part = slice_indices(slots, pos, pos + common)
@@ -181,7 +185,7 @@ class HiRadixCache(TieredRadixTree):
             child.last_access = now
             self._touch(child)
             path.append(child)
-            cached, pos, node = cached + common, pos + common, child
+            cached, at, node = cached + common, at + common * TOKEN_BYTES, child
         return path, taken, duplicates, cached
 
     # ---- load-back ----------------------------------------------------------------------

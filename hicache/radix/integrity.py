@@ -24,6 +24,7 @@ import torch
 from hicache.pools import IndexSpace, Indices, PageAllocator
 from hicache.pools.allocator import used_pages_of
 
+from .key import TOKEN_BYTES
 from .node import SLOT_FIELDS, TreeNode
 
 if TYPE_CHECKING:
@@ -131,7 +132,8 @@ def _check_node(tree: TieredRadixTree, node: TreeNode) -> None:
     """Shape, locks and tier invariants of one node."""
     page = tree.page_size
     parent = node.parent
-    if parent is None or node.is_detached or parent.children.get(node.key[:page]) is not node:
+    first_page = node.key[:page * TOKEN_BYTES]
+    if parent is None or node.is_detached or parent.children.get(first_page) is not node:
         raise RuntimeError(f"{node!r} is not linked to its parent under its first page")
     if node.num_tokens == 0 or node.num_tokens % page:
         raise RuntimeError(f"{node!r}: key of {node.num_tokens} tokens is not whole pages")

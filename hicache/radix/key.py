@@ -10,6 +10,7 @@ Raw token ids are still accepted everywhere and checked at the call.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +18,10 @@ import torch
 
 # Token ids as engines hold them: ``[n]`` Python ints, or a 1-D integer tensor / numpy array.
 TokenIds = Sequence[int] | torch.Tensor | np.ndarray
+
+# The tree holds keys as bytes: every token id as a native 8-byte signed int, so a page of
+# 16 tokens is one 128-byte string (a tuple would keep 16 Python ints alive: ~580 bytes).
+TOKEN_BYTES = 8
 
 _TOKENS_EXPECTED = "a list or tuple of ints, or a 1-D integer torch tensor or numpy array"
 
@@ -33,16 +38,24 @@ class TokenKey:
         page_size: tokens per page of the tree it was made for.
     """
 
-    __slots__ = ("page_size", "pages", "tokens")
+    __slots__ = ("data", "page_size", "pages", "tokens")
 
-    def __init__(self, tokens: tuple[int, ...], page_size: int) -> None:
+    def __init__(self, tokens: tuple[int, ...], page_size: int, op: str = "key",
+                 packed: bytes | None = None) -> None:
+        num_pages_tokens = len(tokens) // page_size * page_size
+        pages = tokens[:num_pages_tokens]
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "page_size", page_size)
-        object.__setattr__(self, "pages", tokens[:len(tokens) // page_size * page_size])
+        object.__setattr__(self, "pages", pages)
+        # ``packed``: every token as key bytes, when the caller already has them
+        data = (key_bytes(pages, op) if packed is None
+                else packed[:num_pages_tokens * TOKEN_BYTES])
+        object.__setattr__(self, "data", data)
 
     tokens: tuple[int, ...]
     pages: tuple[int, ...]
     page_size: int
+    data: bytes  # ``pages`` as the tree holds them (:func:`key_bytes`)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"TokenKey is read-only: make a new key for other tokens "
@@ -53,6 +66,38 @@ class TokenKey:
 
     def __repr__(self) -> str:
         return f"TokenKey({len(self.tokens)} tokens, {len(self.pages)} in whole pages)"
+
+
+def key_bytes(ids: Sequence[int], op: str) -> bytes:
+    """``ids`` as the tree's key bytes (``TOKEN_BYTES`` per token, native order, in C).
+
+    Raises:
+        ValueError: a token id of 2**63 or more (no tokenizer has one).
+    """
+    try:
+        return array("q", ids).tobytes()
+    except OverflowError:
+        big = next(i for i, token in enumerate(ids) if token >= 2**63)
+        raise ValueError(f"{op}: token ids must be < 2**63, got tokens[{big}] = "
+                         f"{ids[big]}") from None
+
+
+def key_tokens(data: bytes) -> tuple[int, ...]:
+    """The token ids of key bytes (for debugging and tests)."""
+    return tuple(array("q", data))
+
+
+def make_key(tokens: TokenIds, page_size: int, op: str) -> TokenKey:
+    """A checked :class:`TokenKey` of ``tokens`` (as :func:`token_ids` checks them). A list
+    or tuple of Python ints, the common case, is packed once and sign-checked on the
+    packed copy (numpy), not by a Python-level ``min``."""
+    if isinstance(tokens, (list, tuple)) and not set(map(type, tokens)) - {int}:
+        ids = tuple(tokens)
+        packed = key_bytes(ids, op)
+        if ids and np.frombuffer(packed, dtype=np.int64).min() < 0:
+            _refuse_negative(np.frombuffer(packed, dtype=np.int64), op)
+        return TokenKey(ids, page_size, op, packed)
+    return TokenKey(token_ids(tokens, op), page_size, op)
 
 
 def token_ids(tokens: TokenIds, op: str) -> tuple[int, ...]:

@@ -25,6 +25,8 @@ import torch
 from hicache.controller import Direction
 from hicache.pools import IndexSpace, Indices
 
+from .key import TOKEN_BYTES, key_tokens
+
 # The slot fields of a node, sliced together on a split and walked by the integrity check.
 SLOT_FIELDS: tuple[str, ...] = ("device", "host", "device_swa", "host_swa")
 
@@ -56,10 +58,10 @@ class TreeNode:
     """
 
     node_id: int
-    key: tuple[int, ...]
+    key: bytes  # whole pages of token ids (hicache.radix.key.key_bytes)
     parent: TreeNode | None
     tree_id: int
-    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    children: dict[bytes, TreeNode] = field(default_factory=dict)
     device: Indices | None = None
     host: Indices | None = None
     device_swa: Indices | None = None
@@ -74,7 +76,12 @@ class TreeNode:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.key)
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The token ids of this node's key (for debugging and tests: it decodes them)."""
+        return key_tokens(self.key)
 
     @property
     def on_device(self) -> bool:

@@ -1,8 +1,10 @@
 """The shape of the radix tree: page-aligned keys, descent, splits, removal and locks.
 
-Keys are tuples of token ids whose length is a whole number of pages; a node's children
-are keyed by their first page, so two children never share one. :class:`RadixTree` knows
-nothing of tiers or the controller; :class:`hicache.radix.HiRadixCache` builds on it.
+Keys are token ids of whole pages held as bytes (``TOKEN_BYTES`` per token, see
+:func:`~hicache.radix.key.key_bytes`): compact, compared in C, sliced at page boundaries.
+A node's children are keyed by their first page, so two children never share one.
+:class:`RadixTree` knows nothing of tiers or the controller; :class:`hicache.radix.HiRadixCache`
+builds on it.
 
 Thread ownership: the engine's scheduler thread is the only caller.
 """
@@ -14,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 from hicache.pools import IndexSpace, Indices
 
-from .key import TokenIds, TokenKey, token_ids
+from .key import TOKEN_BYTES, TokenIds, TokenKey, key_bytes, make_key, token_ids
 from .node import SLOT_FIELDS, MatchResult, TreeNode, cat_indices, slice_indices
 
 Clock = Callable[[], float]
@@ -33,11 +35,12 @@ class RadixTree:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
+        self._page_bytes = page_size * TOKEN_BYTES  # one page of a key
         ticks = itertools.count(1)
         self._clock: Clock = clock if clock is not None else lambda: float(next(ticks))
         self._node_ids = itertools.count(1)
         self.tree_id = next(_tree_ids)
-        self.root = TreeNode(0, (), None, self.tree_id)
+        self.root = TreeNode(0, b"", None, self.tree_id)
         self.num_nodes = 0  # attached nodes, the root excluded
         # Nodes whose eviction state or key may have changed since the last eviction (an
         # ordered set); the tiers drain it into their candidate heaps.
@@ -54,7 +57,7 @@ class RadixTree:
         if isinstance(tokens, TokenKey):
             self._check_key(tokens, op)
             return tokens
-        return TokenKey(token_ids(tokens, op), self.page_size)
+        return make_key(tokens, self.page_size, op)
 
     def page_key(self, tokens: TokenIds | TokenKey, op: str = "page_key") -> tuple[int, ...]:
         """``tokens`` truncated to whole pages, as a tuple of Python ints; a
@@ -68,6 +71,14 @@ class RadixTree:
             return tokens.pages
         ids = token_ids(tokens, op)
         return ids[:len(ids) // self.page_size * self.page_size]
+
+    def key_data(self, tokens: TokenIds | TokenKey, op: str) -> bytes:
+        """The whole pages of ``tokens`` as key bytes (a :class:`TokenKey` gives its own);
+        checked as :meth:`page_key`."""
+        if isinstance(tokens, TokenKey):
+            self._check_key(tokens, op)
+            return tokens.data
+        return key_bytes(self.page_key(tokens, op), op)
 
     def _check_key(self, key: TokenKey, op: str) -> None:
         if key.page_size != self.page_size:
@@ -86,7 +97,7 @@ class RadixTree:
         """``DEVICE_FULL`` slots of the device-resident prefix of ``tokens``; no side effect
         (no split, no hit, no access time)."""
         parts = []
-        for node, used in self._descend(self.page_key(tokens, "device_prefix"), split=False):
+        for node, used in self._descend(self.key_data(tokens, "device_prefix"), split=False):
             if node.device is None:
                 break
             parts.append(slice_indices(node.device, 0, used))
@@ -118,28 +129,30 @@ class RadixTree:
 
     # ---- shape --------------------------------------------------------------------------
 
-    def _descend(self, key: tuple[int, ...], split: bool) -> list[tuple[TreeNode, int]]:
-        """Matched nodes along ``key`` with the tokens used of each (whole nodes if split)."""
-        node, pos, path = self.root, 0, []
+    def _descend(self, key: bytes, split: bool) -> list[tuple[TreeNode, int]]:
+        """Matched nodes along ``key`` (bytes) with the tokens used of each (whole nodes if
+        split)."""
+        node, pos, path, step = self.root, 0, [], self._page_bytes
         while pos < len(key):
-            child = node.children.get(key[pos:pos + self.page_size])
+            child = node.children.get(key[pos:pos + step])
             if child is None:
                 break
-            common = self._common_tokens(child.key, key, pos)
-            if common < child.num_tokens and split:
-                child = self._split(child, common)
-            path.append((child, common))
-            if common < child.num_tokens:
+            common = self._common_bytes(child.key, key, pos)
+            if common < len(child.key) and split:
+                child = self._split(child, common // TOKEN_BYTES)
+            path.append((child, common // TOKEN_BYTES))
+            if common < len(child.key):
                 break
             pos, node = pos + common, child
         return path
 
-    def _common_tokens(self, node_key: tuple[int, ...], key: tuple[int, ...], pos: int) -> int:
-        """Whole-page length of the common prefix of ``node_key`` and ``key[pos:]``.
+    def _common_bytes(self, node_key: bytes, key: bytes, pos: int) -> int:
+        """Whole-page length, in bytes, of the common prefix of ``node_key`` and
+        ``key[pos:]``.
 
-        Compares tuple slices (in C): the whole overlap first, which is the usual answer,
+        Compares byte slices (in C): the whole overlap first, which is the usual answer,
         then a binary search over the number of equal leading pages."""
-        page = self.page_size
+        page = self._page_bytes
         limit = min(len(node_key), len(key) - pos)
         limit -= limit % page
         if node_key[:limit] == key[pos:pos + limit]:
@@ -163,7 +176,7 @@ class RadixTree:
         parent = node.parent
         assert parent is not None and 0 < num_tokens < node.num_tokens, "bad split"
         upper = TreeNode(
-            next(self._node_ids), node.key[:num_tokens], parent, self.tree_id,
+            next(self._node_ids), node.key[:num_tokens * TOKEN_BYTES], parent, self.tree_id,
             lock_count=node.lock_count, hit_count=node.hit_count, last_access=node.last_access,
             write_op=node.write_op, load_op=node.load_op, evict_on_ack=node.evict_on_ack,
         )
@@ -175,16 +188,16 @@ class RadixTree:
         for op in (node.write_op, node.load_op):
             if op is not None:
                 op.nodes.append(upper)
-        node.key, node.parent = node.key[num_tokens:], upper
-        upper.children[node.key[:self.page_size]] = node
-        parent.children[upper.key[:self.page_size]] = upper
+        node.key, node.parent = node.key[num_tokens * TOKEN_BYTES:], upper
+        upper.children[node.key[:self._page_bytes]] = node
+        parent.children[upper.key[:self._page_bytes]] = upper
         self.num_nodes += 1
         self._touch(upper)
         return upper
 
-    def _new_child(self, parent: TreeNode, key: tuple[int, ...], device: Indices) -> TreeNode:
+    def _new_child(self, parent: TreeNode, key: bytes, device: Indices) -> TreeNode:
         child = TreeNode(next(self._node_ids), key, parent, self.tree_id, device=device)
-        parent.children[key[:self.page_size]] = child
+        parent.children[key[:self._page_bytes]] = child
         self.num_nodes += 1
         self._touch(child)
         return child
@@ -193,7 +206,7 @@ class RadixTree:
         """Remove ``node`` and its subtree from the tree (their slots must be freed; the
         caller offers the parent, which may have become a leaf, to the eviction heaps)."""
         assert node.parent is not None, "cannot detach the root"
-        del node.parent.children[node.key[:self.page_size]]
+        del node.parent.children[node.key[:self._page_bytes]]
         for gone in subtree(node):
             gone.is_detached = True
             self.num_nodes -= 1
