@@ -18,6 +18,8 @@ from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, 
 from .index_moves import cat_parts, move_checked, owned_copy
 from .inflight import InFlightSlots
 
+_DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
+
 # (direction, the queued call's pool transfers, its tag): see TransferCore.add_observer
 TransferObserver = Callable[[Direction, Sequence[PoolTransfer], object], None]
 
@@ -86,7 +88,7 @@ class OpQueue:
         """Issued ops whose finish event fired, FIFO per direction (``query()`` only); their
         slots are no longer held."""
         done: list[TransferOp] = []
-        for direction in Direction:
+        for direction in _DIRECTIONS:
             queue = self._in_flight[direction]
             while queue and queue[0].is_done():
                 op = queue.popleft()

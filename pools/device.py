@@ -56,7 +56,7 @@ class RowGeometry:
     @property
     def row_bytes(self) -> int:
         """Bytes of one component of one token in one layer."""
-        return self.row_elems * torch.empty((), dtype=self.dtype).element_size()
+        return self.row_elems * self.dtype.itemsize
 
     def token_bytes(self, num_layers: int) -> int:
         """Bytes of one token over all components of ``num_layers`` layers."""
