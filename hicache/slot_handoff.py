@@ -57,9 +57,10 @@ def alloc(service: HiCacheService, num_tokens: int) -> Indices | None:
     once if needed, recorded as the engine's; ``None`` when there is still no room."""
     tree = service.tree
     slots = tree.io.try_alloc_device(num_tokens)
-    swa_short = num_tokens - tree.io.device_swa_free_tokens()
-    if slots is None and swa_short > 0 and tree.evict_swa(swa_short) > 0:
-        slots = tree.io.try_alloc_device(num_tokens)  # SWA rows with a host copy went first
+    if slots is None and tree.io.is_hybrid:  # SWA rows with a host copy go first
+        swa_short = num_tokens - tree.io.device_swa_free_tokens()
+        if swa_short > 0 and tree.evict_swa(swa_short) > 0:
+            slots = tree.io.try_alloc_device(num_tokens)
     if slots is None:
         short = num_tokens - service.controller.device_allocator.num_free_tokens
         tree.evict(short if short > 0 else num_tokens)

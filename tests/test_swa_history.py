@@ -195,3 +195,27 @@ def test_host_swa_copies_leave_on_their_own_when_their_pool_is_short(
     assert service.match(old).device_hit_tokens == len(old), "still cached on the device"
     host_swa.free(squatter)
     service.check_integrity()
+
+
+def test_alloc_device_frees_backed_up_swa_rows_before_full_rows(
+        service: HiCacheService) -> None:
+    """An engine that never calls release_window: its inserts keep every SWA row, backed
+    up with their nodes; when the SWA pool runs short, alloc_device frees SWA rows that
+    have a host copy and keeps every cached prefix on the device."""
+    pool = service.device_pool
+    assert isinstance(pool, HybridSWAPool)
+    sequences = [list(range(1, 9)), list(range(20, 28))]
+    for tokens in sequences:
+        slots = service.alloc_device(len(tokens))
+        assert slots is not None
+        service.insert(tokens, slots)
+    service.step()  # the write-through backups (full and SWA rows) are acknowledged
+    assert pool.swa_allocator.num_free_tokens == 0 and pool.full_allocator.num_free_tokens > 4
+    slots = service.alloc_device(4)
+    assert slots is not None
+    stats = service.tree.stats
+    assert stats.evicted_swa_tokens >= 4 and stats.evicted_device_tokens == 0
+    for tokens in sequences:
+        assert service.match(tokens).device_hit_tokens == len(tokens)
+    service.free_device(slots)
+    service.check_integrity()

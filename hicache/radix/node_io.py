@@ -97,8 +97,8 @@ class NodeIO:
         return 0
 
     def device_swa_free_tokens(self) -> int:
-        """Free tokens of the device SWA pool (unbounded without SWA)."""
-        return self.controller.device_allocator.num_free_tokens
+        """Free tokens of the device SWA pool (0 without SWA)."""
+        return 0
 
     def free_device(self, device: Indices) -> None:
         """Free device slots (and their SWA slots); raises if any is in flight."""

@@ -136,17 +136,18 @@ class TieredRadixTree(RadixTree):
                     break
                 parent = node.parent
                 hosts.append(slots_of(node, "host"))
-                host_swas.append(node.host_swa if node.host_swa is not None
-                                 else Indices(torch.zeros(node.num_tokens, dtype=torch.int64),
-                                              IndexSpace.HOST_SWA))
+                if self.io.is_hybrid:  # aligned SWA host slots, 0 where a token has none
+                    host_swas.append(node.host_swa if node.host_swa is not None
+                                     else Indices(torch.zeros(node.num_tokens,
+                                                              dtype=torch.int64),
+                                                  IndexSpace.HOST_SWA))
                 self._detach(node)
                 freed += node.num_tokens
                 if parent is not None:
                     self._host_candidates.offer(parent)
         finally:
             if hosts:
-                # aligned SWA host slots (0 = none), only for a model that has them
-                swa = cat_indices(host_swas, IndexSpace.HOST_SWA) if self.io.is_hybrid else None
+                swa = cat_indices(host_swas, IndexSpace.HOST_SWA) if host_swas else None
                 self.io.free_host(cat_indices(hosts, IndexSpace.HOST_FULL), swa)
         self.stats.evicted_host_tokens += freed
         return freed

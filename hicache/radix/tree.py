@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 from hicache.pools import IndexSpace, Indices
 
-from .key import TOKEN_BYTES, TokenIds, TokenKey, key_bytes, make_key, token_ids
+from .key import TOKEN_BYTES, TokenIds, TokenKey, make_key, token_ids
 from .node import SLOT_FIELDS, MatchResult, TreeNode, cat_indices, slice_indices
 
 Clock = Callable[[], float]
@@ -78,7 +78,7 @@ class RadixTree:
         if isinstance(tokens, TokenKey):
             self._check_key(tokens, op)
             return tokens.data
-        return key_bytes(self.page_key(tokens, op), op)
+        return make_key(tokens, self.page_size, op).data  # checked and packed once
 
     def _check_key(self, key: TokenKey, op: str) -> None:
         if key.page_size != self.page_size:

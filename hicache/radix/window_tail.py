@@ -11,6 +11,7 @@ back in the same op that loads the host span (``restore``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -26,6 +27,7 @@ from .window_backups import WindowBackupOp
 
 if TYPE_CHECKING:
     from .cache import HiRadixCache
+    from .eviction import CandidateHeap
     from .tiers import TieredRadixTree
 
 
@@ -144,21 +146,7 @@ def evict_swa(tree: HiRadixCache, num_tokens: int) -> int:
     their own heap (costs per node it looks at and per change since the last eviction)."""
     if not tree.io.keeps_swa_history or num_tokens <= 0:
         return 0
-    tree._refresh_candidates()
-    freed = 0
-    while freed < num_tokens:
-        node = tree._swa_candidates.pop()
-        if node is None:
-            break
-        device = slots_of(node, "device")
-        swa = tree.io.swa_of(device)
-        assert swa is not None and node.host_swa is not None
-        backed = (swa.tensor != 0) & (node.host_swa.tensor != 0)
-        if not bool(backed.any()):
-            continue
-        tree.io.release_swa(Indices(device.tensor[backed], IndexSpace.DEVICE_FULL))
-        node.device_swa = tree.io.swa_of(device)
-        freed += int(backed.sum())
+    freed = _evict_each(tree, tree._swa_candidates, num_tokens, _free_device_swa)
     tree.stats.evicted_swa_tokens += freed
     return freed
 
@@ -174,21 +162,46 @@ def evict_host_swa(tree: TieredRadixTree, num_tokens: int) -> int:
     window backups of running requests). Returns tokens freed."""
     if not tree.io.is_hybrid or num_tokens <= 0:
         return 0
+    freed = _evict_each(tree, tree._host_swa_candidates, num_tokens, _free_host_swa)
+    tree.stats.evicted_host_swa_tokens += freed
+    return freed
+
+
+def _evict_each(tree: TieredRadixTree, heap: CandidateHeap, num_tokens: int,
+                free: Callable[[TieredRadixTree, TreeNode], int]) -> int:
+    """Pop ``heap``'s candidates (after the tree's changes reach it) and ``free`` each,
+    until ``num_tokens`` are freed or none is left; the tokens freed."""
     tree._refresh_candidates()
     freed = 0
     while freed < num_tokens:
-        node = tree._host_swa_candidates.pop()
+        node = heap.pop()
         if node is None:
             break
-        host_swa = node.host_swa
-        assert host_swa is not None
-        kept = int((host_swa.tensor != 0).sum())
-        if not kept:
-            continue
+        freed += free(tree, node)
+    return freed
+
+
+def _free_device_swa(tree: TieredRadixTree, node: TreeNode) -> int:
+    """Free the device SWA rows of ``node`` that have a host copy; how many."""
+    device = slots_of(node, "device")
+    swa = tree.io.swa_of(device)
+    assert swa is not None and node.host_swa is not None
+    backed = (swa.tensor != 0) & (node.host_swa.tensor != 0)
+    if not bool(backed.any()):
+        return 0
+    tree.io.release_swa(Indices(device.tensor[backed], IndexSpace.DEVICE_FULL))
+    node.device_swa = tree.io.swa_of(device)
+    return int(backed.sum())
+
+
+def _free_host_swa(tree: TieredRadixTree, node: TreeNode) -> int:
+    """Free the host SWA copies of ``node``; how many. A host copy of the full rows keeps
+    aligned (all 0) SWA host slots."""
+    host_swa = node.host_swa
+    assert host_swa is not None
+    kept = int((host_swa.tensor != 0).sum())
+    if kept:
         tree.io.free_host_swa(host_swa)
-        # a host copy of the full rows keeps aligned (all 0) SWA host slots
         node.host_swa = None if node.host is None else Indices(
             torch.zeros(node.num_tokens, dtype=torch.int64), IndexSpace.HOST_SWA)
-        freed += kept
-    tree.stats.evicted_host_swa_tokens += freed
-    return freed
+    return kept
