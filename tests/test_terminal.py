@@ -5,7 +5,9 @@ redirected, and one line with exit code 130 on an interrupt, the service stopped
 from __future__ import annotations
 
 import _thread
+import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -91,11 +93,20 @@ def test_ctrl_c_on_a_terminal_is_one_line_and_130(tmp_path: Path) -> None:
     traceback, and the metrics port is free again."""
     port = free_port()
     config = config_on_port(tmp_path, port)
+    # PYTHONFAULTHANDLER: should the demo hang after the Ctrl-C, SIGABRT makes it print
+    # every thread's stack, which the failure then shows
     child = pexpect.spawn(DEMO[0], [*DEMO[1:], "--config", str(config)], dimensions=(24, 80),
-                          encoding="utf-8", codec_errors="replace", timeout=120)
+                          encoding="utf-8", codec_errors="replace", timeout=120,
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     child.expect("engine:")
     child.sendintr()
-    child.expect(pexpect.EOF)
+    try:
+        child.expect(pexpect.EOF)
+    except pexpect.TIMEOUT:
+        child.kill(signal.SIGABRT)
+        child.expect(pexpect.EOF, timeout=30)
+        pytest.fail(f"the demo did not exit within 120 s of Ctrl-C; its threads:\n"
+                    f"{child.before}")
     child.close()
     output = child.before
     assert child.exitstatus == 130, output
