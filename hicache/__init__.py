@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         load_default_config,
     )
     from hicache.factory import build_service
+    from hicache.l3 import Prefetch
     from hicache.pools import BoundsError, ForwardLocs, IndexSpace, Indices, PageTable
     from hicache.radix import LoadBack, MatchResult, Refusal, TokenKey, TreeNode
     from hicache.service import HiCacheService, ServiceError
@@ -37,6 +38,7 @@ _SOURCES: dict[str, str] = {
     "load_config": "hicache.config",
     "load_default_config": "hicache.config",
     "build_service": "hicache.factory",
+    "Prefetch": "hicache.l3",
     "BoundsError": "hicache.pools",
     "ForwardLocs": "hicache.pools",
     "IndexSpace": "hicache.pools",
@@ -62,6 +64,7 @@ __all__ = [
     "LoadBack",
     "MatchResult",
     "PageTable",
+    "Prefetch",
     "Refusal",
     "ServiceError",
     "TokenKey",

@@ -28,7 +28,7 @@ from .integrity_slices import SlicedIntegrityCheck
 from .radix import HiRadixCache
 
 if TYPE_CHECKING:
-    from .service import ServiceStats
+    from .service_stats import ServiceStats
 
 logger = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ for layer-wise loads by construction), the radix tree, the service. Nothing star
 or opens a socket here; ``service.start()`` (or ``with build_service(config) as service``)
 does.
 
-The store of the ``storage`` section (:func:`open_configured_store`) is opened on its own for
-now: the service does not use it yet. Its pages are named inside the :class:`Namespace` of
-:func:`storage_namespace`, which covers the config's KV geometry and the weights the engine
-says it runs.
+With a ``storage`` section, the store (:func:`open_configured_store`) becomes the service's
+shared-store tier (:class:`~hicache.l3.StorageTier`). Its pages are named inside the
+:class:`Namespace` of :func:`storage_namespace`, which covers the config's KV geometry and
+the weights the engine says it runs.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from .config.sizing import (
     pool_sizes,
     token_bytes,
 )
+from .l3 import StorageTier
 from .radix import HiRadixCache
 from .service import HiCacheService
 from .storage import Namespace, StorageBackend, open_store
@@ -46,12 +47,30 @@ logger = logging.getLogger(__name__)
 _Built = tuple[DeviceKVPool | HybridSWAPool, TransferCore, list[HostKVPool]]
 
 
-def build_service(config: HiCacheConfig) -> HiCacheService:
-    """Pools, backend, controller, tree and service for ``config``; no thread started.
+def build_service(config: HiCacheConfig, *, model_id: str | None = None,
+                  model_revision: str | None = None, tp_rank: int = 0, tp_size: int = 1,
+                  salt: str = "") -> HiCacheService:
+    """Pools, backend, controller, tree, shared-store tier and service for ``config``; no
+    thread started (the store's worker threads start with its tier).
+
+    Args:
+        config: the configuration.
+        model_id, model_revision, tp_rank, tp_size, salt: what names the pages in a shared
+            store (see :func:`storage_namespace`); ``model_id`` and ``model_revision`` are
+            required when ``storage.backend`` is not ``none``.
 
     Raises:
-        ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton).
+        ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
+            store without ``model_id``/``model_revision``; a store with a hybrid model.
     """
+    if config.storage.is_enabled and (not model_id or not model_revision):
+        raise ValueError(
+            f"build_service: storage.backend is {config.storage.backend.value}: pass "
+            f"model_id and model_revision (a commit or weights digest), which name the pages "
+            f"in the shared store so that no other weights ever read them")
+    if config.storage.is_enabled and config.is_hybrid:
+        raise ValueError("build_service: the shared store does not carry a hybrid model's "
+                         "SWA rows yet; set storage.backend: none for a model with SWA layers")
     device = torch.device(config.device_pool.device)
     ctl = config.controller
     backend = make_backend(ctl.io_backend.value, device, ctl.kernel_programs,
@@ -73,10 +92,18 @@ def build_service(config: HiCacheConfig) -> HiCacheService:
     service_config = config.service
     metrics = ((service_config.metrics_host, service_config.metrics_port)
                if service_config.metrics_enabled else None)
+    storage = None
+    if config.storage.is_enabled:
+        assert model_id is not None and model_revision is not None
+        namespace = storage_namespace(config, model_id=model_id, model_revision=model_revision,
+                                      tp_rank=tp_rank, tp_size=tp_size, salt=salt)
+        store = open_configured_store(config, namespace)
+        assert store is not None
+        storage = StorageTier(tree, store, config.storage)
     return HiCacheService(
         tree=tree, device_pool=device_pool, host_pools=host_pools,
         integrity_check_interval_s=service_config.integrity_check_interval_s,
-        metrics_address=metrics,
+        metrics_address=metrics, storage=storage,
     )
 
 

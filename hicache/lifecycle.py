@@ -47,7 +47,8 @@ def start(service: HiCacheService) -> None:
 
 def stop(service: HiCacheService) -> None:
     """Join the thread, close the metrics endpoint, drain every op in flight and apply its
-    ack, close the host pools.
+    ack, close the shared store's tier (finishing its prefetches and backups), close the host
+    pools.
 
     Idempotent. Raises the background thread's error (``ServiceError``) if no scheduler
     call did.
@@ -61,6 +62,9 @@ def stop(service: HiCacheService) -> None:
     with gate.lock:
         acks = service._poller.drain() + service.controller.drain()
         service._poller.apply(acks)
+        if service.storage is not None:  # after the acks: their backups are queued first
+            service.storage.close()
+            service.storage = None
         for pool in service._host_pools:
             pool.close()
         gate.stopped = True

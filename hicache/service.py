@@ -25,14 +25,14 @@ check can prove that every device slot is free, owned by a tree node or held by 
 Parts: :mod:`hicache.slot_handoff` moves slots between the engine and the tree;
 :class:`~hicache.call_gate.CallGate` admits every scheduler call;
 :class:`~hicache.background_poller.BackgroundPoller` is the background thread and its ack
-queue; :mod:`hicache.lifecycle` starts and stops them.
+queue; :mod:`hicache.lifecycle` starts and stops them; :mod:`hicache.prefetch_calls` holds
+the shared store's calls.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from types import TracebackType
 
 from hicache.metrics import MetricsExporter, controller_pool_usage
@@ -43,25 +43,17 @@ from .background_poller import BackgroundPoller
 from .call_gate import CallGate
 from .engine_slots import EngineSlots
 from .integrity_slices import SlicedIntegrityCheck
+from .l3 import StorageTier
+from .prefetch_calls import PrefetchCalls
 from .radix import HiRadixCache, LoadBack, MatchResult, TokenIds, TokenKey, TreeNode
+from .service_stats import ServiceStats
 
 
 class ServiceError(RuntimeError):
     """The background thread failed; ``__cause__`` is its exception."""
 
 
-@dataclass
-class ServiceStats:
-    """The service's own counters (``background_errors`` is exported as a metric)."""
-
-    background_errors: int = 0
-    polls: int = 0
-    acks_applied: int = 0
-    integrity_checks: int = 0
-    integrity_checks_abandoned: int = 0  # background checks given up for a scheduler call
-
-
-class HiCacheService:
+class HiCacheService(PrefetchCalls):
     """Scheduler-facing cache service (see the module docstring for the threading rules).
 
     Args:
@@ -75,6 +67,8 @@ class HiCacheService:
         poll_interval_s: sleep of the background thread between polls.
         metrics_address: ``(host, port)`` to serve Prometheus metrics on from :meth:`start`,
             or ``None`` for no endpoint.
+        storage: the shared store's tier (L3), or ``None``; the service closes it at
+            :meth:`stop`. Its calls are in :class:`~hicache.prefetch_calls.PrefetchCalls`.
     """
 
     def __init__(
@@ -86,8 +80,10 @@ class HiCacheService:
         integrity_check_interval_s: float = 1.0,
         poll_interval_s: float = 0.001,
         metrics_address: tuple[str, int] | None = None,
+        storage: StorageTier | None = None,
     ) -> None:
         self.tree = tree
+        self.storage = storage
         self.controller = tree.controller
         self.device_pool = device_pool
         self.service_lock = threading.Lock()
@@ -256,6 +252,8 @@ class HiCacheService:
             self.controller.raise_if_tripped()
             acks = self._poller.collect()
             self._poller.apply(acks)
+            if self.storage is not None:
+                self.storage.poll()
             return len(acks)
 
     def wait_until(self, layer: int) -> None:

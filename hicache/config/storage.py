@@ -67,6 +67,8 @@ class StorageConfig:
     """``timeout``: seconds added per 1024 tokens prefetched (>= 0)."""
     prefetch_timeout_max_s: float = 30.0
     """``timeout``: the most any prefetch may take, in seconds (>= prefetch_timeout_s)."""
+    prefetch_threshold_tokens: int = 256
+    """Uncached tails shorter than this (in whole pages) are not asked for (>= 0)."""
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH
     """When host pages are backed up to the store (after their host backup)."""
     write_through_hits: int = 2
@@ -89,6 +91,7 @@ class StorageConfig:
                         f"below storage.prefetch_timeout_s ({self.prefetch_timeout_s})",
                         f"set it to at least {self.prefetch_timeout_s}")
         check_min("storage.write_through_hits", self.write_through_hits, 1)
+        check_min("storage.prefetch_threshold_tokens", self.prefetch_threshold_tokens, 0)
 
     def _check_unused(self, why: str, users: dict[str, str]) -> None:
         for name, backend in users.items():

@@ -107,6 +107,8 @@ class HiRadixCache(TieredRadixTree):
             self._touch(node)
         if self.backup_hits is not None:
             self._backup_nodes([n for n in path if n.hit_count >= self.backup_hits], path)
+        if self.storage is not None:
+            self.storage.matched(path)
         result = self._result(path)
         self.stats.matched_tokens += len(key) // TOKEN_BYTES
         self.stats.device_hit_tokens += result.device_hit_tokens

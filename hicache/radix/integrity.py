@@ -203,6 +203,9 @@ def _engine_pages(
     if backups is not None and len(backups):
         pages[IndexSpace.HOST_SWA] = _pages(allocators, backups.host_slots(),
                                             "engine window backups", False)
+    held = None if tree.storage is None else tree.storage.held_host_slots()
+    if held is not None and len(held):
+        pages[IndexSpace.HOST_FULL] = _pages(allocators, held, "shared-store tier slots", False)
     if engine_device is None or not len(engine_device):
         return pages
     pages |= {IndexSpace.DEVICE_FULL: _pages(allocators, engine_device, "engine slots", False)}

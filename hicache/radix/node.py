@@ -46,6 +46,18 @@ class PendingOp:
 
 
 @dataclass(eq=False)
+class PendingStore:
+    """A put of nodes' host pages into the shared store, in flight on a storage worker.
+
+    ``nodes`` grows when a node in flight is split (both halves wait for the same job);
+    ``evict_after``: the put is a write-back on host eviction, and the nodes leave the
+    host once it is done."""
+
+    nodes: list[TreeNode]
+    evict_after: bool = False
+
+
+@dataclass(eq=False)
 class TreeNode:
     """One radix-tree node; see the module docstring for the slot fields.
 
@@ -73,6 +85,10 @@ class TreeNode:
     load_op: PendingOp | None = None
     evict_on_ack: bool = False
     is_detached: bool = False
+    # the shared store (L3), when the service has one (hicache.l3):
+    page_hashes: bytes | None = None  # the chained hash of each page, 32 bytes each
+    store_op: PendingStore | None = None  # a put reading this node's host slots
+    in_storage: bool = False  # every page was stored (it may have been evicted since)
 
     @property
     def num_tokens(self) -> int:

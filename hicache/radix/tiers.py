@@ -24,15 +24,15 @@ Thread ownership: the engine's scheduler thread is the only caller.
 
 from __future__ import annotations
 
-import torch
-
 from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import CacheController, Direction, HybridCacheController, TransferCore
 from hicache.pools import IndexSpace, Indices
 
+from . import host_eviction
 from .eviction import CandidateHeap, eviction_key
 from .node import CacheStats, PendingOp, TreeNode, cat_indices
 from .node_io import HybridNodeIO, NodeIO
+from .storage_hooks import StorageHooks
 from .tree import Clock, RadixTree, slots_of, subtree
 from .window_tail import evict_host_swa
 
@@ -72,6 +72,7 @@ class TieredRadixTree(RadixTree):
         self.backup_hits = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_BACK: None,
                             WritePolicy.WRITE_THROUGH_SELECTIVE: write_through_hits}[write_policy]
         self.stats = CacheStats()
+        self.storage: StorageHooks | None = None  # the shared store's tier (hicache.l3)
         key = eviction_key(eviction_policy)
         self._device_candidates = CandidateHeap(key, self._can_evict_device)
         self._host_candidates = CandidateHeap(key, self._is_host_candidate)
@@ -124,33 +125,13 @@ class TieredRadixTree(RadixTree):
     def evict_host(self, num_tokens: int) -> int:
         """Free the host copies of unlocked host-only leaves, removing those nodes, in
         eviction-policy order until ``num_tokens`` are freed; returns tokens freed. Nodes on
-        the device and slots in flight are never touched."""
-        self._refresh_candidates()
-        freed = 0
-        hosts: list[Indices] = []  # freed in one controller call
-        host_swas: list[Indices] = []
-        try:
-            while freed < num_tokens:
-                node = self._host_candidates.pop()
-                if node is None:
-                    break
-                parent = node.parent
-                hosts.append(slots_of(node, "host"))
-                if self.io.is_hybrid:  # aligned SWA host slots, 0 where a token has none
-                    host_swas.append(node.host_swa if node.host_swa is not None
-                                     else Indices(torch.zeros(node.num_tokens,
-                                                              dtype=torch.int64),
-                                                  IndexSpace.HOST_SWA))
-                self._detach(node)
-                freed += node.num_tokens
-                if parent is not None:
-                    self._host_candidates.offer(parent)
-        finally:
-            if hosts:
-                swa = cat_indices(host_swas, IndexSpace.HOST_SWA) if host_swas else None
-                self.io.free_host(cat_indices(hosts, IndexSpace.HOST_FULL), swa)
-        self.stats.evicted_host_tokens += freed
-        return freed
+        the device and slots in flight are never touched. With a shared store under
+        ``write_back``, a leaf not in the store is written there first and leaves later."""
+        return host_eviction.evict_host(self, num_tokens)
+
+    def evict_host_node(self, node: TreeNode) -> int:
+        """Remove one host-only leaf (a host candidate) and free its host copy now."""
+        return host_eviction.evict_host_nodes(self, [node])
 
     def _refresh_candidates(self) -> None:
         """Offer every node changed since the last eviction to both candidate heaps, and
@@ -212,6 +193,8 @@ class TieredRadixTree(RadixTree):
             node.write_op = None
             self._touch(node)
         self.stats.backed_up_tokens += sum(node.num_tokens for node in op.nodes)
+        if self.storage is not None:
+            self.storage.host_copies_ready(op.nodes)
         if op.lock_node is not None:
             self.unlock(op.lock_node)
         for node in sorted(op.nodes, key=TreeNode.depth, reverse=True):
@@ -246,7 +229,7 @@ class TieredRadixTree(RadixTree):
         checks that no host page is in flight under a node without an op)."""
         return (node.device is None and node.host is not None and not node.children
                 and node.lock_count == 0 and node.write_op is None and node.load_op is None
-                and node is not self.root)
+                and node.store_op is None and node is not self.root)
 
     def _is_swa_candidate(self, node: TreeNode) -> bool:
         """An unlocked node with device SWA rows and host SWA copies, nothing in flight; O(1)
@@ -283,6 +266,9 @@ class TieredRadixTree(RadixTree):
         below = [n for n in subtree(node) if n is not node]
         for orphan in below:
             assert orphan.is_host_only and not orphan.is_in_flight, f"cannot drop {orphan!r}"
+            if orphan.store_op is not None and self.storage is not None:
+                self.storage.free_host_after_store(orphan, slots_of(orphan, "host"))
+                continue
             self.io.free_host(slots_of(orphan, "host"), orphan.host_swa)
         if node.host is None:  # SWA copies of rows that left the window, nothing else
             self.io.free_host_swa(node.host_swa)

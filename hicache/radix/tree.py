@@ -15,6 +15,7 @@ import itertools
 from collections.abc import Callable, Iterator
 
 from hicache.pools import IndexSpace, Indices
+from hicache.storage.keys import PAGE_HASH_BYTES
 
 from .key import TOKEN_BYTES, TokenIds, TokenKey, make_key, token_ids
 from .node import SLOT_FIELDS, MatchResult, TreeNode, cat_indices, slice_indices
@@ -188,6 +189,12 @@ class RadixTree:
         for op in (node.write_op, node.load_op):
             if op is not None:
                 op.nodes.append(upper)
+        upper.store_op, upper.in_storage = node.store_op, node.in_storage
+        if node.store_op is not None:
+            node.store_op.nodes.append(upper)
+        if node.page_hashes is not None:
+            cut = num_tokens // self.page_size * PAGE_HASH_BYTES
+            upper.page_hashes, node.page_hashes = node.page_hashes[:cut], node.page_hashes[cut:]
         node.key, node.parent = node.key[num_tokens * TOKEN_BYTES:], upper
         upper.children[node.key[:self._page_bytes]] = node
         parent.children[upper.key[:self._page_bytes]] = upper
@@ -195,7 +202,7 @@ class RadixTree:
         self._touch(upper)
         return upper
 
-    def _new_child(self, parent: TreeNode, key: bytes, device: Indices) -> TreeNode:
+    def _new_child(self, parent: TreeNode, key: bytes, device: Indices | None) -> TreeNode:
         child = TreeNode(next(self._node_ids), key, parent, self.tree_id, device=device)
         parent.children[key[:self._page_bytes]] = child
         self.num_nodes += 1

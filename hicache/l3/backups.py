@@ -1,0 +1,114 @@
+"""Backups from the host tier to the shared store: which nodes, when, and what an ack does.
+
+Policies (``storage.write_policy``), applied once a node's host copy is acknowledged:
+
+- ``write_through``: every node, at once;
+- ``write_through_selective``: a node matched ``write_through_hits`` times (checked when its
+  host copy is acknowledged and when it is matched again);
+- ``write_back``: a node only when host eviction picks it; it stays on the host until the
+  store has its pages, then leaves.
+
+A put reads the node's host slots on the backup worker; the node carries the put
+(``store_op``) until its result is applied, and host eviction passes it by meanwhile. A
+node is marked ``in_storage`` only when every page was stored: a failure never claims a
+page is in the store. Scheduler thread only (the worker runs :class:`PutJob`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hicache.config import WritePolicy
+from hicache.pools import IndexSpace, Indices
+from hicache.radix.node import PendingStore, TreeNode, cat_indices
+from hicache.storage import PageStatus
+
+from .hashes import node_page_hashes, split_hashes
+from .jobs import PutJob
+from .stats import StorageTierStats
+from .worker import StorageWorker
+
+if TYPE_CHECKING:
+    from hicache.radix import HiRadixCache
+
+
+class StoreBackups:
+    """The put side of :class:`hicache.l3.StorageTier`."""
+
+    def __init__(self, tree: HiRadixCache, worker: StorageWorker, policy: WritePolicy,
+                 hits: int, stats: StorageTierStats) -> None:
+        self.tree = tree
+        self.worker = worker
+        self.policy = policy
+        self.hits = hits
+        self.stats = stats
+        self._pending_free: dict[PendingStore, list[Indices]] = {}
+
+    def host_copies_ready(self, nodes: list[TreeNode]) -> None:
+        if self.policy is WritePolicy.WRITE_BACK:
+            return
+        for node in nodes:
+            if self.policy is WritePolicy.WRITE_THROUGH or node.hit_count >= self.hits:
+                self.put(node, evict_after=False)
+
+    def matched(self, path: list[TreeNode]) -> None:
+        if self.policy is not WritePolicy.WRITE_THROUGH_SELECTIVE:
+            return
+        for node in path:
+            if node.hit_count >= self.hits and node.is_backed_up:
+                self.put(node, evict_after=False)
+
+    def keep_for_store(self, node: TreeNode) -> bool:
+        if self.policy is not WritePolicy.WRITE_BACK or node.in_storage:
+            return False
+        if self.put(node, evict_after=True):
+            self.stats.backup_evictions += 1
+            return True
+        return False
+
+    def put(self, node: TreeNode, *, evict_after: bool) -> bool:
+        """Queue a put of ``node``'s host pages unless stored, in flight or not backed up;
+        ``True`` if queued."""
+        if node.in_storage or node.store_op is not None or not node.is_backed_up \
+                or node.is_detached:
+            return False
+        assert node.host is not None
+        pending = PendingStore([node], evict_after)
+        hashes = split_hashes(node_page_hashes(self.tree, node))
+        job = PutJob(pending, hashes, node.host.tensor.clone())
+        if not self.worker.submit(job):
+            self.stats.backup_pages["dropped"] += len(hashes)
+            return False
+        node.store_op = pending
+        return True
+
+    def free_host_after_store(self, node: TreeNode, host: Indices) -> None:
+        assert node.store_op is not None
+        self._pending_free.setdefault(node.store_op, []).append(host)
+
+    def held_host_slots(self) -> list[Indices]:
+        return [slots for parts in self._pending_free.values() for slots in parts]
+
+    def finish(self, job: PutJob) -> None:
+        """Apply a put's result: clear the nodes' ``store_op``, mark them stored if every
+        page was, free what waited for it, and finish a write-back's host eviction."""
+        assert job.result is not None
+        statuses = job.result.statuses
+        stored = sum(1 for status in statuses if status is PageStatus.OK)
+        self.stats.backup_pages["stored"] += stored
+        self.stats.backup_pages["failed"] += len(statuses) - stored
+        pending = job.pending
+        tree = self.tree
+        for node in pending.nodes:
+            if node.store_op is pending:
+                node.store_op = None
+                node.in_storage = stored == len(statuses)
+                tree._touch(node)
+        waiting = self._pending_free.pop(pending, None)
+        if waiting:
+            tree.io.free_host(cat_indices(waiting, IndexSpace.HOST_FULL), None)
+        if pending.evict_after:
+            # deepest first: a parent becomes a leaf once its child left
+            for node in sorted(pending.nodes, key=TreeNode.depth, reverse=True):
+                if not node.is_detached and tree._is_host_candidate(node):
+                    tree.evict_host_node(node)

@@ -1,0 +1,89 @@
+"""What a storage worker does: a put of host pages, or a prefetch's query and load.
+
+A job is made on the scheduler thread, run on a worker thread, and handed back to the
+scheduler thread, which alone reads its results into the tree. While it runs, the worker
+reads or writes only the host slots the job names; the scheduler never frees them before
+the job is back (``done``). The fields a worker writes are plain values assigned once per
+step, and the scheduler reads them only after the job's ``changed`` event, or, for the
+prefetch's ``arrived`` count, knowing that the pages it counts are no longer written.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.pools import HostKVPool, IndexSpace, Indices
+from hicache.radix.node import PendingStore
+from hicache.storage import PageStatus, StorageBackend, StorageResult, host_page_views
+
+
+@dataclass(eq=False)
+class PutJob:
+    """Store the pages at ``host`` (whole pages, aligned with ``hashes``)."""
+
+    pending: PendingStore
+    hashes: list[bytes]
+    host: torch.Tensor  # int64 HOST_FULL slots, a copy owned by the job
+    result: StorageResult | None = None
+    done: bool = False
+
+    def run(self, store: StorageBackend, pool: HostKVPool) -> None:
+        views = host_page_views(pool, Indices(self.host, IndexSpace.HOST_FULL))
+        self.result = store.put(self.hashes, views)
+
+    def fail(self, message: str) -> None:
+        self.result = StorageResult((PageStatus.ERROR,) * len(self.hashes), message)
+
+
+class PrefetchPhase(enum.Enum):
+    QUERY = "query"  # the worker asks the store which pages it has
+    ANSWERED = "answered"  # the scheduler allocates host slots for the pages found
+    LOAD = "load"  # the worker reads the pages into those slots
+    DONE = "done"  # nothing more will be written; the scheduler finishes it
+
+
+@dataclass(eq=False)
+class PrefetchJob:
+    """One request's prefetch: ``hashes`` of the pages after its cached prefix."""
+
+    hashes: list[bytes]
+    batch_pages: int
+    phase: PrefetchPhase = PrefetchPhase.QUERY
+    found: int = 0  # leading pages the store has (set by the query)
+    host: torch.Tensor | None = None  # slots of the ``found`` pages (set by the scheduler)
+    arrived: int = 0  # leading pages loaded and verified, in ``host``
+    statuses: list[PageStatus] = field(default_factory=list)  # per page loaded so far
+    error: str | None = None
+    cancelled: bool = False  # set by the scheduler: stop after the current batch
+    done: bool = False  # back from the worker (reset when submitted again)
+    changed: threading.Event = field(default_factory=threading.Event)
+
+    def run(self, store: StorageBackend, pool: HostKVPool) -> None:
+        if self.phase is PrefetchPhase.QUERY:
+            result = store.exists(self.hashes)
+            self.error = result.error
+            self.found = result.num_leading_ok
+            self.phase = PrefetchPhase.ANSWERED if self.found else PrefetchPhase.DONE
+            return
+        assert self.phase is PrefetchPhase.LOAD and self.host is not None
+        page = pool.page_size
+        for start in range(0, self.found, self.batch_pages):
+            if self.cancelled:
+                break
+            end = min(self.found, start + self.batch_pages)
+            slots = Indices(self.host[start * page:end * page], IndexSpace.HOST_FULL)
+            result = store.get(self.hashes[start:end], host_page_views(pool, slots))
+            self.statuses.extend(result.statuses)
+            self.error = self.error or result.error
+            if result.num_leading_ok < end - start:
+                break
+            self.arrived = end  # these pages are final: later batches write others
+        self.phase = PrefetchPhase.DONE
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.phase = PrefetchPhase.DONE

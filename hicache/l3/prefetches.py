@@ -1,0 +1,199 @@
+"""Prefetches from the shared store into host slots, and what finishing one does.
+
+A prefetch starts on a match whose uncached tail has at least ``prefetch_threshold_tokens``
+of whole pages: one batched query asks the store how many of those pages it has; no host
+slot is allocated before the answer. The scheduler thread then allocates host slots for the
+pages found (evicting host leaves if needed) and the worker reads them in batches. The
+matched node stays locked meanwhile, so the pages have a place to join the tree.
+
+:meth:`Prefetches.finish` gives the tree the pages that arrived (a leading run: a prefetch
+never leaves a hole) as host-only nodes; the engine matches again and loads them back like
+any host hit. Pages still being read when it finishes are freed once the worker is done
+with them. When to finish is the engine's call under the policy (:meth:`Prefetches.ready`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hicache.config.storage import PrefetchPolicy, StorageConfig
+from hicache.pools import IndexSpace, Indices
+from hicache.radix.host_run import attach_host_run
+from hicache.radix.key import TOKEN_BYTES
+from hicache.radix.node import MatchResult, TreeNode
+from hicache.storage import PageStatus
+
+from .hashes import key_page_hashes, last_hash, split_hashes
+from .jobs import PrefetchJob, PrefetchPhase
+from .stats import StorageTierStats
+from .worker import StorageWorker
+
+if TYPE_CHECKING:
+    from hicache.radix import HiRadixCache
+
+BATCH_PAGES = 16  # pages per store read: what a best-effort finish can use at the least
+
+_STATUS_OUTCOME = {PageStatus.MISS: "not_found", PageStatus.CORRUPT: "corrupt",
+                   PageStatus.TIMEOUT: "timeout", PageStatus.ERROR: "error"}
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """A prefetch in progress, for one request (from ``HiCacheService.prefetch``).
+
+    ``num_tokens``: whole-page tokens asked for. ``found_tokens``: how many the store has
+    (``None`` until it answered). Pass it to ``prefetch_ready``, ``wait_prefetch`` and, once,
+    ``finish_prefetch``.
+    """
+
+    node: TreeNode
+    key: bytes
+    page_hashes: bytes
+    job: PrefetchJob
+    started_at: float
+    deadline: float | None
+    finished: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.key) // TOKEN_BYTES
+
+    @property
+    def found_tokens(self) -> int | None:
+        if self.job.phase is PrefetchPhase.QUERY:
+            return None
+        return self.job.found * (self.num_tokens // len(self.job.hashes))
+
+
+class Prefetches:
+    """The prefetch side of :class:`hicache.l3.StorageTier`."""
+
+    def __init__(self, tree: HiRadixCache, worker: StorageWorker, config: StorageConfig,
+                 stats: StorageTierStats) -> None:
+        self.tree = tree
+        self.worker = worker
+        self.config = config
+        self.threshold_tokens = config.prefetch_threshold_tokens
+        self.stats = stats
+        self.page_size = tree.page_size
+        self._active: dict[PrefetchJob, Prefetch] = {}
+        self._abandoned: dict[PrefetchJob, Indices] = {}  # finished early: freed when back
+
+    def start(self, key: bytes, match: MatchResult) -> Prefetch | None:
+        """Start a prefetch of ``key``'s pages after ``match``; ``None`` when the tail is
+        shorter than the threshold, or the queue is full (counted)."""
+        cached = match.device_hit_tokens + match.host_hit_tokens
+        tail = key[cached * TOKEN_BYTES:]
+        num_tokens = len(tail) // TOKEN_BYTES
+        if num_tokens < max(self.threshold_tokens, self.page_size):
+            return None
+        node = match.last_host_node
+        hashes = key_page_hashes(tail, self.page_size, last_hash(self.tree, node))
+        job = PrefetchJob(split_hashes(hashes), BATCH_PAGES)
+        if not self.worker.submit(job):
+            self.stats.prefetch_tokens["queue_full"] += num_tokens
+            return None
+        if node is not self.tree.root:
+            self.tree.lock(node)
+        now = time.monotonic()
+        prefetch = Prefetch(node, tail, hashes, job, now, self._deadline(now, num_tokens))
+        self._active[job] = prefetch
+        self.stats.prefetches += 1
+        self.stats.queried_tokens += num_tokens
+        return prefetch
+
+    def ready(self, prefetch: Prefetch) -> bool:
+        """Whether the policy says finish it now."""
+        policy = self.config.prefetch_policy
+        if policy is PrefetchPolicy.BEST_EFFORT or prefetch.job.phase is PrefetchPhase.DONE:
+            return True
+        return prefetch.deadline is not None and time.monotonic() >= prefetch.deadline
+
+    def advance(self, job: PrefetchJob) -> None:
+        """A job came back from the worker: load what the store has, or free what an
+        early finish left behind."""
+        if job in self._abandoned:
+            self._free(self._abandoned.pop(job))
+            return
+        if job.phase is not PrefetchPhase.ANSWERED or job not in self._active:
+            return  # loaded (finish takes it), or finished early before the answer
+        prefetch = self._active[job]
+        self.stats.found_tokens += job.found * self.page_size
+        num_tokens = job.found * self.page_size
+        host = self.tree.io.controller.host_pool.allocator.try_alloc(num_tokens)
+        if host is None and self.tree.evict_host(num_tokens) > 0:
+            host = self.tree.io.controller.host_pool.allocator.try_alloc(num_tokens)
+        if host is None:
+            job.phase = PrefetchPhase.DONE  # nothing read: finish counts the pages host_full
+            prefetch.job.error = "host_full"
+            return
+        job.host = host.tensor
+        job.phase, job.done = PrefetchPhase.LOAD, False
+        job.changed.clear()
+        if not self.worker.submit(job):
+            self._free(host)
+            job.host, job.done, job.phase = None, True, PrefetchPhase.DONE
+            job.error = "queue_full"
+
+    def finish(self, prefetch: Prefetch) -> int:
+        """Give the tree what arrived, unlock, count every page's outcome; tokens attached."""
+        if prefetch.finished:
+            raise ValueError("finish_prefetch: this prefetch was finished already")
+        prefetch.finished = True
+        job, page = prefetch.job, self.page_size
+        del self._active[job]
+        job.cancelled = True
+        arrived = job.arrived
+        attached = 0
+        if arrived:
+            assert job.host is not None
+            host = Indices(job.host[:arrived * page], IndexSpace.HOST_FULL)
+            attached, duplicate = attach_host_run(
+                self.tree, prefetch.node, prefetch.key[:arrived * page * TOKEN_BYTES],
+                prefetch.page_hashes, host)
+            self._free(duplicate)
+            self.stats.prefetch_tokens["used"] += attached
+            self.stats.prefetch_tokens["cached"] += len(duplicate)
+        self._count_rest(prefetch, arrived)
+        if job.host is not None and len(job.host) > arrived * page:
+            rest = Indices(job.host[arrived * page:], IndexSpace.HOST_FULL)
+            if job.done:
+                self._free(rest)
+            else:
+                self._abandoned[job] = rest  # still being read into: freed when back
+        if prefetch.node is not self.tree.root and not prefetch.node.is_detached:
+            self.tree.unlock(prefetch.node)
+        return attached
+
+    def held_host_slots(self) -> list[Indices]:
+        held = [Indices(p.job.host, IndexSpace.HOST_FULL) for p in self._active.values()
+                if p.job.host is not None]
+        return held + list(self._abandoned.values())
+
+    def _count_rest(self, prefetch: Prefetch, arrived: int) -> None:
+        """Outcomes of the pages after the ``arrived`` ones."""
+        job, page, counts = prefetch.job, self.page_size, self.stats.prefetch_tokens
+        total = len(job.hashes)
+        if job.phase is PrefetchPhase.QUERY:
+            counts["timeout"] += (total - arrived) * page
+            return
+        for status in job.statuses[arrived:]:
+            counts[_STATUS_OUTCOME.get(status, "timeout")] += page
+        unread = job.found - max(arrived, len(job.statuses))
+        if unread > 0:
+            counts["host_full" if job.error == "host_full" else
+                   "queue_full" if job.error == "queue_full" else "timeout"] += unread * page
+        counts["not_found"] += (total - job.found) * page
+
+    def _deadline(self, now: float, num_tokens: int) -> float | None:
+        config = self.config
+        if config.prefetch_policy is not PrefetchPolicy.TIMEOUT:
+            return None
+        return now + config.prefetch_timeout_for(num_tokens)
+
+    def _free(self, host: Indices) -> None:
+        if len(host):
+            self.tree.io.free_host(host, None)
+

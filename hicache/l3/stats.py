@@ -1,0 +1,48 @@
+"""Counters of the shared-store tier on the cache's side (the store's own are
+:class:`hicache.storage.StorageStats`).
+
+Prefetch outcomes count tokens, by how each prefetched page ended:
+
+- ``used``: arrived and given to the tree (a later match finds it on the host);
+- ``not_found``: the store did not have it (the query's answer, or a miss on read);
+- ``cached``: arrived, but the tree had the page meanwhile (another request computed it);
+- ``timeout``: not arrived when the prefetch was finished (its policy's deadline, or
+  ``best_effort``), or the store's deadline passed;
+- ``corrupt``, ``error``: the store's page failed verification, or the store failed;
+- ``host_full``: found, but the host had no room for it;
+- ``queue_full``: never asked for: the prefetch queue was full;
+- ``cancelled``: the service stopped, or the engine dropped the request.
+
+Backups count pages: ``stored`` (the store has them now), ``failed`` (the store answered
+otherwise), ``dropped`` (never sent: the backup queue was full).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+PREFETCH_OUTCOMES = ("used", "not_found", "cached", "timeout", "corrupt", "error", "host_full",
+                     "queue_full", "cancelled")
+BACKUP_OUTCOMES = ("stored", "failed", "dropped")
+
+
+@dataclass
+class StorageTierStats:
+    """Plain counters, written on the scheduler thread only (``hicache.metrics`` reads them
+    under the service lock). Queue depths are gauges read from the workers."""
+
+    prefetches: int = 0
+    """Prefetches started (one per request whose uncached tail reached the threshold)."""
+    queried_tokens: int = 0
+    """Tokens asked about (whole pages after the tree's match)."""
+    found_tokens: int = 0
+    """Tokens the store said it had, in a run from the first page asked about."""
+    prefetch_tokens: Counter[str] = field(default_factory=Counter)
+    """Tokens by prefetch outcome (module docstring)."""
+    backup_pages: Counter[str] = field(default_factory=Counter)
+    """Pages by backup outcome (module docstring)."""
+    backup_evictions: int = 0
+    """Host nodes written back to the store before their host copy left (``write_back``)."""
+    worker_errors: int = 0
+    """Exceptions a storage worker caught (the job ended as ``error``; logged)."""

@@ -1,0 +1,137 @@
+"""StorageTier: the shared store (L3) below the host tier, on the cache's side.
+
+It owns two :class:`~hicache.l3.worker.StorageWorker` threads (prefetches and backups, so a
+burst of backups never delays a request's prefetch), :class:`~hicache.l3.prefetches.Prefetches`
+and :class:`~hicache.l3.backups.StoreBackups`, and is the tree's
+:class:`~hicache.radix.storage_hooks.StorageHooks`. Host memory is the store's staging
+area: pages go to the store from host slots after their host backup, and come back into
+host slots before a load-back brings them to the device.
+
+Threads: every method runs on the scheduler thread under the service lock (the service
+calls them), except that the workers run jobs; :meth:`poll` applies what they finished.
+The scheduler never waits on the store: :meth:`wait` (the engine's choice, for
+``wait_complete`` or a synchronous engine) waits without the service lock.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from hicache.config.storage import StorageConfig
+from hicache.pools import IndexSpace, Indices
+from hicache.radix.node import MatchResult, TreeNode, cat_indices
+from hicache.storage import StorageBackend
+
+from .backups import StoreBackups
+from .jobs import PrefetchJob, PutJob
+from .prefetches import Prefetch, Prefetches
+from .stats import StorageTierStats
+from .worker import StorageWorker
+
+if TYPE_CHECKING:
+    from hicache.radix import HiRadixCache
+
+logger = logging.getLogger(__name__)
+
+MAX_QUEUED_PREFETCHES = 256
+MAX_QUEUED_BACKUPS = 1024
+
+
+class StorageTier:
+    """See the module docstring.
+
+    Args:
+        tree: the cache (full-attention models; a hybrid model's pages need their SWA rows,
+            which the tier does not carry yet).
+        store: the shared store, opened for this config's namespace; closed by :meth:`close`.
+        config: the ``storage`` section (policies, timeouts).
+    """
+
+    def __init__(self, tree: HiRadixCache, store: StorageBackend, config: StorageConfig
+                 ) -> None:
+        if tree.io.is_hybrid:
+            raise ValueError("storage: the shared store does not carry a hybrid model's SWA "
+                             "rows yet; use storage.backend: none with SWA layers")
+        self.tree = tree
+        self.store = store
+        self.config = config
+        self.stats = StorageTierStats()
+        pool = tree.io.controller.host_pool
+        self.prefetch_worker = StorageWorker("hicache-l3-prefetch", store, pool,
+                                             MAX_QUEUED_PREFETCHES)
+        self.backup_worker = StorageWorker("hicache-l3-backup", store, pool,
+                                           MAX_QUEUED_BACKUPS)
+        self.prefetches = Prefetches(tree, self.prefetch_worker, config, self.stats)
+        self.backups = StoreBackups(tree, self.backup_worker, config.write_policy,
+                                    config.write_through_hits, self.stats)
+        self._closed = False
+        tree.storage = self
+
+    # ---- the engine's calls (through the service) ---------------------------------------
+
+    def start_prefetch(self, key: bytes, match: MatchResult) -> Prefetch | None:
+        self.poll()
+        return self.prefetches.start(key, match)
+
+    def ready(self, prefetch: Prefetch) -> bool:
+        self.poll()
+        return self.prefetches.ready(prefetch)
+
+    def finish(self, prefetch: Prefetch) -> int:
+        self.poll()
+        return self.prefetches.finish(prefetch)
+
+    def wait_for_change(self, prefetch: Prefetch, timeout_s: float) -> None:
+        """Block (no lock held) until ``prefetch``'s job changes phase or ``timeout_s``."""
+        prefetch.job.changed.wait(timeout_s)
+
+    def poll(self) -> int:
+        """Apply the jobs the workers finished; returns how many."""
+        jobs = self.backup_worker.finished() + self.prefetch_worker.finished()
+        for job in jobs:
+            if isinstance(job, PutJob):
+                self.backups.finish(job)
+            else:
+                assert isinstance(job, PrefetchJob)
+                self.prefetches.advance(job)
+        self.stats.worker_errors = self.prefetch_worker.errors + self.backup_worker.errors
+        return len(jobs)
+
+    @property
+    def queue_depths(self) -> dict[str, int]:
+        return {"prefetch": self.prefetch_worker.depth, "backup": self.backup_worker.depth}
+
+    def close(self) -> None:
+        """Finish every prefetch (what arrived is kept), let queued backups run, stop the
+        threads, apply what they finished, and close the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for prefetch in list(self.prefetches._active.values()):
+            prefetch.job.cancelled = True
+        self.prefetch_worker.close()
+        self.backup_worker.close()
+        self.poll()
+        for prefetch in list(self.prefetches._active.values()):
+            self.prefetches.finish(prefetch)
+        self.tree.storage = None
+        self.store.close()
+
+    # ---- StorageHooks (the tree's calls) ------------------------------------------------
+
+    def host_copies_ready(self, nodes: list[TreeNode]) -> None:
+        self.backups.host_copies_ready(nodes)
+
+    def matched(self, path: list[TreeNode]) -> None:
+        self.backups.matched(path)
+
+    def keep_for_store(self, node: TreeNode) -> bool:
+        return self.backups.keep_for_store(node)
+
+    def free_host_after_store(self, node: TreeNode, host: Indices) -> None:
+        self.backups.free_host_after_store(node, host)
+
+    def held_host_slots(self) -> Indices | None:
+        held = self.prefetches.held_host_slots() + self.backups.held_host_slots()
+        return cat_indices(held, IndexSpace.HOST_FULL) if held else None

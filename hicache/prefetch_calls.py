@@ -1,0 +1,101 @@
+"""The service's calls for the shared store (L3): prefetch a request's uncached tail into
+host slots, and let the engine decide when to use what arrived.
+
+An engine with a store configured calls, per request::
+
+    match = service.match(key)
+    prefetch = service.prefetch(key, match)       # None: nothing worth asking the store
+    ...                                           # later scheduler rounds
+    if prefetch is not None:
+        if not service.prefetch_ready(prefetch):  # the policy says keep waiting
+            continue                              # schedule the request in a later round
+        service.finish_prefetch(prefetch)         # arrived pages join the tree (host)
+        match = service.match(key)                # now a longer host hit
+    service.load_back(match, quota)
+
+``prefetch_ready`` follows ``storage.prefetch_policy``: ``best_effort`` is ready at once,
+``wait_complete`` when every page found arrived, ``timeout`` then or at the prefetch's
+deadline. ``wait_prefetch`` blocks until ready without holding the service lock (for a
+synchronous engine). Without a store, ``prefetch`` returns ``None``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from .l3 import Prefetch, StorageTier
+from .radix import MatchResult, TokenIds, TokenKey
+
+if TYPE_CHECKING:
+    from .call_gate import CallGate
+    from .radix import HiRadixCache
+
+_WAIT_SLICE_S = 0.05  # the longest a wait sleeps before it looks at the deadline again
+
+
+class PrefetchCalls:
+    """Mixed into :class:`~hicache.service.HiCacheService` (module docstring)."""
+
+    storage: StorageTier | None
+    tree: HiRadixCache
+    _gate: CallGate
+
+    def prefetch(self, tokens: TokenIds | TokenKey, match: MatchResult) -> Prefetch | None:
+        """Ask the store for the whole pages of ``tokens`` after ``match`` (this request's
+        match); does not wait. The matched node stays locked until :meth:`finish_prefetch`.
+
+        Returns:
+            the prefetch, or ``None``: no store, a tail shorter than
+            ``storage.prefetch_threshold_tokens``, or the prefetch queue is full (counted).
+        Raises:
+            TypeError, ValueError: bad tokens (as for ``match``); ``match`` is not a
+                :class:`MatchResult` of this service.
+        """
+        if not isinstance(match, MatchResult):
+            raise TypeError(f"prefetch: expected this request's MatchResult, got "
+                            f"{type(match).__name__}")
+        with self._gate.call():
+            if self.storage is None:
+                return None
+            key = self.tree.key_data(tokens, "prefetch")
+            if match.last_host_node is not self.tree.root:
+                self.tree._check_node(match.last_host_node, "prefetch")
+            return self.storage.start_prefetch(key, match)
+
+    def prefetch_ready(self, prefetch: Prefetch) -> bool:
+        """Whether ``storage.prefetch_policy`` says to finish ``prefetch`` now."""
+        with self._gate.call():
+            return self._tier("prefetch_ready", prefetch).ready(prefetch)
+
+    def wait_prefetch(self, prefetch: Prefetch, timeout_s: float | None = None) -> bool:
+        """Block until :meth:`prefetch_ready` (or ``timeout_s`` passed); the service lock is
+        not held while waiting. Returns whether it is ready."""
+        until = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            with self._gate.call():
+                tier = self._tier("wait_prefetch", prefetch)
+                if tier.ready(prefetch):
+                    return True
+            left = _WAIT_SLICE_S if until is None else until - time.monotonic()
+            if left <= 0:
+                return False
+            tier.wait_for_change(prefetch, min(left, _WAIT_SLICE_S))
+
+    def finish_prefetch(self, prefetch: Prefetch) -> int:
+        """Give the tree the pages that arrived (host-only nodes; match again to see them)
+        and unlock the matched node; pages still on their way are dropped. Call once per
+        prefetch, also for a request that is dropped. Returns the tokens added."""
+        with self._gate.call():
+            return self._tier("finish_prefetch", prefetch).finish(prefetch)
+
+    def _tier(self, op: str, prefetch: Prefetch) -> StorageTier:
+        if not isinstance(prefetch, Prefetch):
+            raise TypeError(f"{op}: expected a Prefetch from prefetch(), got "
+                            f"{type(prefetch).__name__}")
+        if self.storage is None:
+            raise ValueError(f"{op}: this service has no store (the service stopped, or "
+                             f"storage.backend is none)")
+        if prefetch.finished:
+            raise ValueError(f"{op}: this prefetch was finished already")
+        return self.storage
