@@ -71,7 +71,7 @@ class StorageTier:
     # ---- the engine's calls (through the service) ---------------------------------------
 
     def start_prefetch(self, key: bytes, match: MatchResult) -> Prefetch | None:
-        self.poll()
+        # no poll first: applying a write-back could evict the matched node
         return self.prefetches.start(key, match)
 
     def ready(self, prefetch: Prefetch) -> bool:

@@ -152,9 +152,11 @@ def _check_node(tree: TieredRadixTree, node: TreeNode) -> None:
         raise RuntimeError(f"{node!r} has a backup in flight but no host slots")
     if node.evict_on_ack and node.write_op is None:
         raise RuntimeError(f"{node!r} waits to be evicted after a write that is not in flight")
-    for op in (node.write_op, node.load_op):
+    for op in (node.write_op, node.load_op, node.store_op):
         if op is not None and node not in op.nodes:
             raise RuntimeError(f"{node!r} is in flight but missing from its op")
+    if node.store_op is not None and not node.is_backed_up:
+        raise RuntimeError(f"{node!r} is being stored but has no complete host copy")
     _check_swa(tree, node)
 
 
