@@ -141,3 +141,117 @@ def test_a_miss_allocates_no_host_slots_and_counts_not_found(two) -> None:
     assert b.finish_prefetch(prefetch) == 0
     assert b.storage is not None and b.storage.stats.prefetch_tokens["not_found"] == 10
     b.check_integrity()
+
+
+def test_bad_calls_name_what_is_wrong_and_change_nothing(tmp_path: Path) -> None:
+    service = build_service(make_config(tmp_path / "l3"), **MODEL)
+    try:
+        key = service.key(list(range(40, 50)))
+        match = service.match(key)
+        with pytest.raises(TypeError, match="MatchResult"):
+            service.prefetch(key, match.last_host_node)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="Prefetch from prefetch"):
+            service.prefetch_ready(match)  # type: ignore[arg-type]
+        prefetch = service.prefetch(key, match)
+        assert prefetch is not None
+        assert service.wait_prefetch(prefetch, timeout_s=5.0)
+        service.finish_prefetch(prefetch)
+        with pytest.raises(ValueError, match="finished already"):
+            service.finish_prefetch(prefetch)
+        with pytest.raises(ValueError, match="finished already"):
+            service.prefetch_ready(prefetch)
+        service.check_integrity()
+    finally:
+        service.stop()
+
+
+def test_a_stale_match_is_refused(tmp_path: Path) -> None:
+    service = build_service(make_config(tmp_path / "l3"), **MODEL)
+    try:
+        tokens = list(range(60, 70))
+        put(service, tokens)
+        settle(service)
+        key = service.key(tokens + [71, 72, 73, 74])
+        match = service.match(key)
+        service.evict(10**6)
+        service.evict_host(10**6)  # the matched node is gone
+        with pytest.raises(ValueError, match="removed from the tree"):
+            service.prefetch(key, match)
+        service.check_integrity()
+    finally:
+        service.stop()
+
+
+def test_a_service_needs_the_model_to_name_its_pages(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="model_id and model_revision"):
+        build_service(make_config(tmp_path / "l3"))
+
+
+def test_without_a_store_prefetch_is_none(tmp_path: Path) -> None:
+    raw = make_config(tmp_path / "l3")
+    from dataclasses import replace
+
+    from hicache.config.storage import StorageConfig
+    service = build_service(replace(raw, storage=StorageConfig()))
+    try:
+        key = service.key(list(range(10)))
+        assert service.prefetch(key, service.match(key)) is None
+    finally:
+        service.stop()
+
+
+def test_stop_finishes_prefetches_in_flight(two) -> None:
+    a, b = two
+    tokens = list(range(800, 820))
+    put(a, tokens)
+    settle(a)
+    key = b.key(tokens)
+    prefetch = b.prefetch(key, b.match(key))
+    assert prefetch is not None
+    b.stop()  # never finished by the engine: stop finishes it
+    assert prefetch.finished
+    b.check_integrity()
+    assert not any(n.lock_count for n in b.tree.nodes())
+
+
+def test_write_back_stores_a_host_leaf_before_it_leaves(tmp_path: Path) -> None:
+    a = build_service(make_config(tmp_path / "l3", policy="write_back"), **MODEL)
+    b = build_service(make_config(tmp_path / "l3", policy="write_back"), **MODEL)
+    try:
+        tokens = list(range(900, 910))
+        put(a, tokens)
+        settle(a)
+        assert a.storage is not None and a.storage.stats.backup_pages["stored"] == 0
+        a.evict(10**6)
+        a.step()
+        assert a.evict_host(10**6) == 0  # queued for the store first
+        settle(a)
+        assert a.storage.stats.backup_pages["stored"] == 5
+        assert not list(a.tree.nodes()), "the leaf left once it was stored"
+        attached, device = fetch(b, tokens)
+        assert attached == 10
+        pool = pool_of(b)
+        assert torch.equal(read_rows(pool, device.tensor), expected_rows(tokens, pool.num_layers))
+        a.check_integrity()
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_selective_backups_wait_for_hits(tmp_path: Path) -> None:
+    service = build_service(make_config(tmp_path / "l3", policy="write_through_selective",
+                                         write_through_hits=2), **MODEL)
+    try:
+        tokens = list(range(950, 960))
+        put(service, tokens)
+        settle(service)
+        tier = service.storage
+        assert tier is not None and tier.stats.backup_pages["stored"] == 0
+        service.match(tokens)
+        settle(service)
+        assert tier.stats.backup_pages["stored"] == 0
+        service.match(tokens)
+        settle(service)
+        assert tier.stats.backup_pages["stored"] == 5
+    finally:
+        service.stop()
