@@ -87,7 +87,7 @@ def test_a_truncated_page_is_a_miss(tmp_path: Path) -> None:
         first = stored_files(tmp_path / "l3")
         for path in first:
             os.truncate(path, path.stat().st_size // 2)
-        attached, device = fetch(b, TOKENS)
+        attached, _ = fetch(b, TOKENS)
         assert attached == 0
         assert b.storage is not None and b.storage.store.stats().pages_corrupt >= 1
         b.check_integrity()

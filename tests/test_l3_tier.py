@@ -171,7 +171,7 @@ def test_a_stale_match_is_refused(tmp_path: Path) -> None:
         tokens = list(range(60, 70))
         put(service, tokens)
         settle(service)
-        key = service.key(tokens + [71, 72, 73, 74])
+        key = service.key([*tokens, 71, 72, 73, 74])
         match = service.match(key)
         service.evict(10**6)
         service.evict_host(10**6)  # the matched node is gone

@@ -49,6 +49,11 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                         help="when turns are backed up to the host (default: the config's; "
                         "the default config uses write_through so evicted history can come "
                         "back)")
+    parser.add_argument("--storage", default=None, metavar="STORE",
+                        help="add a shared store (L3): 'file' (a temporary directory), a "
+                        "directory, or redis://host:port (redis+cluster://h:p,... for a "
+                        "cluster); after the run a second, empty instance serves the same "
+                        "requests from the store, verified the same way")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--corrupt-host-byte", action="store_true",
                         help="testing aid: flip one byte of the host pool before the first "
@@ -66,6 +71,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     options = DemoOptions(
         seed=args.seed, device=args.device, conversations=args.conversations,
         turns=args.turns, quick=args.quick, corrupt_host_byte=args.corrupt_host_byte,
+        storage=args.storage,
         write_policy=None if args.write_policy == "config" else WritePolicy(args.write_policy),
     )
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,9 +25,10 @@ from hicache.radix import CacheStats
 from hicache.service import HiCacheService
 
 from .model import ModelSpec, TinyDecoder
-from .reference import reference_tokens
+from .reference import TurnKey, reference_tokens
 from .report import DemoReport, TransferTimer, transfer_lines
 from .runner import DemoEngine, EngineError
+from .store_pages import StorePageAudit, store_config
 from .verify import TransferAudit, first_token_mismatch
 from .workload import Workload, WorkloadSpec, make_workload
 
@@ -55,6 +57,7 @@ class DemoOptions:
     max_running: int = 4
     prefill_chunk_tokens: int = 16
     new_tokens: tuple[int, int] | None = None  # generated tokens per turn (low, high)
+    storage: str | None = None  # "file" (a temporary directory), a directory, or redis://...
 
     def workload_spec(self) -> WorkloadSpec:
         base = QUICK if self.quick else WorkloadSpec()
@@ -114,27 +117,76 @@ def run_demo(
         baseline_progress(0, workload.num_turns)
         expected = reference_tokens(model, workload, baseline_progress)
         report.baseline_s = time.perf_counter() - start
-        engine = serve(config, options, model, workload, report, wanted_port=wanted_port,
-                       on_progress=on_progress)
-    report.token_mismatch = first_token_mismatch(engine.generated, expected)
+        if options.storage is None:
+            engine = serve(config, options, model, workload, report, wanted_port=wanted_port,
+                           on_progress=on_progress)
+        else:
+            if config.is_hybrid:
+                raise ValueError(
+                    "--storage: the shared store does not carry sliding-window rows yet and "
+                    f"{config_name} has SWA layers; try it on a full-attention config: "
+                    "hicache demo --config examples/full_attention.yaml --storage file")
+            with store_config(config, options.storage) as (config, where):
+                engine = serve_twice(config, options, model, workload, report, where,
+                                     expected, wanted_port, on_progress)
+    report.token_mismatch = report.token_mismatch or first_token_mismatch(engine.generated,
+                                                                          expected)
     return report
+
+
+def serve_twice(
+    config: HiCacheConfig, options: DemoOptions, model: TinyDecoder, workload: Workload,
+    report: DemoReport, where: str, expected: dict[TurnKey, list[int]], wanted_port: int,
+    on_progress: PhaseProgress | None,
+) -> DemoEngine:
+    """With a shared store: serve the workload, then serve it again through a second,
+    empty instance on the same store; its tokens and every page it took from the store are
+    verified too (against the first instance's backups)."""
+    pages = StorePageAudit()
+    run = uuid.uuid4().hex[:12]  # this run's pages only: each is verifiable
+    first = serve(config, options, model, workload, report, wanted_port=wanted_port,
+                  on_progress=on_progress, store=(pages, run))
+    second_report = dataclasses.replace(report, transfers=[], page_mismatches=[])
+    second = serve(config, options, model, workload, second_report, wanted_port=wanted_port,
+                   on_progress=on_progress, store=(pages, run), phase="second instance")
+    report.page_mismatches += [f"second instance: {m}" for m in second_report.page_mismatches]
+    mismatch = first_token_mismatch(second.generated, expected)
+    report.token_mismatch = None if mismatch is None else f"second instance: {mismatch}"
+    report.l3 = {
+        "store": where, "stored_pages": len(pages.pages),
+        "first_from_store_tokens": report.l3_from_store_tokens,
+        "second_prompt_tokens": second_report.prompt_tokens,
+        "second_from_store_tokens": second_report.l3_from_store_tokens,
+        "second_device_hit_tokens": second_report.device_hit_tokens,
+        "second_host_hit_tokens": second_report.host_hit_tokens,
+        "second_pages_checked": second_report.pages_checked,
+        "arrived_pages": pages.arrived_pages, "unknown_pages": pages.unknown_pages,
+    }
+    return first
 
 
 def serve(
     config: HiCacheConfig, options: DemoOptions, model: TinyDecoder, workload: Workload,
     report: DemoReport, *, wanted_port: int = 0, on_progress: PhaseProgress | None = None,
+    store: tuple[StorePageAudit, str] | None = None, phase: str = "engine",
 ) -> DemoEngine:
     """Serve ``workload`` through a service built from ``config`` (no baseline): fills the
     cache, transfer and page-check parts of ``report`` and returns the engine, whose
     ``generated`` holds every turn's tokens. ``wanted_port``: the configured metrics port
-    (to say so when another was used)."""
-    service = build_service(config)
+    (to say so when another was used). ``store``: the audit of stored pages shared by the
+    instances of this run, and the run's id (a salt of the store's namespace)."""
+    service = (build_service(config) if store is None else
+               build_service(config, model_id="hicache-demo-decoder",
+                             model_revision=f"seed-{options.seed}", salt=store[1]))
     controller = service.controller
     stream = None
     if model.device.type == "cuda":
         stream = torch.cuda.Stream(model.device)
         controller.register_producer_stream(stream)
+    tier = service.storage  # kept: stop() lets go of it
     audit = TransferAudit(controller, corrupt_host_byte=options.corrupt_host_byte)
+    if store is not None:
+        store[0].watch(service, audit)
     timer = TransferTimer(controller)
     engine = DemoEngine(
         service, model, max_running=options.max_running,
@@ -149,7 +201,7 @@ def serve(
 
             def progress(done: int, total: int) -> None:
                 if on_progress is not None:
-                    on_progress("engine", done, total, note)
+                    on_progress(phase, done, total, note)
 
             progress(0, workload.num_turns)
             engine.serve(workload, progress)
@@ -158,6 +210,8 @@ def serve(
         timer.close()
     report.engine_s = time.perf_counter() - start
     _fill(report, engine, service.tree.stats, audit)
+    if tier is not None:
+        report.l3_from_store_tokens = tier.stats.prefetch_tokens["used"]
     report.transfers = transfer_lines(controller, timer)
     report.timing_method = timer.method
     return engine

@@ -134,6 +134,10 @@ class DemoReport:
     metrics: str = "off"
     engine_s: float = 0.0
     baseline_s: float = 0.0
+    l3_from_store_tokens: int = 0
+    """Prompt tokens that came from the shared store (prefetched into the host tier)."""
+    l3: dict[str, Any] | None = None
+    """With ``--storage``: the store, pages stored, and the second instance's figures."""
 
     @property
     def saved_tokens(self) -> int:
@@ -195,6 +199,8 @@ class DemoReport:
                 f"{swa['evicted_tokens']} evicted (host copies: "
                 f"{swa.get('host_evicted_tokens', 0)}); host SWA pool {swa['host_used_tokens']} "
                 f"tokens in use ({swa['host_used_bytes']} bytes)")
+        if self.l3 is not None:
+            lines += _store_lines(self.l3, self.l3_from_store_tokens)
         if self.refused_load_backs:
             refused = ", ".join(f"{k} {v}" for k, v in sorted(self.refused_load_backs.items()))
             lines.append(f"  refused load-backs {refused}")
@@ -215,6 +221,19 @@ class DemoReport:
             lines.append(f"  MISMATCH token: {self.token_mismatch}")
         lines.append("  result             " + ("PASS" if self.passed else "FAIL"))
         return "\n".join(lines)
+
+
+def _store_lines(l3: dict[str, Any], first_from_store: int) -> list[str]:
+    second = l3["second_prompt_tokens"]
+    pct = 100.0 * l3["second_from_store_tokens"] / max(second, 1)
+    return [
+        f"  shared store       {l3['store']}: {l3['stored_pages']} pages stored; "
+        f"{first_from_store} prompt tokens came back from it after host eviction",
+        f"  second instance    empty device and host, same store, same requests: "
+        f"{l3['second_from_store_tokens']} of {second} prompt tokens ({pct:.1f}%) from the "
+        f"store; {l3['second_pages_checked']} loaded pages verified against the first "
+        f"instance's backups",
+    ]
 
 
 def transfer_lines(controller: TransferCore, timer: TransferTimer) -> list[TransferLine]:

@@ -34,6 +34,7 @@ from .attention import DecodeBuffers, PagedKV, exact_batch
 from .model import TinyDecoder
 from .reference import TurnKey
 from .request import Request, plan_forward
+from .store_pages import match_with_store
 from .verify import TransferAudit
 from .window import SlidingWindow
 from .workload import Turn, Workload
@@ -145,7 +146,7 @@ class DemoEngine:
         # the last prompt token is always computed (its logits give the first new token),
         # so match without it: the window a load-back restores is then the window of what
         # is reused, not of a page the request recomputes anyway
-        match = self.service.match(prompt[:-1])
+        match = match_with_store(self.service, prompt[:-1])
         node = match.last_host_node
         self.service.lock(node)  # the device prefix and the host run stay put until finish
         prefix = match.device_indices

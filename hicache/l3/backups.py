@@ -25,7 +25,7 @@ from hicache.storage import PageStatus
 
 from .hashes import node_page_hashes, split_hashes
 from .jobs import PutJob
-from .stats import StorageTierStats
+from .stats import PageObserver, StorageTierStats
 from .worker import StorageWorker
 
 if TYPE_CHECKING:
@@ -36,12 +36,13 @@ class StoreBackups:
     """The put side of :class:`hicache.l3.StorageTier`."""
 
     def __init__(self, tree: HiRadixCache, worker: StorageWorker, policy: WritePolicy,
-                 hits: int, stats: StorageTierStats) -> None:
+                 hits: int, stats: StorageTierStats, notify: PageObserver) -> None:
         self.tree = tree
         self.worker = worker
         self.policy = policy
         self.hits = hits
         self.stats = stats
+        self.notify = notify
         self._pending_free: dict[PendingStore, list[Indices]] = {}
 
     def host_copies_ready(self, nodes: list[TreeNode]) -> None:
@@ -80,6 +81,7 @@ class StoreBackups:
             self.stats.backup_pages["dropped"] += len(hashes)
             return False
         node.store_op = pending
+        self.notify("put", hashes, job.host)
         return True
 
     def free_host_after_store(self, node: TreeNode, host: Indices) -> None:

@@ -27,7 +27,7 @@ from hicache.storage import PageStatus
 
 from .hashes import key_page_hashes, last_hash, split_hashes
 from .jobs import PrefetchJob, PrefetchPhase
-from .stats import StorageTierStats
+from .stats import PageObserver, StorageTierStats
 from .worker import StorageWorker
 
 if TYPE_CHECKING:
@@ -71,12 +71,13 @@ class Prefetches:
     """The prefetch side of :class:`hicache.l3.StorageTier`."""
 
     def __init__(self, tree: HiRadixCache, worker: StorageWorker, config: StorageConfig,
-                 stats: StorageTierStats) -> None:
+                 stats: StorageTierStats, notify: PageObserver) -> None:
         self.tree = tree
         self.worker = worker
         self.config = config
         self.threshold_tokens = config.prefetch_threshold_tokens
         self.stats = stats
+        self.notify = notify
         self.page_size = tree.page_size
         self._active: dict[PrefetchJob, Prefetch] = {}
         self._abandoned: dict[PrefetchJob, Indices] = {}  # finished early: freed when back
@@ -150,6 +151,7 @@ class Prefetches:
         if arrived:
             assert job.host is not None
             host = Indices(job.host[:arrived * page], IndexSpace.HOST_FULL)
+            self.notify("arrive", job.hashes[:arrived], host.tensor)
             attached, duplicate = attach_host_run(
                 self.tree, prefetch.node, prefetch.key[:arrived * page * TOKEN_BYTES],
                 prefetch.page_hashes, host)

@@ -20,7 +20,15 @@ otherwise), ``dropped`` (never sent: the backup queue was full).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import torch
+
+PageObserver = Callable[[str, list[bytes], torch.Tensor], None]
+"""Called on the scheduler thread with ``("put", hashes, host_slots)`` when pages are sent
+to the store and ``("arrive", hashes, host_slots)`` when prefetched pages reach the tree
+(one int64 host slot per token, aligned with the hashes' pages); for audits and tests."""
 
 PREFETCH_OUTCOMES = ("used", "not_found", "cached", "timeout", "corrupt", "error", "host_full",
                      "queue_full", "cancelled")

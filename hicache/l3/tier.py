@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
+
 from hicache.config.storage import StorageConfig
 from hicache.pools import IndexSpace, Indices
 from hicache.radix.node import MatchResult, TreeNode, cat_indices
@@ -26,7 +28,7 @@ from hicache.storage import StorageBackend
 from .backups import StoreBackups
 from .jobs import PrefetchJob, PutJob
 from .prefetches import Prefetch, Prefetches
-from .stats import StorageTierStats
+from .stats import PageObserver, StorageTierStats
 from .worker import StorageWorker
 
 if TYPE_CHECKING:
@@ -57,14 +59,16 @@ class StorageTier:
         self.store = store
         self.config = config
         self.stats = StorageTierStats()
+        self.observers: list[PageObserver] = []  # pages stored and arrived (audits, tests)
         pool = tree.io.controller.host_pool
         self.prefetch_worker = StorageWorker("hicache-l3-prefetch", store, pool,
                                              MAX_QUEUED_PREFETCHES)
         self.backup_worker = StorageWorker("hicache-l3-backup", store, pool,
                                            MAX_QUEUED_BACKUPS)
-        self.prefetches = Prefetches(tree, self.prefetch_worker, config, self.stats)
+        self.prefetches = Prefetches(tree, self.prefetch_worker, config, self.stats,
+                                     self._notify)
         self.backups = StoreBackups(tree, self.backup_worker, config.write_policy,
-                                    config.write_through_hits, self.stats)
+                                    config.write_through_hits, self.stats, self._notify)
         self._closed = False
         tree.storage = self
 
@@ -117,6 +121,10 @@ class StorageTier:
             self.prefetches.finish(prefetch)
         self.tree.storage = None
         self.store.close()
+
+    def _notify(self, event: str, hashes: list[bytes], host: torch.Tensor) -> None:
+        for observer in self.observers:
+            observer(event, hashes, host)
 
     # ---- StorageHooks (the tree's calls) ------------------------------------------------
 
