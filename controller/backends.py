@@ -72,13 +72,13 @@ class TorchBackend(TransferBackend):
     ) -> None:
         host, device = moved.source.host_pool, moved.source.device_pool
         for c, layer in pairs:
-            host_rows, device_rows = host.layer_rows(c, layer), device.layer_rows(c, layer)
+            device_rows = device.layer_rows(c, layer)
             if direction is Direction.DEVICE_TO_HOST:
-                host_rows.index_copy_(0, moved.host_index,
+                host.write_layer_rows(c, layer, moved.host_index,
                                       device_rows.index_select(0, moved.device_index))
             else:
                 device_rows.index_copy_(0, moved.device_index,
-                                        host_rows.index_select(0, moved.host_index))
+                                        host.read_layer_rows(c, layer, moved.host_index))
 
     @staticmethod
     def _write_gpu(moved: MovedTransfer, pairs: list[tuple[int, int]]) -> None:
@@ -90,7 +90,7 @@ class TorchBackend(TransferBackend):
         staging.copy_(gathered, non_blocking=True)
         torch.cuda.current_stream().synchronize()
         for i, (c, layer) in enumerate(pairs):
-            host.layer_rows(c, layer).index_copy_(0, moved.host_index, staging[i])
+            host.write_layer_rows(c, layer, moved.host_index, staging[i])
 
     @staticmethod
     def _load_gpu(
@@ -98,7 +98,7 @@ class TorchBackend(TransferBackend):
     ) -> None:
         host, device = moved.source.host_pool, moved.source.device_pool
         staging = torch.stack(
-            [host.layer_rows(c, layer).index_select(0, moved.host_index) for c, layer in pairs]
+            [host.read_layer_rows(c, layer, moved.host_index) for c, layer in pairs]
         ).pin_memory()
         on_device = staging.to(device.device, non_blocking=True)
         keep_alive.extend((staging, on_device))

@@ -66,11 +66,16 @@ def _copy_rows_kernel(  # type: ignore[no-untyped-def]
     src_ptr, dst_ptr, src_index_ptr, dst_index_ptr,
     num_pairs, num_src_slots, num_dst_slots,
     layer_begin, num_layers, num_components,
-    src_slot_stride, src_component_stride, src_layer_stride,
-    dst_slot_stride, dst_component_stride, dst_layer_stride,
+    src_page_size, src_page_stride, src_slot_stride, src_component_stride, src_layer_stride,
+    dst_page_size, dst_page_stride, dst_slot_stride, dst_component_stride, dst_layer_stride,
     ROW: tl.constexpr, BLOCK_ROW: tl.constexpr, TILE: tl.constexpr,
 ):
-    """Grid-stride loop over (tile, layer, component) items; one [TILE, ROW] block each."""
+    """Grid-stride loop over (tile, layer, component) items; one [TILE, ROW] block each.
+
+    Slot ``s`` of a side starts at ``(s // page_size) * page_stride + (s % page_size) *
+    slot_stride`` plus its component and layer offsets: ``page_size`` is 1 (a value Triton
+    specialises, so the division folds away) except for a ``page_first_direct`` host, whose
+    pages hold each layer's rows together."""
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     num_items = tl.cdiv(num_pairs, TILE) * num_layers * num_components
@@ -89,8 +94,10 @@ def _copy_rows_kernel(  # type: ignore[no-untyped-def]
         valid = valid & (dst_slot > 0) & (dst_slot < num_dst_slots)
         src_row = component * src_component_stride + layer * src_layer_stride
         dst_row = component * dst_component_stride + layer * dst_layer_stride
-        src_rows = src_row + src_slot * src_slot_stride
-        dst_rows = dst_row + dst_slot * dst_slot_stride
+        src_rows = (src_row + (src_slot // src_page_size) * src_page_stride
+                    + (src_slot % src_page_size) * src_slot_stride)
+        dst_rows = (dst_row + (dst_slot // dst_page_size) * dst_page_stride
+                    + (dst_slot % dst_page_size) * dst_slot_stride)
         mask = valid[:, None] & col_mask[None, :]
         rows = tl.load(src_ptr + src_rows[:, None] + cols[None, :], mask=mask)
         tl.store(dst_ptr + dst_rows[:, None] + cols[None, :], rows, mask=mask)

@@ -10,9 +10,10 @@ Work decomposition: the pairs are cut into tiles of ``tokens_per_tile`` pairs; o
 is (tile, layer, component) and the programs walk the items grid-stride. Consecutive items
 differ in component, then layer, then tile, so the programs running at the same time touch
 the same few slots (all of one token's layers are one contiguous run in a ``page_first`` host
-pool). Each item loads the two index tiles, masks the padding slot and the tail, and moves a
-``[tokens_per_tile, row]`` block: one load and one store of ``tokens_per_tile * row_bytes``
-(16 KiB for 8 tokens of 2 KiB rows) that every program keeps in flight.
+pool, all of one page's in a ``page_first_direct`` one). Each item loads the two index tiles,
+masks the padding slot and the tail, and moves a ``[tokens_per_tile, row]`` block: one load
+and one store of ``tokens_per_tile * row_bytes`` (16 KiB for 8 tokens of 2 KiB rows) that
+every program keeps in flight.
 
 The kernel body and its compilation are in :mod:`hicache.controller.copy_rows_kernel`; this
 module checks the arguments and plans the launch (grid, tile, warps, strides). Importing it
@@ -63,7 +64,8 @@ def transfer_rows(
     For every pair ``i`` and every component ``c`` and layer ``l`` in range, moves
     ``device_data[c, l, device_indices[i]]`` to (``to_host=True``) or from (``False``) the host
     row of slot ``host_indices[i]`` (``host_data[c, l, s]`` for ``layer_first``,
-    ``host_data[s, c, l]`` for ``page_first``). Pairs where either index is the padding slot 0
+    ``host_data[s, c, l]`` for ``page_first``, ``host_data[s // P, c, l, s % P]`` for
+    ``page_first_direct`` with pages of ``P`` slots). Pairs where either index is the padding slot 0
     are skipped; an index outside ``[1, slots)`` of its pool is never dereferenced either (run
     the pools' debug bounds checks to find such bugs). Nothing else is written.
 
@@ -71,9 +73,10 @@ def transfer_rows(
         device_data: ``[C, L, S_dev, R]`` contiguous device pool buffer (``DeviceKVPool.data``),
             bfloat16/float16/float32, on CUDA (or CPU under the Triton interpreter).
         host_data: contiguous host pool buffer (``HostKVPool.data``), same dtype: ``[C, L,
-            S_host, R]`` (``layer_first``) or ``[S_host, C, L, R]`` (``page_first``). With a CUDA
-            ``device_data`` it is a pinned CPU tensor (``cudaHostRegister``), read and written by
-            the GPU through unified addressing.
+            S_host, R]`` (``layer_first``), ``[S_host, C, L, R]`` (``page_first``) or
+            ``[S_host / P, C, L, P, R]`` (``page_first_direct``). With a CUDA ``device_data``
+            it is a pinned CPU tensor (``cudaHostRegister``), read and written by the GPU
+            through unified addressing.
         host_layout: storage order of ``host_data``.
         host_indices: ``[n]`` int32/int64 host slots, on ``device_data.device``.
         device_indices: ``[n]`` int32/int64 device slots (dtype may differ), same device.
@@ -126,8 +129,7 @@ def transfer_rows(
                 src[0], dst[0], src[1], dst[1],
                 num_pairs, src[2], dst[2],
                 layer_begin, num_layers, num_components,
-                src[3], src[4], src[5],
-                dst[3], dst[4], dst[5],
+                *src[3:], *dst[3:],
                 ROW=row_elems, BLOCK_ROW=block_row, TILE=tokens_per_tile,
                 num_warps=_num_warps(tokens_per_tile * block_row * device_data.element_size()),
             )
@@ -142,17 +144,20 @@ def transfer_rows(
 
 
 def _check_buffers(device_data: torch.Tensor, host_data: torch.Tensor, layout: HostLayout) -> None:
-    for name, buf in (("device_data", device_data), ("host_data", host_data)):
-        if not isinstance(buf, torch.Tensor) or buf.dim() != 4:
+    if not isinstance(layout, HostLayout):
+        raise ValueError(f"transfer_rows: host_layout must be a HostLayout, got {layout!r}")
+    host_dims = 5 if layout is HostLayout.PAGE_FIRST_DIRECT else 4
+    for name, buf, dims in (("device_data", device_data, 4), ("host_data", host_data, host_dims)):
+        if not isinstance(buf, torch.Tensor) or buf.dim() != dims:
             shape = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
-            raise ValueError(f"transfer_rows: {name} must be a 4-D tensor, got {shape}")
+            raise ValueError(f"transfer_rows: {name} must be a {dims}-D tensor"
+                             f"{' (' + layout.value + ')' if name == 'host_data' else ''}, "
+                             f"got {shape}")
         if not buf.is_contiguous():
             raise ValueError(
                 f"transfer_rows: {name} must be contiguous (a pool's whole buffer), got strides "
                 f"{buf.stride()} for shape {tuple(buf.shape)}"
             )
-    if not isinstance(layout, HostLayout):
-        raise ValueError(f"transfer_rows: host_layout must be a HostLayout, got {layout!r}")
     if host_data.dtype != device_data.dtype:
         raise ValueError(
             f"transfer_rows: host_data dtype must match device_data: expected "
@@ -162,7 +167,7 @@ def _check_buffers(device_data: torch.Tensor, host_data: torch.Tensor, layout: H
     if layout is HostLayout.LAYER_FIRST:
         got = (host_data.shape[0], host_data.shape[1], host_data.shape[3])
     else:
-        got = (host_data.shape[1], host_data.shape[2], host_data.shape[3])
+        got = (host_data.shape[1], host_data.shape[2], host_data.shape[-1])
     if got != (c, n, r):
         raise ValueError(
             f"transfer_rows: (components, layers, row_elems) of host_data ({layout.value}) must "
@@ -237,11 +242,17 @@ def _check_launch(
         )
 
 
-def _strides(data: torch.Tensor, layout: HostLayout) -> tuple[int, int, int, int]:
-    """``(num_slots, slot, component, layer)`` strides in elements of a pool buffer."""
+def _strides(data: torch.Tensor, layout: HostLayout) -> tuple[int, ...]:
+    """``(num_slots, page_size, page, slot, component, layer)`` of a pool buffer, strides in
+    elements; ``page_size`` is 1 (slot ``s`` at ``s * page stride``) except for
+    ``page_first_direct``."""
     if layout is HostLayout.LAYER_FIRST:
-        return data.shape[2], data.stride(2), data.stride(0), data.stride(1)
-    return data.shape[0], data.stride(0), data.stride(1), data.stride(2)
+        return data.shape[2], 1, data.stride(2), data.stride(2), data.stride(0), data.stride(1)
+    if layout is HostLayout.PAGE_FIRST:
+        return data.shape[0], 1, data.stride(0), data.stride(0), data.stride(1), data.stride(2)
+    pages, page_size = data.shape[0], data.shape[3]
+    return (pages * page_size, page_size, data.stride(0), data.stride(3), data.stride(1),
+            data.stride(2))
 
 
 def _next_power_of_two(value: int) -> int:

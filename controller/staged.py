@@ -20,6 +20,10 @@ twice that).
 A ``page_first`` host moving one layer (a layer-wise load) copies rows of one layer a
 token's bytes apart: correct, but the copy engine moves such short strided rows at about a
 third of the link's rate (measured), so ``auto`` sends those loads to the kernel backend.
+A ``page_first_direct`` host keeps one layer of a page as ``page_size`` consecutive rows, so
+one layer of a run of whole pages is a single 2D copy of ``page_size``-row blocks (32 KiB
+for 16 tokens of 2 KiB rows) and a write of all layers one contiguous copy per run
+(:mod:`.direct_staging`).
 
 On a CPU device pool there is no copy engine; the same chunking and run logic runs with
 plain ``copy_`` calls, so it is tested without a GPU.

@@ -14,6 +14,7 @@ from hicache.pools import HostLayout
 
 from .base import Direction, MovedTransfer
 from .copy2d import copy_block
+from .direct_staging import DirectStaging
 from .events import Event
 
 
@@ -63,7 +64,10 @@ class StagedChunk:
     ``[n, components, layers, row]`` for a ``page_first`` host, layer-major
     ``[components, layers, n, row]`` for a ``layer_first`` host. A ``page_first`` host
     moving a subset of its layers (a per-layer load) has rows of one layer a token's bytes
-    apart; the 2D copy takes them in one operation, though short rows move slower.
+    apart; the 2D copy takes them in one operation, though short rows move slower. A
+    ``page_first_direct`` host is staged page by page as it stores them
+    (:class:`~hicache.controller.direct_staging.DirectStaging`): one 2D copy per run of whole
+    pages and block of layers, with rows of ``page_size`` tokens.
     """
 
     def __init__(self, moved: MovedTransfer, layers: list[int], start: int, end: int,
@@ -76,20 +80,36 @@ class StagedChunk:
         geometry = moved.source.device_pool.geometry
         n, c, r = end - start, geometry.num_components, geometry.row_elems
         self.token_major = host.layout is HostLayout.PAGE_FIRST
-        shape = (n, c, len(layers), r) if self.token_major else (c, len(layers), n, r)
+        self.direct: DirectStaging | None = None
+        if host.layout is HostLayout.PAGE_FIRST_DIRECT:
+            self.direct = DirectStaging(self.host_slots, host.page_size, c, len(layers), r)
+            shape: tuple[int, ...] = (n * c * len(layers), r)
+        else:
+            shape = (n, c, len(layers), r) if self.token_major else (c, len(layers), n, r)
         self.buf = flat[: n * c * len(layers) * r].view(shape)
 
     def gather(self) -> None:
         data, buf = _wide(self.moved.source.device_pool.data), _wide(self.buf)
+        if self.direct is not None:
+            shape = (*self.direct.shape, self.device_index.numel(), buf.shape[-1])
+            gathered = torch.empty(shape, dtype=buf.dtype, device=buf.device)
+            self._gather_layer_major(data, gathered)
+            self.direct.stage(gathered, buf)
+            return
+        if not self.token_major:
+            self._gather_layer_major(data, buf)
+            return
         for offset, (begin, end) in self.blocks:
-            if self.token_major:
-                source = data[:, begin:end].permute(2, 0, 1, 3)
-                if len(self.blocks) == 1:
-                    torch.index_select(source, 0, self.device_index, out=buf)
-                else:
-                    buf[:, :, offset: offset + end - begin].copy_(
-                        torch.index_select(source, 0, self.device_index))
-                continue
+            source = data[:, begin:end].permute(2, 0, 1, 3)
+            if len(self.blocks) == 1:
+                torch.index_select(source, 0, self.device_index, out=buf)
+            else:
+                buf[:, :, offset: offset + end - begin].copy_(
+                    torch.index_select(source, 0, self.device_index))
+
+    def _gather_layer_major(self, data: torch.Tensor, buf: torch.Tensor) -> None:
+        """Device rows into ``buf`` ``[components, moved layers, n, row]``."""
+        for offset, (begin, end) in self.blocks:
             block = buf[:, offset: offset + end - begin]
             if len(self.blocks) == 1:
                 torch.index_select(data[:, begin:end], 2, self.device_index, out=block)
@@ -98,6 +118,8 @@ class StagedChunk:
 
     def scatter(self) -> None:
         data, buf = _wide(self.moved.source.device_pool.data), _wide(self.buf)
+        if self.direct is not None:
+            buf = self.direct.unstage(buf)  # layer-major, as for a layer_first host
         for offset, (begin, end) in self.blocks:
             if self.token_major:
                 data[:, begin:end].permute(2, 0, 1, 3).index_copy_(
@@ -108,6 +130,9 @@ class StagedChunk:
 
     def copy_runs(self, to_host: bool) -> None:
         host = self.moved.source.host_pool.data
+        if self.direct is not None:
+            self.direct.copy_segments(host, self.buf, self.blocks, to_host)
+            return
         for offset, length in host_runs(self.host_slots):
             first = int(self.host_slots[offset])
             for block_offset, (begin, end) in self.blocks:

@@ -18,7 +18,7 @@ from .base import (
 )
 from .bounds import BoundsGuard
 from .device import DeviceKVPool, RowGeometry
-from .host import HostKVPool
+from .host import HostKVPool, as_layer_first
 from .swa import HybridSWAPool
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "PageAllocator",
     "PageTable",
     "RowGeometry",
+    "as_layer_first",
     "check_indices",
     "debug_checks_enabled",
 ]

@@ -59,10 +59,16 @@ class HostLayout(enum.Enum):
     contiguous (good for layer-wise loads).
     ``page_first``: ``[slots, components, layers, row]``; every layer of a page is contiguous
     (good for write-back and for shared-store objects).
+    ``page_first_direct``: ``[pages, components, layers, page_size, row]``; a page is one
+    contiguous block (write-back, shared-store objects) and, inside it, one layer of one
+    component is ``page_size`` consecutive rows, so one layer of a run of pages is a set of
+    equally spaced blocks: one 2D copy-engine copy (layer-wise loads). With page size 1 it
+    holds the same bytes as ``page_first``.
     """
 
     LAYER_FIRST = "layer_first"
     PAGE_FIRST = "page_first"
+    PAGE_FIRST_DIRECT = "page_first_direct"
 
 
 class AttentionKind(enum.Enum):

@@ -1,9 +1,13 @@
-"""Host KV pool: the same rows as a device pool, in pinned host memory, in one of two layouts.
+"""Host KV pool: the same rows as a device pool, in pinned host memory, in one of three layouts.
 
 ``layer_first`` stores ``[components, layers, slots, row_elems]``; ``page_first`` stores
-``[slots, components, layers, row_elems]``. Both are allocated once; ``layer_rows`` gives the
-``[slots, row_elems]`` view of one component of one layer (contiguous for ``layer_first``,
-strided for ``page_first``), so every transfer backend can address either layout.
+``[slots, components, layers, row_elems]``; ``page_first_direct`` stores ``[pages, components,
+layers, page_size, row_elems]`` (a page is one block; inside it, one layer of one component is
+``page_size`` consecutive rows). Each is allocated once. ``layer_pages`` gives the ``[pages,
+page_size, row_elems]`` view of one component of one layer in every layout; ``layer_rows``
+gives the ``[slots, row_elems]`` view where one exists (``layer_first``: contiguous,
+``page_first``: strided; a ``page_first_direct`` layer is no single strided 2-D view).
+``read_layer_rows`` / ``write_layer_rows`` index one layer's rows in any layout.
 
 When CUDA is available the buffer is page-locked with ``cudaHostRegister`` (no power-of-two
 rounding as with PyTorch's pinned allocator) and unregistered by :meth:`close`.
@@ -62,8 +66,8 @@ class HostKVPool:
         self.layout = layout
         self.allocator = PageAllocator(num_pages, page_size, space, name)
         self.num_slots = self.allocator.num_slots
-        c, n, s, r = geometry.num_components, num_layers, self.num_slots, geometry.row_elems
-        shape = (c, n, s, r) if layout is HostLayout.LAYER_FIRST else (s, c, n, r)
+        shape = storage_shape(layout, geometry.num_components, num_layers, self.num_slots,
+                              page_size, geometry.row_elems)
         self.is_pinned = False
         self._unpin: weakref.finalize | None = None
         if pin if pin is not None else torch.cuda.is_available():
@@ -89,10 +93,49 @@ class HostKVPool:
         return self.data.numel() * self.data.element_size()
 
     def layer_rows(self, component: int, layer: int) -> torch.Tensor:
-        """``[num_slots, row_elems]`` view of one component of one layer."""
+        """``[num_slots, row_elems]`` view of one component of one layer (``layer_first``:
+        contiguous; ``page_first``: strided).
+
+        Raises:
+            ValueError: a ``page_first_direct`` pool (its layer is ``page_size``-row blocks a
+                page apart, no single strided 2-D view): use :meth:`layer_pages` or
+                :meth:`read_layer_rows` / :meth:`write_layer_rows`.
+        """
         if self.layout is HostLayout.LAYER_FIRST:
             return self.data[component, layer]
-        return self.data[:, component, layer]
+        if self.layout is HostLayout.PAGE_FIRST:
+            return self.data[:, component, layer]
+        raise ValueError(
+            f"layer_rows: host pool '{self.name}' has layout {self.layout.value}, whose layer is "
+            f"no single [slots, row] view; use layer_pages (a [pages, page_size, row] view) or "
+            f"read_layer_rows / write_layer_rows"
+        )
+
+    def layer_pages(self, component: int, layer: int) -> torch.Tensor:
+        """``[num_slots // page_size, page_size, row_elems]`` view of one component of one
+        layer, in every layout (slot ``s`` is ``[s // page_size, s % page_size]``)."""
+        if self.layout is HostLayout.PAGE_FIRST_DIRECT:
+            return self.data[:, component, layer]
+        return self.layer_rows(component, layer).unflatten(0, (-1, self.page_size))
+
+    def read_layer_rows(self, component: int, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """``[n, row_elems]`` copy of one component of one layer at ``slots``.
+
+        ``slots``: ``[n]`` int64 CPU slot numbers already checked against this pool (the
+        transfer path; no check here)."""
+        if self.layout is HostLayout.PAGE_FIRST_DIRECT:
+            return self.data[:, component, layer][slots // self.page_size, slots % self.page_size]
+        return self.layer_rows(component, layer).index_select(0, slots)
+
+    def write_layer_rows(self, component: int, layer: int, slots: torch.Tensor,
+                         rows: torch.Tensor) -> None:
+        """Write ``[n, row_elems]`` ``rows`` into one component of one layer at ``slots``
+        (int64 CPU, already checked, no duplicates)."""
+        if self.layout is HostLayout.PAGE_FIRST_DIRECT:
+            self.data[:, component, layer].index_put_(
+                (slots // self.page_size, slots % self.page_size), rows)
+        else:
+            self.layer_rows(component, layer).index_copy_(0, slots, rows)
 
     def check(self, indices: Indices, op: str, device: torch.device | None = CPU) -> torch.Tensor:
         """Validate host indices (space, dtype, device, debug bounds)."""
@@ -106,6 +149,9 @@ class HostKVPool:
         index = self.check(indices, "read_rows").to(torch.int64)
         if self.layout is HostLayout.LAYER_FIRST:
             return self.data[:, :, index].permute(2, 0, 1, 3).contiguous()
+        if self.layout is HostLayout.PAGE_FIRST_DIRECT:
+            # Advanced indices on dims 0 and 3 around slices: the indexed dim comes first.
+            return self.data[index // self.page_size, :, :, index % self.page_size]
         return self.data[index].clone()
 
     def write_rows(self, indices: Indices, rows: torch.Tensor) -> None:
@@ -121,6 +167,8 @@ class HostKVPool:
             )
         if self.layout is HostLayout.LAYER_FIRST:
             self.data[:, :, index] = rows.permute(1, 2, 0, 3)
+        elif self.layout is HostLayout.PAGE_FIRST_DIRECT:
+            self.data[index // self.page_size, :, :, index % self.page_size] = rows
         else:
             self.data[index] = rows
 
@@ -149,6 +197,29 @@ class HostKVPool:
         # Not at interpreter exit: the CUDA context may be gone, and the OS reclaims it all.
         self._unpin = weakref.finalize(self, _unregister, data, self.name)
         self._unpin.atexit = False
+
+
+def storage_shape(layout: HostLayout, num_components: int, num_layers: int, num_slots: int,
+                  page_size: int, row_elems: int) -> tuple[int, ...]:
+    """Shape of a host buffer of ``num_slots`` slots (whole pages) in ``layout``."""
+    c, n, s, r = num_components, num_layers, num_slots, row_elems
+    if layout is HostLayout.LAYER_FIRST:
+        return (c, n, s, r)
+    if layout is HostLayout.PAGE_FIRST:
+        return (s, c, n, r)
+    return (s // page_size, c, n, page_size, r)
+
+
+def as_layer_first(data: torch.Tensor, layout: HostLayout) -> torch.Tensor:
+    """``[components, layers, slots, row]`` rows of a host buffer in ``layout`` (a pool's
+    ``data`` or a copy of it on any device): a view for ``layer_first`` and ``page_first``,
+    a copy for ``page_first_direct`` (for checks and tests, not for the transfer path)."""
+    if layout is HostLayout.LAYER_FIRST:
+        return data
+    if layout is HostLayout.PAGE_FIRST:
+        return data.permute(1, 2, 0, 3)
+    pages, c, n, page_size, r = data.shape
+    return data.permute(1, 2, 0, 3, 4).reshape(c, n, pages * page_size, r)
 
 
 def _unregister(data: torch.Tensor, name: str) -> None:

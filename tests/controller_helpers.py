@@ -14,6 +14,7 @@ from hicache.pools import (
     IndexSpace,
     PageAllocator,
     RowGeometry,
+    as_layer_first,
 )
 
 SENTINEL = -7.0
@@ -96,9 +97,7 @@ def fill_unique(data: torch.Tensor, offset: float = 0.0) -> None:
 
 def host_rows(host: HostKVPool) -> torch.Tensor:
     """All rows as ``[slots, components, layers, row]`` regardless of layout."""
-    if host.layout is HostLayout.LAYER_FIRST:
-        return host.data.permute(2, 0, 1, 3).cpu().clone()
-    return host.data.cpu().clone()
+    return as_layer_first(host.data, host.layout).permute(2, 0, 1, 3).cpu().clone()
 
 
 def device_rows(pool: DeviceKVPool) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from hicache.pools import HostLayout
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
 LF, PF = HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST
+PFD = HostLayout.PAGE_FIRST_DIRECT
 
 
 def auto(rows: list[AutoRow]) -> AutoBackend:
@@ -63,6 +65,22 @@ def test_load_table_from_file(tmp_path: Path) -> None:
 def test_shipped_table_parses() -> None:
     """The table shipped with the package (if any) names known backends."""
     assert all(r.backend in {"torch", "kernel", "staged"} for r in load_table())
+
+
+def test_shipped_table_sends_large_page_first_direct_ops_to_staged() -> None:
+    """page_first_direct rows exist for writes and layer-wise loads, are marked unmeasured,
+    and send large ops of both to staged (the layout's intended fast path)."""
+    rows = load_table()
+    shipped = json.loads(resources.files("hicache.controller").joinpath("auto_table.json")
+                         .read_text())
+    direct = [r for r in shipped["rows"] if r["layout"] == "page_first_direct"]
+    assert direct and all(r["unmeasured"] for r in direct)
+    assert {(r["direction"], r["layer_wise"]) for r in direct} == {
+        ("device_to_host", False), ("host_to_device", True)}
+    found = {"torch": TorchBackend(), "staged": StagedBackend(8), "kernel": TorchBackend()}
+    backend = AutoBackend(found, rows, "torch")
+    assert backend.select(D2H, PFD, 32768, layer_wise=False) is found["staged"]
+    assert backend.select(H2D, PFD, 32768, layer_wise=True) is found["staged"]
 
 
 def test_controller_runs_the_selected_backend() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from hicache.bench.workload import (
     BenchmarkError,
     Session,
     Shape,
+    host_page_sizes,
     make_device_pool,
     make_host_pool,
     make_slots,
@@ -300,6 +302,50 @@ def test_session_moves_and_verifies_on_cpu(layout: HostLayout, page: int,
     session.close()
     assert host_pool.allocator.num_used_tokens == 0
     assert slots.allocator.num_free_tokens == SMALL.tokens
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("backend", [TorchBackend(), StagedBackend(staging_tokens=24),
+                                     StagedBackend(staging_tokens=128)],
+                         ids=lambda b: f"{b.name}-{getattr(b, 'staging_tokens', '')}")
+def test_page_first_direct_case_uses_host_pages_of_its_page_size(
+        page: int, backend: TransferBackend) -> None:
+    """A page_first_direct case gets a host pool of its own page size (that arranges its
+    bytes), and its writes and loads pass the bit-exact checks."""
+    shape = Shape(tokens=128, layers=3, heads=2, head_dim=8, max_page_size=64)
+    plans = host_page_sizes(HostLayout.PAGE_FIRST_DIRECT, [16, 64])
+    assert plans == [(16, [16]), (64, [64])]
+    assert host_page_sizes(HostLayout.PAGE_FIRST, [16, 64]) == [(64, [16, 64])]
+    device_pool = make_device_pool(shape, "cpu")
+    randomize(device_pool.data)
+    host_pool = make_host_pool(shape, HostLayout.PAGE_FIRST_DIRECT, pin=False, page_size=page)
+    assert host_pool.page_size == page and host_pool.data.shape[3] == page
+    assert host_pool.allocator.capacity_tokens == shape.pool_pages * 64
+    slots = make_slots(device_pool, page, shape.tokens, torch.Generator().manual_seed(0))
+    session = Session(device_pool, host_pool, slots, backend)
+    verifier = Verifier(device_pool, host_pool)
+    verifier.check_write(session, "test")
+    verifier.check_load(session, "test")
+    session.close()
+    assert host_pool.allocator.num_used_tokens == 0
+
+
+def test_report_widens_the_layout_column_for_page_first_direct() -> None:
+    """With page_first_direct rows every table keeps its columns aligned."""
+    result = synthetic_result()
+    extra = [replace(m, layout="page_first_direct") for m in result.measurements]
+    result = BenchResult(result.meta, result.ceiling, result.matmul_alone_s,
+                         result.staging_bytes, result.measurements + extra,
+                         auto_table(result.measurements + extra, {"device": "Test GPU"}))
+    lines = render(result).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("backend page"))
+    body = lines[start + 2: start + 2 + 24]
+    assert len({len(line) for line in body}) == 1
+    assert sum("page_first_direct" in line for line in body) == 8
+    auto_rows = [line for line in lines if line.startswith(("device_to_host",
+                                                            "host_to_device"))]
+    assert len({line.index("True") if "True" in line else line.index("False")
+                for line in auto_rows}) == 1
 
 
 def test_device_slots_are_random_disjoint_pages() -> None:

@@ -72,6 +72,23 @@ def test_unknown_key_names_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                    f"did you mean 'num_kv_heads'?\n")
 
 
+@pytest.mark.parametrize(("page", "note"), [
+    (16, "host layout page_first_direct (4096 bytes per layer, component and page, one block "
+         "each)"),
+    (1, "host layout page_first_direct (1-token pages: the same bytes as page_first)"),
+])
+def test_check_config_prints_the_page_first_direct_block(
+        tmp_path: Path, page: int, note: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """check-config names the layout and what one layer of a page is in it."""
+    text = (Path(__file__).resolve().parents[1] / "config.yaml").read_text()
+    text = text.replace("layout: layer_first", "layout: page_first_direct")
+    text = text.replace("page_size_tokens: 16", f"page_size_tokens: {page}")
+    path = tmp_path / "direct.yaml"
+    path.write_text(text)
+    assert main(["check-config", "--skip-ram-check", str(path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].endswith(note)
+
+
 def test_ram_check_can_be_skipped(
     in_repo: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -89,6 +89,14 @@ def test_default_config_loads(repo_root: Path) -> None:
     assert config.model.torch_dtype is torch.float32
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_page_first_direct_layout_is_accepted(page_size: int) -> None:
+    """host.layout: page_first_direct loads, at any page size (1 is page_first's bytes)."""
+    data = edited(edited(dense(), "host.layout", "page_first_direct"), "page_size_tokens",
+                  page_size)
+    assert config_from_dict(data).host.layout is HostLayout.PAGE_FIRST_DIRECT
+
+
 def test_default_sections_and_enums() -> None:
     """Omitted sections take their defaults; choices become enums."""
     config = config_from_dict(dense())
@@ -150,7 +158,11 @@ ERRORS = [
     ("model", [1], r"model: expected a mapping of keys, got \[1\]"),
     # bad choices list the valid ones
     ("host.layout", "row_first",
-     r"host\.layout = 'row_first': not a valid choice; use one of: layer_first, page_first"),
+     r"host\.layout = 'row_first': not a valid choice; use one of: layer_first, page_first, "
+     r"page_first_direct"),
+    ("host.layout", "page_first_directt",
+     r"host\.layout = 'page_first_directt': not a valid choice; use one of: layer_first, "
+     r"page_first, page_first_direct"),
     ("model.dtype", "fp8", r"model\.dtype = 'fp8': .*use one of: bfloat16, float16, float32"),
     ("controller.io_backend", "cuda",
      r"controller\.io_backend = 'cuda': .*use one of: torch, kernel, staged, auto"),

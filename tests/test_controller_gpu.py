@@ -131,10 +131,13 @@ def test_write_waits_for_callers_stream(backend: TransferBackend) -> None:
 
 
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
-def test_interleaved_moves_with_concurrent_forward(backend: TransferBackend) -> None:
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT],
+                         ids=lambda layout: layout.value)
+def test_interleaved_moves_with_concurrent_forward(backend: TransferBackend,
+                                                   layout: HostLayout) -> None:
     """Writes and loads interleave on real streams while a forward stream writes other
     slots; moved rows are exact and the forward's rows are untouched."""
-    ctrl = gpu_controller(backend, HostLayout.PAGE_FIRST)
+    ctrl = gpu_controller(backend, layout)
     forward = torch.cuda.Stream()
     ctrl.register_producer_stream(forward)
     other = ctrl.device_allocator.try_alloc(32)
@@ -177,9 +180,11 @@ def test_interleaved_moves_with_concurrent_forward(backend: TransferBackend) -> 
 
 
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
-def test_layer_wise_wait_until(backend: TransferBackend) -> None:
+@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST_DIRECT],
+                         ids=lambda layout: layout.value)
+def test_layer_wise_wait_until(backend: TransferBackend, layout: HostLayout) -> None:
     """A forward stream that waits per layer reads loaded rows, never stale ones."""
-    ctrl = gpu_controller(backend, HostLayout.LAYER_FIRST)
+    ctrl = gpu_controller(backend, layout)
     device = ctrl.device_allocator.try_alloc(64)
     assert device is not None
     rows = device_rows(ctrl.device_pool)[device.tensor]
@@ -207,9 +212,11 @@ def test_layer_wise_wait_until(backend: TransferBackend) -> None:
 
 
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
-def test_hybrid_round_trip_on_gpu(backend: TransferBackend) -> None:
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT],
+                         ids=lambda layout: layout.value)
+def test_hybrid_round_trip_on_gpu(backend: TransferBackend, layout: HostLayout) -> None:
     """Hybrid write, evict, load on real streams restores full rows and the SWA tail."""
-    ctrl = make_hybrid(backend, device="cuda", layout=HostLayout.PAGE_FIRST)
+    ctrl = make_hybrid(backend, device="cuda", layout=layout)
     pool = ctrl.hybrid_pool
     assert pool.try_alloc(4) is not None
     full = pool.try_alloc(10)
@@ -239,8 +246,7 @@ def test_hybrid_round_trip_on_gpu(backend: TransferBackend) -> None:
 
 
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
-@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST],
-                         ids=lambda layout: layout.value)
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda layout: layout.value)
 def test_swa_history_round_trip_on_gpu(backend: TransferBackend, layout: HostLayout) -> None:
     """SWA rows that leave the window go to the host on their own (``write_swa``); a later
     load brings back a host span and, in the same op, restores the SWA rows of device

@@ -90,3 +90,28 @@ def test_mismatched_views_are_refused() -> None:
         plan_rows(torch.zeros(4, R), torch.zeros(4, R, dtype=torch.float16))
     with pytest.raises(ValueError, match="last dimension"):
         copy_block(torch.zeros(4, R), torch.zeros(R, 4).t())
+
+
+def test_page_first_direct_layer_of_a_page_run_is_one_copy() -> None:
+    """One layer of 3 consecutive page_first_direct pages: one row per (page, component) of
+    page_size rows, a layer-major page block apart on the host, packed in the staging."""
+    page = 4
+    host = torch.zeros(S // page, C, L, page, R)
+    staging = torch.zeros(3, C, 1, page, R)
+    plan = plan_rows(host[2:5, :, 1:2], staging)
+    assert plan is not None
+    size = host.element_size()
+    assert (plan[0].height, plan[0].width_bytes, plan[0].pitch_bytes) == (
+        3 * C, page * R * size, L * page * R * size)
+    assert plan[1].pitch_bytes == page * R * size
+    assert plan[0].ptr == host[2, 0, 1].data_ptr()
+
+
+def test_page_first_direct_run_of_all_layers_is_contiguous() -> None:
+    """All layers of a run of whole pages: one contiguous block on both sides."""
+    page = 4
+    host = torch.zeros(S // page, C, L, page, R)
+    staging = torch.zeros(3, C, L, page, R)
+    plan = plan_rows(host[2:5], staging)
+    assert plan is not None and plan[0].height == 1
+    assert plan[0].width_bytes == 3 * C * L * page * R * host.element_size()

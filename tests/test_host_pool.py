@@ -1,4 +1,4 @@
-"""HostKVPool: both layouts hold the same rows, storage order, close, refused inputs (CPU)."""
+"""HostKVPool: every layout holds the same rows, storage order, close, refused inputs (CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hicache.pools import AttentionKind, HostKVPool, HostLayout, IndexSpace, Indices, RowGeometry
+from hicache.pools import (
+    AttentionKind,
+    HostKVPool,
+    HostLayout,
+    IndexSpace,
+    Indices,
+    RowGeometry,
+    as_layer_first,
+)
 
 HEADS, HEAD_DIM, LATENT = 2, 2, 6
 NUM_LAYERS, NUM_PAGES, PAGE_SIZE = 3, 4, 2  # slots 0..9
@@ -17,11 +25,12 @@ MLA = RowGeometry(AttentionKind.MLA, 0, 0, LATENT, torch.bfloat16)
 SLOTS = [7, 2, 5]
 
 
-def _pool(layout: HostLayout, geometry: RowGeometry = MHA) -> HostKVPool:
-    """An unpinned 3-layer host pool named 'h' with 4 pages of 2 slots."""
+def _pool(layout: HostLayout, geometry: RowGeometry = MHA, page_size: int = PAGE_SIZE,
+          num_pages: int = NUM_PAGES) -> HostKVPool:
+    """An unpinned 3-layer host pool named 'h' with 4 pages of 2 slots (by default)."""
     return HostKVPool(
-        name="h", space=IndexSpace.HOST_FULL, num_layers=NUM_LAYERS, num_pages=NUM_PAGES,
-        page_size=PAGE_SIZE, geometry=geometry, layout=layout, pin=False,
+        name="h", space=IndexSpace.HOST_FULL, num_layers=NUM_LAYERS, num_pages=num_pages,
+        page_size=page_size, geometry=geometry, layout=layout, pin=False,
     )
 
 
@@ -53,20 +62,20 @@ def pool(request: pytest.FixtureRequest) -> Iterator[HostKVPool]:
 # ---- layouts -------------------------------------------------------------------------------
 
 
-def test_both_layouts_read_back_the_same_rows() -> None:
-    """Rows written to a layer_first and a page_first pool read back byte-identical."""
-    rows = _rows(len(SLOTS))
-    layer_first, page_first = _pool(HostLayout.LAYER_FIRST), _pool(HostLayout.PAGE_FIRST)
-    layer_first.write_rows(_host(*SLOTS), rows)
-    page_first.write_rows(_host(*SLOTS), rows)
-    assert _same_bytes(layer_first.read_rows(_host(*SLOTS)), rows)
-    assert _same_bytes(page_first.read_rows(_host(*SLOTS)), rows)
-
-
-def test_layer_rows_of_both_layouts_hold_the_written_rows() -> None:
-    """layer_rows(component, layer)[slot] is the row written for that slot, in both layouts."""
+def test_every_layout_reads_back_the_same_rows() -> None:
+    """Rows written to a pool of each layout read back byte-identical."""
     rows = _rows(len(SLOTS))
     for layout in HostLayout:
+        host = _pool(layout)
+        host.write_rows(_host(*SLOTS), rows)
+        assert _same_bytes(host.read_rows(_host(*SLOTS)), rows), layout
+
+
+def test_layer_rows_of_strided_layouts_hold_the_written_rows() -> None:
+    """layer_rows(component, layer)[slot] is the row written for that slot (layer_first,
+    page_first)."""
+    rows = _rows(len(SLOTS))
+    for layout in (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST):
         host = _pool(layout)
         host.write_rows(_host(*SLOTS), rows)
         for i, slot in enumerate(SLOTS):
@@ -74,6 +83,46 @@ def test_layer_rows_of_both_layouts_hold_the_written_rows() -> None:
                 for layer in range(NUM_LAYERS):
                     got = host.layer_rows(component, layer)[slot]
                     assert _same_bytes(got, rows[i, component, layer]), (layout, slot)
+
+
+def test_layer_pages_of_every_layout_hold_the_written_rows(pool: HostKVPool) -> None:
+    """layer_pages(component, layer)[slot // page_size, slot % page_size] is the row written
+    for that slot, and read_layer_rows gives the same rows."""
+    rows = _rows(len(SLOTS))
+    pool.write_rows(_host(*SLOTS), rows)
+    slots = torch.tensor(SLOTS)
+    for component in range(2):
+        for layer in range(NUM_LAYERS):
+            pages = pool.layer_pages(component, layer)
+            assert pages.shape == (NUM_SLOTS // PAGE_SIZE, PAGE_SIZE, HEADS * HEAD_DIM)
+            for i, slot in enumerate(SLOTS):
+                got = pages[slot // PAGE_SIZE, slot % PAGE_SIZE]
+                assert _same_bytes(got, rows[i, component, layer]), (pool.layout, slot)
+            assert _same_bytes(pool.read_layer_rows(component, layer, slots),
+                               rows[:, component, layer])
+
+
+def test_write_layer_rows_writes_one_layer_only(pool: HostKVPool) -> None:
+    """write_layer_rows changes exactly the given slots of one component and layer."""
+    rows = _rows(len(SLOTS))[:, 1, 2]
+    pool.write_layer_rows(1, 2, torch.tensor(SLOTS), rows)
+    everything = pool.read_rows(_host(*range(NUM_SLOTS)))
+    assert _same_bytes(everything[SLOTS, 1, 2], rows)
+    everything[SLOTS, 1, 2] = 0
+    assert not everything.any()
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_as_layer_first_of_every_layout(page_size: int) -> None:
+    """as_layer_first(data, layout)[c, l, s] is the row of slot s, component c, layer l."""
+    num_slots = 3 * page_size
+    rows = _rows(num_slots - page_size, seed=page_size)
+    for layout in HostLayout:
+        host = _pool(layout, page_size=page_size, num_pages=2)
+        host.write_rows(_host(*range(page_size, num_slots)), rows)
+        canonical = as_layer_first(host.data, layout)
+        assert canonical.shape == (2, NUM_LAYERS, num_slots, HEADS * HEAD_DIM)
+        assert _same_bytes(canonical[:, :, page_size:], rows.permute(1, 2, 0, 3)), layout
 
 
 def test_write_leaves_other_rows_untouched(pool: HostKVPool) -> None:
@@ -85,9 +134,10 @@ def test_write_leaves_other_rows_untouched(pool: HostKVPool) -> None:
                                    dtype=MHA.dtype))
 
 
-def test_layer_rows_shape(pool: HostKVPool) -> None:
-    """layer_rows is [num_slots, row_elems] in either layout."""
-    assert pool.layer_rows(1, 2).shape == (NUM_SLOTS, HEADS * HEAD_DIM)
+def test_layer_rows_shape() -> None:
+    """layer_rows is [num_slots, row_elems] in layer_first and page_first."""
+    for layout in (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST):
+        assert _pool(layout).layer_rows(1, 2).shape == (NUM_SLOTS, HEADS * HEAD_DIM)
 
 
 def test_layer_first_storage_order() -> None:
@@ -111,10 +161,41 @@ def test_page_first_storage_order() -> None:
     assert not host.layer_rows(1, 2).is_contiguous()
 
 
-def test_layer_rows_is_a_view(pool: HostKVPool) -> None:
-    """Writing through layer_rows is visible to read_rows (transfer engines write there)."""
+def test_page_first_direct_storage_order() -> None:
+    """page_first_direct data is [pages, components, layers, page_size, row]: a page is one
+    contiguous block, one layer of one component of it page_size consecutive rows."""
+    host = _pool(HostLayout.PAGE_FIRST_DIRECT)
+    rows = _rows(2)
+    host.write_rows(_host(4, 5), rows)
+    assert host.data.shape == (NUM_PAGES + 1, 2, NUM_LAYERS, PAGE_SIZE, HEADS * HEAD_DIM)
+    assert _same_bytes(host.data[2], rows.permute(1, 2, 0, 3))
+    assert host.data[2].is_contiguous() and host.data[2, 1, 2].is_contiguous()
+    assert not host.layer_pages(1, 2).is_contiguous()
+
+
+def test_page_first_direct_with_page_size_1_is_page_first() -> None:
+    """With one-token pages, page_first_direct holds the same bytes as page_first."""
+    rows = _rows(len(SLOTS))
+    buffers = []
+    for layout in (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT):
+        host = _pool(layout, page_size=1, num_pages=NUM_SLOTS - 1)
+        host.write_rows(_host(*SLOTS), rows)
+        buffers.append(host.data.reshape(-1))
+    assert _same_bytes(buffers[0], buffers[1])
+
+
+def test_page_first_direct_refuses_layer_rows() -> None:
+    """A page_first_direct layer is no single 2-D view: layer_rows says what to use."""
+    host = _pool(HostLayout.PAGE_FIRST_DIRECT)
+    with pytest.raises(ValueError, match=r"layer_rows: host pool 'h' has layout "
+                                         r"page_first_direct.*use layer_pages"):
+        host.layer_rows(0, 0)
+
+
+def test_layer_pages_is_a_view(pool: HostKVPool) -> None:
+    """Writing through layer_pages is visible to read_rows (transfer engines write there)."""
     row = torch.arange(HEADS * HEAD_DIM).to(MHA.dtype)
-    pool.layer_rows(0, 1)[6] = row
+    pool.layer_pages(0, 1)[3, 0] = row
     assert torch.equal(pool.read_rows(_host(6))[0, 0, 1], row)
 
 
@@ -125,9 +206,9 @@ def test_mla_pool_has_one_component() -> None:
         rows = _rows(2, MLA, seed=1)
         host.write_rows(_host(3, 8), rows)
         assert host.data.shape[0 if layout is HostLayout.LAYER_FIRST else 1] == 1
-        assert host.layer_rows(0, 2).shape == (NUM_SLOTS, LATENT)
+        assert host.layer_pages(0, 2).shape == (NUM_SLOTS // PAGE_SIZE, PAGE_SIZE, LATENT)
         assert _same_bytes(host.read_rows(_host(3, 8)), rows)
-        assert _same_bytes(host.layer_rows(0, 2)[8], rows[1, 0, 2])
+        assert _same_bytes(host.layer_pages(0, 2)[4, 0], rows[1, 0, 2])
 
 
 def test_size_bytes_counts_every_slot(pool: HostKVPool) -> None:
@@ -202,12 +283,12 @@ def test_device_space_is_refused_at_construction() -> None:
 
 
 def test_close_makes_later_access_raise(pool: HostKVPool) -> None:
-    """After close, data, layer_rows, read_rows and write_rows raise naming the pool."""
+    """After close, data, layer_pages, read_rows and write_rows raise naming the pool."""
     pool.close()
     with pytest.raises(RuntimeError, match=r"host pool 'h' is closed"):
         _ = pool.data
     with pytest.raises(RuntimeError, match=r"host pool 'h' is closed"):
-        pool.layer_rows(0, 0)
+        pool.layer_pages(0, 0)
     with pytest.raises(RuntimeError, match=r"host pool 'h' is closed"):
         pool.read_rows(_host(2))
     with pytest.raises(RuntimeError, match=r"host pool 'h' is closed"):

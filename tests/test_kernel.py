@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available, transfer_rows
-from hicache.pools import HostLayout
+from hicache.pools import HostLayout, as_layer_first
 
 SENTINEL = -7.0
 INTERPRETED = os.environ.get(INTERPRET_ENV, "0") == "1"
@@ -24,22 +24,36 @@ needs_kernel = pytest.mark.skipif(
     reason=f"CPU kernel tests need Triton and {INTERPRET_ENV}=1 set before Triton is imported "
     f"(run: {INTERPRET_ENV}=1 python -m pytest tests/test_kernel.py)",
 )
-LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
+LAYOUTS = tuple(HostLayout)
 COMPONENTS = {"mha": 2, "mla": 1}
+PAGE_SIZE = 4  # of page_first_direct host buffers unless a test says otherwise
 
 
 def canonical(data: torch.Tensor, layout: HostLayout) -> torch.Tensor:
-    """``[C, L, S, R]`` view of a pool buffer in either storage order."""
-    return data if layout is HostLayout.LAYER_FIRST else data.permute(1, 2, 0, 3)
+    """``[C, L, S, R]`` rows of a pool buffer in any storage order (a copy for
+    page_first_direct)."""
+    return as_layer_first(data, layout)
+
+
+def store_canonical(data: torch.Tensor, layout: HostLayout, value: torch.Tensor) -> None:
+    """Write ``[C, L, S, R]`` ``value`` into ``data`` in its storage order."""
+    if layout is HostLayout.PAGE_FIRST_DIRECT:
+        c, n, _, r = value.shape
+        data.copy_(value.reshape(c, n, -1, data.shape[3], r).permute(2, 0, 1, 3, 4))
+    else:
+        canonical(data, layout).copy_(value)
 
 
 def make_buffer(
-    components: int, layers: int, slots: int, row: int, layout: HostLayout, dtype: torch.dtype
+    components: int, layers: int, slots: int, row: int, layout: HostLayout, dtype: torch.dtype,
+    page_size: int = PAGE_SIZE,
 ) -> torch.Tensor:
     """Contiguous sentinel-filled buffer in storage order."""
-    shape = (components, layers, slots, row)
+    shape: tuple[int, ...] = (components, layers, slots, row)
     if layout is HostLayout.PAGE_FIRST:
         shape = (slots, components, layers, row)
+    elif layout is HostLayout.PAGE_FIRST_DIRECT:
+        shape = (slots // page_size, components, layers, page_size, row)
     return torch.full(shape, SENTINEL, dtype=dtype)
 
 
@@ -49,8 +63,7 @@ def fill_pattern(data: torch.Tensor, layout: HostLayout) -> None:
     float32: ``code * R + column`` with ``code = (slot * L + layer) * C + component``;
     half types keep only ``code`` (integers below 256 are exact in bfloat16).
     """
-    view = canonical(data, layout)
-    c, n, s, r = view.shape
+    c, n, s, r = canonical(data, layout).shape
     slot = torch.arange(s).view(1, 1, s, 1)
     layer = torch.arange(n).view(1, n, 1, 1)
     component = torch.arange(c).view(c, 1, 1, 1)
@@ -60,7 +73,7 @@ def fill_pattern(data: torch.Tensor, layout: HostLayout) -> None:
     else:
         assert int(code.max()) < 256, "pattern would not be exact in a half type"
         value = code.expand(c, n, s, r)
-    view.copy_(value.to(data.dtype))
+    store_canonical(data, layout, value.to(data.dtype))
 
 
 def expected_after(
@@ -91,6 +104,7 @@ def run_case(
     host_slots: int = 96,
     row: int = 8,
     dtype: torch.dtype = torch.float32,
+    page_size: int = PAGE_SIZE,
     **launch: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fill the source with the pattern, the destination with the sentinel, run the kernel,
@@ -98,7 +112,7 @@ def run_case(
     canonical buffers (source, destination)."""
     components = COMPONENTS[kind]
     device = make_buffer(components, layers, device_slots, row, HostLayout.LAYER_FIRST, dtype)
-    host = make_buffer(components, layers, host_slots, row, layout, dtype)
+    host = make_buffer(components, layers, host_slots, row, layout, dtype, page_size)
     begin, end = layer_range or (0, layers)
     src, src_layout = (device, HostLayout.LAYER_FIRST) if to_host else (host, layout)
     dst, dst_layout = (host, layout) if to_host else (device, HostLayout.LAYER_FIRST)
@@ -142,10 +156,23 @@ def test_pair_counts_straddling_tiles(num_pairs: int, to_host: bool) -> None:
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[layout.value for layout in LAYOUTS])
 def test_layouts_and_kinds(layout: HostLayout, kind: str, to_host: bool) -> None:
-    """Both host layouts, K+V and latent rows, both directions (9 pairs, 16-wide rows)."""
+    """Every host layout, K+V and latent rows, both directions (9 pairs, 16-wide rows)."""
     host, device = random_pairs(9, seed=3)
     run_case(kind=kind, layout=layout, to_host=to_host, host_indices=host,
              device_indices=device, row=16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("to_host", [True, False], ids=["d2h", "h2d"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_page_first_direct_page_sizes(page_size: int, to_host: bool) -> None:
+    """page_first_direct hosts of 1-, 16- and 64-slot pages: rows land at
+    ``[slot // page_size, :, layer, slot % page_size]``, layers [1, 3) of 4 only."""
+    host, device = random_pairs(33, seed=page_size)
+    _, dst = run_case(layout=HostLayout.PAGE_FIRST_DIRECT, page_size=page_size,
+                      host_slots=128, layers=4, layer_range=(1, 3), to_host=to_host,
+                      host_indices=host, device_indices=device)
+    assert bool((dst[:, [0, 3]] == SENTINEL).all())
 
 
 @needs_kernel
@@ -316,7 +343,13 @@ BAD_ARGUMENTS: list[tuple[str, Callable[[], dict[str, Any]], str]] = [
     ("host-strided", lambda: _args(host_data=torch.zeros(3, 2, 20, 8).transpose(0, 1)),
      r"host_data must be contiguous"),
     ("not-4d", lambda: _args(host_data=torch.zeros(2, 3, 160)),
-     r"host_data must be a 4-D tensor, got \(2, 3, 160\)"),
+     r"host_data must be a 4-D tensor \(layer_first\), got \(2, 3, 160\)"),
+    ("direct-not-5d", lambda: _args(host_data=torch.zeros(20, 2, 3, 8),
+                                    host_layout=HostLayout.PAGE_FIRST_DIRECT),
+     r"host_data must be a 5-D tensor \(page_first_direct\), got \(20, 2, 3, 8\)"),
+    ("direct-layers", lambda: _args(host_data=torch.zeros(5, 2, 2, 4, 8),
+                                    host_layout=HostLayout.PAGE_FIRST_DIRECT),
+     r"\(page_first_direct\) must match device_data: expected \(2, 3, 8\), got \(2, 2, 8\)"),
 ]
 
 

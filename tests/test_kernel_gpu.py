@@ -22,6 +22,7 @@ from hicache.pools import (
     HostLayout,
     IndexSpace,
     RowGeometry,
+    as_layer_first,
 )
 
 pytestmark = [
@@ -48,12 +49,13 @@ GEOMETRIES = {
     "mla-576": RowGeometry(AttentionKind.MLA, num_kv_heads=0, head_dim=0, latent_dim=576,
                            dtype=torch.bfloat16),
 }
-LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST)
+LAYOUTS = tuple(HostLayout)
 
 
 def canonical(data: torch.Tensor, layout: HostLayout) -> torch.Tensor:
-    """``[C, L, S, R]`` view of a pool buffer in either storage order."""
-    return data if layout is HostLayout.LAYER_FIRST else data.permute(1, 2, 0, 3)
+    """``[C, L, S, R]`` rows of a pool buffer in any storage order (a copy, not a view, for
+    page_first_direct: take it again after a transfer)."""
+    return as_layer_first(data, layout)
 
 
 def make_pools(geometry: RowGeometry, layout: HostLayout) -> tuple[DeviceKVPool, HostKVPool]:
@@ -146,18 +148,23 @@ def check_transfer(
     fill_random_bits(src, seed=2)
     fill_sentinel(dst)
     torch.cuda.synchronize()
-    host_view = canonical(host.data, host.layout).view(torch.int16)
-    device_view = device.data.view(torch.int16)
-    src_view, dst_view = (device_view, host_view) if to_host else (host_view, device_view)
-    src_before, dst_before = snapshot(src_view), snapshot(dst_view)
+
+    def views() -> tuple[torch.Tensor, torch.Tensor]:
+        """(source, destination) as canonical int16 CPU copies."""
+        host_view = snapshot(canonical(host.data, host.layout).view(torch.int16))
+        device_view = snapshot(device.data.view(torch.int16))
+        return (device_view, host_view) if to_host else (host_view, device_view)
+
+    src_before, dst_before = views()
     run_on_side_stream(
         device, host, host_idx.cuda().to(index_dtype), device_idx.cuda(),
         to_host=to_host, per_layer=per_layer,
     )
     dst_idx, src_idx = (host_idx, device_idx) if to_host else (device_idx, host_idx)
     want = expected_rows(dst_before, src_before, dst_idx, src_idx)
-    assert torch.equal(src_view.cpu(), src_before), "the source pool changed"
-    assert torch.equal(dst_view.cpu(), want), "moved rows differ or an untouched row changed"
+    src_after, dst_after = views()
+    assert torch.equal(src_after, src_before), "the source pool changed"
+    assert torch.equal(dst_after, want), "moved rows differ or an untouched row changed"
 
 
 def pool_params() -> list[object]:
@@ -179,7 +186,8 @@ def test_transfer_matches_reference(
 
 
 @pytest.mark.parametrize(
-    "pools", [pytest.param(("mha-1024", HostLayout.PAGE_FIRST), id="mha-1024-page_first")],
+    "pools", [pytest.param(("mha-1024", layout), id=f"mha-1024-{layout.value}")
+              for layout in (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT)],
     indirect=True,
 )
 def test_layer_by_layer_loads(pools: tuple[DeviceKVPool, HostKVPool]) -> None:

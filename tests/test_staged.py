@@ -9,8 +9,9 @@ import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
 from test_controller import round_trip
 
-from hicache.controller import CacheController, TorchBackend, TransferBackend
+from hicache.controller import CacheController, TorchBackend, TransferBackend, direct_staging
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
+from hicache.controller.copy2d import RowPlan, plan_rows
 from hicache.controller.staged import StagedBackend, host_runs
 from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices, RowGeometry
 
@@ -169,3 +170,61 @@ def test_layer_wise_chunks_use_the_whole_budget() -> None:
     backend = StagedBackend(CHUNK)
     assert backend.chunk_tokens(pool_layers=3, moved_layers=3) == CHUNK
     assert backend.chunk_tokens(pool_layers=3, moved_layers=1) == 3 * CHUNK
+
+
+def planned_copies(monkeypatch: pytest.MonkeyPatch,
+                   host_data: torch.Tensor) -> list[tuple[RowPlan, RowPlan] | None]:
+    """Record the 2D plan (host side first) of every block copy of page_first_direct
+    staging, and still copy."""
+    plans: list[tuple[RowPlan, RowPlan] | None] = []
+    host_storage = host_data.untyped_storage().data_ptr()
+
+    def record(dst: torch.Tensor, src: torch.Tensor) -> None:
+        on_host = dst.untyped_storage().data_ptr() == host_storage
+        host_first = (dst, src) if on_host else (src, dst)
+        plans.append(plan_rows(*host_first))
+        dst.copy_(src)
+
+    monkeypatch.setattr(direct_staging, "copy_block", record)
+    return plans
+
+
+def test_page_first_direct_layer_of_a_page_run_is_one_2d_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer-wise load of 4 consecutive whole 16-slot pages copies each layer as ONE 2D
+    copy: 4 pages x K,V rows of 16 token rows, a layer-major page block apart on the host;
+    the write of all layers is one contiguous copy."""
+    ctrl = make_controller(StagedBackend(64), page_size=16, num_layers=3, layout=HostLayout
+                           .PAGE_FIRST_DIRECT, device_pages=8, host_pages=8)
+    plans = planned_copies(monkeypatch, ctrl.host_pool.data)
+    device = ctrl.device_allocator.try_alloc(64)
+    assert device is not None
+    round_trip(ctrl, device)
+    row_bytes = ctrl.device_pool.geometry.row_bytes
+    page_bytes = 16 * 2 * 3 * row_bytes
+    write, *loads = plans
+    assert write is not None and write[0].height == 1
+    assert write[0].width_bytes == 4 * page_bytes
+    assert len(loads) == 3
+    for plan in loads:
+        assert plan is not None
+        host, staged = plan
+        assert (host.height, host.width_bytes, host.pitch_bytes) == (
+            8, 16 * row_bytes, 3 * 16 * row_bytes)
+        assert (staged.height, staged.pitch_bytes) == (8, 16 * row_bytes)
+
+
+def test_page_first_direct_partial_pages_copy_only_their_slots() -> None:
+    """Host slots cut mid-page (2 slots of page 1, all of page 2, 3 of page 3) write only
+    those slots; the rest of each page keeps the sentinel."""
+    ctrl = make_controller(StagedBackend(CHUNK), page_size=4, num_layers=2,
+                           layout=HostLayout.PAGE_FIRST_DIRECT)
+    host = Indices(torch.tensor([6, 7, 8, 9, 10, 11, 12, 13, 14]), IndexSpace.HOST_FULL)
+    device = Indices(torch.arange(20, 29), IndexSpace.DEVICE_FULL)
+    transfer = PoolTransfer(name="full", host_pool=ctrl.host_pool, device_pool=ctrl.device_pool,
+                            host_indices=host, device_indices=device, layers=(0, 1))
+    moved = MovedTransfer(transfer, *ctrl.move_indices(host, device))
+    ctrl.backend.copy(moved, [0, 1], Direction.DEVICE_TO_HOST, [])
+    rows = host_rows(ctrl.host_pool)
+    assert torch.equal(rows[host.tensor], device_rows(ctrl.device_pool)[device.tensor])
+    assert (untouched(rows, host.tensor) == SENTINEL).all()

@@ -1,14 +1,17 @@
 """The staged backend on a GPU, bit for bit against the torch backend: fragmented host runs,
-both layouts, MHA and MLA, all-layer writes and per-layer loads, with 2D copies and with the
-row-by-row fallback used where no CUDA runtime library is found."""
+every layout, MHA and MLA, all-layer writes and per-layer loads, with 2D copies and with the
+row-by-row fallback used where no CUDA runtime library is found; page_first_direct hosts of
+16- and 64-slot pages against a plain reference copy, every backend."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_layouts import write_then_layer_wise_load
 from test_staged import fragmented_round_trip
 
-from hicache.controller import TorchBackend, copy2d
+from hicache.controller import KernelBackend, TorchBackend, TransferBackend, copy2d
+from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
 from hicache.pools import AttentionKind, HostLayout
 
@@ -31,3 +34,23 @@ def test_staged_equals_torch(layout: HostLayout, kind: AttentionKind, two_d: boo
     found = fragmented_round_trip(StagedBackend(staging_tokens=6), layout, kind, "cuda")
     assert torch.equal(found[0], expected[0])
     assert torch.equal(found[1], expected[1])
+
+
+def direct_backends() -> list[TransferBackend]:
+    """Staged with chunks that cut pages (8 tokens) and that hold whole pages (128), the
+    kernel where Triton is, and the torch reference."""
+    found: list[TransferBackend] = [TorchBackend(), StagedBackend(8), StagedBackend(128)]
+    if kernel_available():
+        found.append(KernelBackend(num_programs=16))
+    return found
+
+
+@pytest.mark.parametrize("backend", direct_backends(),
+                         ids=lambda b: f"{b.name}-{getattr(b, 'staging_tokens', '')}")
+@pytest.mark.parametrize("kind", list(AttentionKind), ids=lambda x: x.value)
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_page_first_direct_round_trip(backend: TransferBackend, page_size: int,
+                                      kind: AttentionKind) -> None:
+    """Random device pages into a fragmented page_first_direct host and back layer by layer:
+    exactly the reference rows move (staged: one 2D copy per run of pages and layer)."""
+    write_then_layer_wise_load(backend, HostLayout.PAGE_FIRST_DIRECT, page_size, kind, "cuda")

@@ -22,7 +22,7 @@ def page_file(store: FileStore, key: bytes) -> Path:
     return store.directory / name[:2] / name
 
 
-@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST, HostLayout.LAYER_FIRST])
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
 def test_pages_round_trip_into_other_slots_and_touch_nothing_else(tmp_path: Path,
                                                                   layout: HostLayout) -> None:
     """get writes the stored pages bit for bit into the given slots and no other slot."""
@@ -165,9 +165,11 @@ def test_an_expired_deadline_reads_nothing(tmp_path: Path) -> None:
         assert (rows(pool, 11, 3) == 7.0).all() and store.stats().pages_timeout == 3
 
 
-def test_o_direct_reads_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT],
+                         ids=lambda x: x.value)
+def test_o_direct_reads_round_trip(tmp_path: Path, layout: HostLayout) -> None:
     """direct_io reads 4 KiB aligned pages with O_DIRECT, bit for bit."""
-    pool = make_pool(page_size=16, heads=4, head_dim=16, num_layers=2)
+    pool = make_pool(layout, page_size=16, heads=4, head_dim=16, num_layers=2)
     pool_page_bytes = namespace(pool).page_bytes
     assert pool_page_bytes % 4096 == 0
     keys = hashes(4)
@@ -208,3 +210,18 @@ def test_bad_locations_are_refused_with_the_fix(tmp_path: Path) -> None:
     store = open_store(f"file://{tmp_path}/store", ns)
     assert isinstance(store, FileStore) and os.path.isdir(store.directory)
     store.close()
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_page_first_direct_pages_of_16_and_64_slots_round_trip(tmp_path: Path,
+                                                               page_size: int) -> None:
+    """page_first_direct pages of 16 and 64 slots (one segment each) go to the file store and
+    come back bit for bit into other pages; the pages around them are untouched."""
+    pool = make_pool(HostLayout.PAGE_FIRST_DIRECT, page_size=page_size, num_pages=10)
+    keys = hashes(3)
+    with FileStore(tmp_path, namespace(pool)) as store:
+        assert store.put(keys, views(pool, 1, 3)).statuses == (OK,) * 3
+        fill(pool, 4, 5, -3.0)
+        assert store.get(keys, views(pool, 5, 3)).statuses == (OK,) * 3
+        assert torch.equal(rows(pool, 5, 3), rows(pool, 1, 3))
+        assert (rows(pool, 4, 1) == -3.0).all() and (rows(pool, 8, 1) == -3.0).all()

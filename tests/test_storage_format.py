@@ -47,19 +47,29 @@ def test_a_payload_bit_flip_is_detected_with_checksums_only() -> None:
     assert off.verify(header_off, key, page) and on.verify(header_off, key, page)
 
 
-def test_host_page_views_share_the_pool_memory_in_both_layouts() -> None:
+def test_host_page_views_share_the_pool_memory_in_every_layout() -> None:
     """Writing through a view changes exactly that page's rows in the pool."""
-    for layout, num_segments in ((HostLayout.PAGE_FIRST, 1), (HostLayout.LAYER_FIRST, 6)):
+    for layout, num_segments in ((HostLayout.PAGE_FIRST, 1), (HostLayout.LAYER_FIRST, 6),
+                                 (HostLayout.PAGE_FIRST_DIRECT, 1)):
         pool = make_pool(layout)
-        before = pool.data.clone()
+        before = pool.read_rows(torch_slots(0, pool.num_slots))
         page = views(pool, 2, 1)[0]
         assert len(page) == num_segments
         for segment in page:
             segment[:] = bytes(segment.nbytes)
-        changed = (pool.data != before).nonzero()
-        slot_dim = 0 if layout is HostLayout.PAGE_FIRST else 2
-        assert set(changed[:, slot_dim].tolist()) <= set(range(8, 12))
+        changed = (pool.read_rows(torch_slots(0, pool.num_slots)) != before).nonzero()
+        assert set(changed[:, 0].tolist()) <= set(range(8, 12))
         assert pool.read_rows(torch_slots(8, 12)).count_nonzero() == 0
+
+
+def test_a_page_first_direct_page_is_one_segment_in_layer_order() -> None:
+    """A page_first_direct page is ONE segment: its bytes are the page's rows as
+    [components, layers, page_size, row]."""
+    pool = make_pool(HostLayout.PAGE_FIRST_DIRECT)
+    page = views(pool, 3, 1)[0]
+    assert len(page) == 1 and page[0].nbytes == namespace(pool).page_bytes
+    rows = pool.read_rows(torch_slots(12, 16)).permute(1, 2, 0, 3).contiguous()
+    assert bytes(page[0]) == rows.view(torch.uint8).numpy().tobytes()
 
 
 def torch_slots(start: int, end: int) -> Indices:

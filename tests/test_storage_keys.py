@@ -83,6 +83,8 @@ def test_namespace_digest_changes_with_everything_that_changes_the_bytes() -> No
         Namespace.for_host_pool(make_pool(), model_id="m2", model_revision="r1"),
         Namespace.for_host_pool(make_pool(HostLayout.LAYER_FIRST), model_id="m",
                                 model_revision="r1"),
+        Namespace.for_host_pool(make_pool(HostLayout.PAGE_FIRST_DIRECT), model_id="m",
+                                model_revision="r1"),
         Namespace.for_host_pool(make_pool(page_size=8), model_id="m", model_revision="r1"),
         Namespace.for_host_pool(make_pool(), model_id="m", model_revision="r1", tp_rank=1,
                                 tp_size=2),

@@ -28,7 +28,7 @@ from .results import BenchResult, load_json, save_json
 USAGE_ERROR = 2
 FAILED = 1
 BACKENDS = ("torch", "kernel", "staged", "auto")
-LAYOUTS = ("layer_first", "page_first")
+LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DESCRIPTION = (
     "Measure host<->device KV transfers through the cache controller (backends torch, kernel, "
     "staged, auto) against the copy-engine ceiling: GB/s per direction, both directions at "

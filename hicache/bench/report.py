@@ -56,9 +56,18 @@ def header_lines(result: BenchResult) -> list[str]:
     ]
 
 
-MAIN_HEADER = (f"{'backend':<8}{'page':>4} {'layout':<12}{'write':>7}{'%d2h':>6}{'mm%w':>6}"
-               f"{'load':>8}{'%h2d':>6}{'L0 ms':>7}{'L0/1L':>6}{'all/B':>6}{'mm%l':>6}"
-               f"{'both':>8}{'%bidir':>7}  ran")
+def layout_width(layouts: list[str], least: int = 12) -> int:
+    """Width of a layout column: ``least``, or wider for a longer name (page_first_direct),
+    so reports without one keep their columns."""
+    return max([least, *(len(name) + 1 for name in layouts)])
+
+
+def main_header(width: int = 12) -> str:
+    """The main table's header line, with a layout column ``width`` wide."""
+    return (f"{'backend':<8}{'page':>4} {'layout':<{width}}{'write':>7}{'%d2h':>6}{'mm%w':>6}"
+            f"{'load':>8}{'%h2d':>6}{'L0 ms':>7}{'L0/1L':>6}{'all/B':>6}{'mm%l':>6}"
+            f"{'both':>8}{'%bidir':>7}  ran")
+
 LEGEND = [
     "write/load/both: GB/s (1e9 B/s), op start to finish event; %d2h/%h2d/%bidir: of the "
     "ceiling; mm%w/mm%l: slowdown of",
@@ -71,8 +80,10 @@ LEGEND = [
 
 def main_table(result: BenchResult) -> list[str]:
     """One line per (backend, page size, layout) at the main size."""
-    lines = [MAIN_HEADER, "-" * len(MAIN_HEADER)]
     configs = {(m.backend, m.page_size, m.layout) for m in result.main_rows()}
+    width = layout_width([c[2] for c in configs])
+    header = main_header(width)
+    lines = [header, "-" * len(header)]
     order = {name: i for i, name in enumerate(BACKEND_ORDER)}
     for backend, page, layout in sorted(configs, key=lambda c: (c[1], c[2],
                                                                 order.get(c[0], 99), c[0])):
@@ -80,7 +91,7 @@ def main_table(result: BenchResult) -> list[str]:
         ran = "/".join(m.executed_by if m else "-" for m in (w, ld, both))
         ran = "" if {w and w.executed_by, ld and ld.executed_by} <= {backend} else ran
         lines.append(
-            f"{backend:<8}{page:>4} {layout:<12}"
+            f"{backend:<8}{page:>4} {layout:<{width}}"
             f"{_num(_get(w, 'gb_per_s'), 7)}{_num(_get(w, 'pct_of_ceiling'), 6)}"
             f"{_num(_get(w, 'slowdown_pct'), 6)}"
             f"{_num(_get(ld, 'gb_per_s'), 8)}{_num(_get(ld, 'pct_of_ceiling'), 6)}"
@@ -151,12 +162,13 @@ def targets(result: BenchResult) -> list[Target]:
 def target_table(result: BenchResult) -> list[str]:
     """The goals as a table (value and ok/MISS per cell) and a one-line summary."""
     checks = targets(result)
+    width = layout_width([t.layout for t in checks])
     lines = [
         f"targets (staged, auto): write/load >= {ONE_WAY_PCT_LARGE_PAGES:g}% of the one-way "
         f"ceiling at page >= {LARGE_PAGE}, >= {ONE_WAY_PCT_SMALL_PAGES:g}% at page 1; both >= "
         f"{BOTH_PCT:g}% of bidir; mm% <= {SLOWDOWN_PCT:g}; all/B <= {ALL_READY_RATIO:g}; "
         f"L0/1L <= {LAYER0_RATIO:g}",
-        f"{'backend':<8}{'page':>4} {'layout':<12}"
+        f"{'backend':<8}{'page':>4} {'layout':<{width}}"
         + "".join(f"{name:>11}" for name, _, _ in TARGET_COLUMNS),
     ]
     per_row = len(TARGET_COLUMNS)
@@ -165,7 +177,7 @@ def target_table(result: BenchResult) -> list[str]:
         cells = "".join(
             f"{_num(t.value, 6, 2 if '/' in t.name else 1)} {'ok' if t.met else 'MISS':<4}"
             for t in row)
-        lines.append(f"{row[0].backend:<8}{row[0].page_size:>4} {row[0].layout:<12}"
+        lines.append(f"{row[0].backend:<8}{row[0].page_size:>4} {row[0].layout:<{width}}"
                      f"{cells}".rstrip())
     missed = [t for t in checks if not t.met]
     lines.append(f"targets met: {len(checks) - len(missed)} of {len(checks)}")
@@ -178,13 +190,15 @@ def auto_lines(table: dict[str, Any]) -> list[str]:
     if not table.get("rows"):
         return ["auto table: no measurements of torch, kernel or staged"]
     figures = worst_by_backend(table.get("measurements", []))
-    head = (f"{'direction':<16}{'layout':<13}{'layer_wise':<11}{'tokens':>7}{'min_tok':>8}"
+    width = layout_width([row["layout"] for row in table["rows"]], least=13)
+    head = (f"{'direction':<16}{'layout':<{width}}{'layer_wise':<11}{'tokens':>7}{'min_tok':>8}"
             + "".join(f"{name:>15}" for name in CANDIDATES) + "  -> backend")
     lines = [f"auto table ({table.get('rule', '')}); cells: GB/s (matmul slowdown %)",
              head, "-" * len(head)]
     for row in table["rows"]:
         key = (row["direction"], row["layout"], bool(row["layer_wise"]),
-               int(row.get("measured_tokens", row["min_tokens"])))
+               int(row["min_tokens"] if row.get("measured_tokens") is None
+                   else row["measured_tokens"]))
         options = figures.get(key, {})
         cells = ""
         for name in CANDIDATES:
@@ -193,8 +207,9 @@ def auto_lines(table: dict[str, Any]) -> list[str]:
                 continue
             gbps, slowdown = options[name]
             cells += f"{gbps:>8.1f} ({_num(slowdown, 0)})".rjust(15)
-        lines.append(f"{row['direction']:<16}{row['layout']:<13}{row['layer_wise']!s:<11}"
-                     f"{key[3]:>7}{row['min_tokens']:>8}{cells}  -> {row['backend']}")
+        lines.append(f"{row['direction']:<16}{row['layout']:<{width}}"
+                     f"{row['layer_wise']!s:<11}{key[3]:>7}{row['min_tokens']:>8}{cells}  -> "
+                     f"{row['backend']}")
     return lines
 
 

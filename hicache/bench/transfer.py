@@ -4,7 +4,9 @@
 One run on one GPU measures, for an MHA model's KV rows at random page-granular device slots:
 
 1. the ceiling: one contiguous pinned copy each way (copy engine), and both ways at once;
-2. per backend (``torch``, ``kernel``, ``staged``, ``auto``), page size and host layout:
+2. per backend (``torch``, ``kernel``, ``staged``, ``auto``), page size and host layout
+   (host pools have the largest page size, except ``page_first_direct``, whose host pages
+   are each case's page size: that is what arranges its bytes):
    writes (device to host, all layers in one op) and loads (host to device, layer by layer
    as the controller issues them) in GB/s and percent of the ceiling; for loads also when
    layer 0 and when all layers are ready (op start event to ``layer_events[0]`` and to the
@@ -47,7 +49,14 @@ from .case import Context, bench_backend
 from .results import BenchResult, Ceiling, Measurement
 from .timing import WARMUP_MATMULS, CeilingBuffers, MatmulLoop, matmul_slowdown, time_copy
 from .verify import Verifier, randomize
-from .workload import BenchmarkError, Shape, make_device_pool, make_host_pool, make_slots
+from .workload import (
+    BenchmarkError,
+    Shape,
+    host_page_sizes,
+    make_device_pool,
+    make_host_pool,
+    make_slots,
+)
 
 logger = logging.getLogger(__name__)
 CEILING_REPEATS = 5  # at least; the ceiling is the best of them
@@ -71,8 +80,9 @@ def run_benchmark(args: argparse.Namespace) -> BenchResult:
     randomize(ctx.device_pool.data)
     measurements: list[Measurement] = []
     for layout in (HostLayout(name) for name in args.layouts):
-        with _host_pool(shape, layout) as host_pool:
-            measurements += bench_layout(ctx, host_pool, gen)
+        for host_page, pages in host_page_sizes(layout, args.page_sizes):
+            with _host_pool(shape, layout, host_page) as host_pool:
+                measurements += bench_layout(ctx, host_pool, gen, pages)
     staging = StagedBackend(args.staging_tokens)
     measured_on = {key: meta[key] for key in ("device", "torch", "triton", "date",
                                               "staging_tokens", "programs")}
@@ -109,16 +119,16 @@ def measure_references(shape: Shape, repeats: int,
     return ceiling, loop, alone_s
 
 
-def bench_layout(ctx: Context, host_pool: HostKVPool,
-                 gen: torch.Generator) -> list[Measurement]:
-    """Every backend and page size over one host pool; ``auto`` last, with the table chosen
-    from this layout's measurements."""
+def bench_layout(ctx: Context, host_pool: HostKVPool, gen: torch.Generator,
+                 page_sizes: list[int]) -> list[Measurement]:
+    """Every backend at each of ``page_sizes`` over one host pool; ``auto`` last, with the
+    table chosen from these measurements."""
     args, layout = ctx.args, host_pool.layout.value
     verifier = Verifier(ctx.device_pool, host_pool)
     slots = {page: make_slots(ctx.device_pool, page, ctx.shape.tokens, gen)
-             for page in args.page_sizes}
+             for page in page_sizes}
     found: list[Measurement] = []
-    for page in args.page_sizes:
+    for page in page_sizes:
         for name in (b for b in args.backends if b != "auto"):
             found += bench_backend(ctx, name, _backend(name, args), host_pool, slots[page],
                                    verifier)
@@ -126,11 +136,11 @@ def bench_layout(ctx: Context, host_pool: HostKVPool,
         rows = choose_rows(candidate_measurements(found), args.max_slowdown_pct,
                            args.min_share_of_best)
         auto = _auto_backend(args, rows)
-        for page in args.page_sizes:
+        for page in page_sizes:
             found += bench_backend(ctx, "auto", auto, host_pool, slots[page], verifier)
     del verifier
     torch.cuda.empty_cache()
-    logger.info("layout %s done", layout)
+    logger.info("layout %s (host pages of %d) done", layout, host_pool.page_size)
     return found
 
 
@@ -180,9 +190,9 @@ def _meta(args: argparse.Namespace, shape: Shape) -> dict[str, Any]:
 
 
 @contextmanager
-def _host_pool(shape: Shape, layout: HostLayout) -> Iterator[HostKVPool]:
+def _host_pool(shape: Shape, layout: HostLayout, page_size: int) -> Iterator[HostKVPool]:
     """A pinned host pool, unpinned on exit (after the GPU is done with it)."""
-    pool = make_host_pool(shape, layout, pin=True)
+    pool = make_host_pool(shape, layout, pin=True, page_size=page_size)
     try:
         yield pool
     finally:

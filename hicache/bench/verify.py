@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
+from hicache.pools import DeviceKVPool, HostKVPool, HostLayout, as_layer_first
 
 from .workload import BenchmarkError, Issued, Session
 
@@ -112,5 +112,6 @@ class Verifier:
 
 
 def _canonical(data: torch.Tensor, layout: HostLayout) -> torch.Tensor:
-    """``[C, L, S, R]`` view of a host buffer (or its mirror) in either layout."""
-    return data if layout is HostLayout.LAYER_FIRST else data.permute(1, 2, 0, 3)
+    """``[C, L, S, R]`` rows of a host buffer (or its mirror) in any layout: a view, or for
+    ``page_first_direct`` a copy (on the mirror's device; taken after the op it checks)."""
+    return as_layer_first(data, layout)

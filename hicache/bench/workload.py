@@ -81,13 +81,27 @@ def make_device_pool(shape: Shape, device: torch.device | str) -> DeviceKVPool:
     )
 
 
-def make_host_pool(shape: Shape, layout: HostLayout, pin: bool) -> HostKVPool:
-    """A host pool of ``layout`` with as many slots as the device pool."""
+def make_host_pool(shape: Shape, layout: HostLayout, pin: bool,
+                   page_size: int | None = None) -> HostKVPool:
+    """A host pool of ``layout`` with as many usable tokens as the device pool, in pages of
+    ``page_size`` (default ``shape.max_page_size``, a divisor of it)."""
+    page = shape.max_page_size if page_size is None else page_size
+    if shape.max_page_size % page:
+        raise BenchmarkError(f"host page size {page} does not divide {shape.max_page_size}")
     return HostKVPool(
         name="bench", space=IndexSpace.HOST_FULL, num_layers=shape.layers,
-        num_pages=shape.pool_pages, page_size=shape.max_page_size, geometry=shape.geometry,
-        layout=layout, pin=pin,
+        num_pages=shape.pool_pages * (shape.max_page_size // page), page_size=page,
+        geometry=shape.geometry, layout=layout, pin=pin,
     )
+
+
+def host_page_sizes(layout: HostLayout, page_sizes: list[int]) -> list[tuple[int, list[int]]]:
+    """``(host page size, case page sizes)`` per host pool a layout is measured with: one pool
+    of the largest page size for every case, except ``page_first_direct``, whose bytes depend
+    on the host page size (one layer of a page is one block): one pool per page size."""
+    if layout is HostLayout.PAGE_FIRST_DIRECT:
+        return [(page, [page]) for page in page_sizes]
+    return [(max(page_sizes), list(page_sizes))]
 
 
 @dataclass

@@ -28,6 +28,7 @@ from hicache.config import (
     load_default_config,
 )
 from hicache.config.sizing import PoolSize, pool_layers, pool_sizes, staging_bytes
+from hicache.pools import HostLayout
 from hicache.storage import describe_location, probe_store
 
 from .parser import FAILED, one_line
@@ -143,7 +144,20 @@ def _geometry(config: HiCacheConfig) -> str:
         f"{layers}, {rows}, {model.dtype.value}, {geometry.row_bytes} bytes per row x "
         f"{geometry.num_components}; page {config.page_size_tokens} tokens; device "
         f"{config.device_pool.device}; host layout {config.host.layout.value}"
+        f"{_layout_note(config)}"
     )
+
+
+def _layout_note(config: HiCacheConfig) -> str:
+    """What a ``page_first_direct`` host copies per layer and page, or that with 1-token
+    pages it is ``page_first``."""
+    if config.host.layout is not HostLayout.PAGE_FIRST_DIRECT:
+        return ""
+    page = config.page_size_tokens
+    if page == 1:
+        return " (1-token pages: the same bytes as page_first)"
+    block = page * config.model.row_geometry.row_bytes
+    return f" ({block} bytes per layer, component and page, one block each)"
 
 
 def _pool_table(config: HiCacheConfig, sizes: list[PoolSize]) -> str:

@@ -187,7 +187,9 @@ class HostTierConfig:
     size_gib: float | None = None
     """GiB for all host pools (> 0), split like the device pools' bytes."""
     layout: HostLayout = HostLayout.LAYER_FIRST
-    """``layer_first`` (layer-wise loads) or ``page_first`` (whole pages contiguous)."""
+    """``layer_first`` (layer-wise loads), ``page_first`` (whole pages contiguous) or
+    ``page_first_direct`` (whole pages contiguous, each layer of a page ``page_size``
+    consecutive rows; with 1-token pages the same bytes as ``page_first``)."""
     ram_reserve_gib: float = 2.0
     """GiB of available RAM the host pools must leave free (>= 0)."""
     swa_history: SWAHistory = SWAHistory.ALL

@@ -134,7 +134,8 @@ class TransferAudit:
 
     def _flip_byte(self, host_slot: int) -> None:
         """XOR the lowest byte of the first K element of ``host_slot``, layer 0."""
-        row = self._host_pool().layer_rows(0, 0)[host_slot]
+        pool = self._host_pool()
+        row = pool.layer_pages(0, 0)[host_slot // pool.page_size, host_slot % pool.page_size]
         row.view(torch.uint8)[0:1].bitwise_xor_(1)
         self.corrupted_slot = host_slot
 

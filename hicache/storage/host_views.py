@@ -1,8 +1,9 @@
 """Page buffers: byte views of host-pool pages, and the checks every backend call runs on them.
 
 A page of a ``page_first`` host pool is one contiguous run (``[page_size, components, layers,
-row]``), so it is one segment; a page of a ``layer_first`` pool is ``components x layers``
-runs of ``page_size`` rows, one segment each, in component-then-layer order. The views share
+row]``), so it is one segment; so is a page of a ``page_first_direct`` pool (``[components,
+layers, page_size, row]``); a page of a ``layer_first`` pool is ``components x layers`` runs
+of ``page_size`` rows, one segment each, in component-then-layer order. The views share
 the pool's memory: a backend reads from and writes into the slots with no copy.
 """
 
@@ -57,6 +58,8 @@ def host_page_views(pool: HostKVPool, host_indices: Indices) -> list[list[memory
     for start in starts.tolist():
         if pool.layout.value == "page_first":
             views.append([byte_view(data[start:start + size])])
+        elif pool.layout.value == "page_first_direct":
+            views.append([byte_view(data[start // size])])
         else:
             views.append([byte_view(data[c, layer, start:start + size])
                           for c in range(data.shape[0]) for layer in range(data.shape[1])])

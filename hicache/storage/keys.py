@@ -122,7 +122,9 @@ class Namespace:
         num_layers, num_components, row_elems: KV geometry of the full pool (components: 2 for
             K and V, 1 for an MLA latent row; row_elems: elements per token per layer).
         page_size: tokens per page.
-        layout: host layout of the payload (``layer_first`` or ``page_first``).
+        layout: host layout of the payload (``layer_first``, ``page_first`` or
+            ``page_first_direct``; the byte order of a page differs between them, so pages of
+            one layout are never read into another, even where the bytes happen to agree).
         tp_rank, tp_size: the tensor-parallel shard (MLA engines that share one copy pass 0, 1).
         segment_bytes: byte length of each payload segment (the full rows; hybrid models add
             the SWA rows as a second segment).

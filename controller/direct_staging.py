@@ -1,0 +1,146 @@
+"""Staging of one chunk for a ``page_first_direct`` host: where each pair's rows sit in the
+device staging buffer, the device gather and scatter into it, and the copy-engine copies.
+
+A ``page_first_direct`` host stores ``[pages, components, layers, page_size, row]``. The chunk's
+host slots (sorted) split into pieces, each the consecutive slots of one page; a piece of
+``length`` slots at chunk position ``position`` is staged as ``[components, moved layers,
+length, row]`` at ``position * components * moved layers`` rows of the buffer, so a whole page
+is staged exactly as the host stores it (for the moved layers) and the buffer holds no holes.
+Consecutive whole pages form a segment ``[pages, components, layers, page_size, row]`` on both
+sides: for one block of consecutive layers it is ``pages x components`` blocks of ``layers x
+page_size`` rows, equally spaced on each side (a page apart on the host), which
+:func:`~hicache.controller.copy2d.copy_block` moves as ONE 2D copy: for a layer-wise load of a
+16-token page of 2 KiB rows, 32 KiB blocks, which the copy engine moves near the link's
+ceiling; for a write of all layers, one contiguous run. A partial page (a chunk edge, a
+fragment, a slot loaded twice in one merged op) is its own segment of one page.
+
+The gather reads the device rows layer-major into a temporary ``[components, moved layers,
+pairs, row]`` and places them (a permuting copy when every piece is a whole page, an index
+copy otherwise); the scatter does the reverse. Both run at HBM speed on the stream the caller
+makes current, which allocates and owns the temporaries.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .copy2d import copy_block
+
+
+class Segment(NamedTuple):
+    """Pairs ``[position, position + num_pages * length)`` of a chunk: ``num_pages`` consecutive
+    host pages from ``page``, ``length`` slots of each from ``offset`` (whole pages:
+    ``offset`` 0 and ``length`` the page size; a partial page: ``num_pages`` 1)."""
+
+    position: int
+    page: int
+    offset: int
+    num_pages: int
+    length: int
+
+
+class DirectStaging:
+    """The staging plan of one chunk (see the module docstring).
+
+    Args:
+        host_slots: the chunk's host slots, sorted (int64 numpy array; repeats allowed).
+        page_size: slots per host page.
+        num_components: K and V (2) or one latent row (1).
+        num_layers: layers the chunk moves (the staging holds only those).
+        row_elems: elements per row.
+    """
+
+    def __init__(self, host_slots: np.ndarray, page_size: int, num_components: int,
+                 num_layers: int, row_elems: int) -> None:
+        self.page_size, self.row_elems = page_size, row_elems
+        self.shape = (num_components, num_layers)
+        self.num_pairs = int(host_slots.size)
+        starts, lengths = _pieces(host_slots, page_size)
+        self.starts, self.lengths = starts, lengths
+        self.whole_pages = bool((lengths == page_size).all())
+        self.segments = _segments(host_slots, starts, lengths, page_size)
+
+    def stage(self, gathered: torch.Tensor, rows: torch.Tensor) -> None:
+        """Place ``gathered`` ``[components, layers, pairs, row]`` into the staging ``rows``
+        ``[components * layers * pairs, row]`` (same dtype and device)."""
+        c, n = self.shape
+        width = gathered.shape[-1]
+        if self.whole_pages:
+            pages = self.num_pairs // self.page_size
+            rows.view(pages, c, n, self.page_size, width).copy_(
+                gathered.view(c, n, pages, self.page_size, width).permute(2, 0, 1, 3, 4))
+            return
+        rows.index_copy_(0, self._targets(rows.device), gathered.reshape(-1, width))
+
+    def unstage(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[components, layers, pairs, row]`` of the staging ``rows`` (a new tensor, made on
+        the current stream)."""
+        c, n = self.shape
+        width = rows.shape[-1]
+        if self.whole_pages:
+            pages = self.num_pairs // self.page_size
+            staged = rows.view(pages, c, n, self.page_size, width)
+            return staged.permute(1, 2, 0, 3, 4).reshape(c, n, self.num_pairs, width)
+        return rows.index_select(0, self._targets(rows.device)).view(c, n, self.num_pairs,
+                                                                   width)
+
+    def copy_segments(self, host: torch.Tensor, rows: torch.Tensor,
+                      blocks: list[tuple[int, tuple[int, int]]], to_host: bool) -> None:
+        """Copy every segment between the host buffer ``[pages, C, L, page_size, R]`` and the
+        staging ``rows`` ``[C * layers * pairs, R]``: one :func:`copy_block` per segment and
+        block of consecutive layers (``(offset in the moved layers, (begin, end))``)."""
+        c, n = self.shape
+        for seg in self.segments:
+            first = seg.position * c * n
+            staged = rows[first: first + seg.num_pages * seg.length * c * n].view(
+                seg.num_pages, c, n, seg.length, self.row_elems)
+            host_view = host[seg.page: seg.page + seg.num_pages, :, :,
+                             seg.offset: seg.offset + seg.length]
+            for block_offset, (begin, end) in blocks:
+                host_part = host_view[:, :, begin:end]
+                staged_part = staged[:, :, block_offset: block_offset + end - begin]
+                if to_host:
+                    copy_block(host_part, staged_part)
+                else:
+                    copy_block(staged_part, host_part)
+
+    def _targets(self, device: torch.device) -> torch.Tensor:
+        """Staging row of every (component, layer, pair) in ``[C, L, pairs]`` order, flat:
+        a pair at ``q`` of a piece staged at ``p`` rows of ``length`` sits at row
+        ``p + (component * layers + layer) * length + q``."""
+        c, n = self.shape
+        lengths = np.repeat(self.lengths, self.lengths)
+        piece_starts = np.repeat(self.starts, self.lengths)
+        base = piece_starts * c * n + (np.arange(self.num_pairs) - piece_starts)
+        grid = np.arange(c * n)[:, None] * lengths[None, :] + base[None, :]
+        return torch.from_numpy(grid.reshape(-1)).to(device)
+
+
+def _pieces(host_slots: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of the runs of consecutive slots within one page each."""
+    if host_slots.size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    pages = host_slots // page_size
+    cut = (np.diff(host_slots) != 1) | (np.diff(pages) != 0)
+    starts = np.concatenate(([0], np.flatnonzero(cut) + 1)).astype(np.int64)
+    lengths = np.diff(np.concatenate((starts, [host_slots.size]))).astype(np.int64)
+    return starts, lengths
+
+
+def _segments(host_slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+              page_size: int) -> list[Segment]:
+    """Pieces joined into runs of consecutive whole pages; partial pages stay alone."""
+    if starts.size == 0:
+        return []
+    first = host_slots[starts]
+    pages, offsets = first // page_size, first % page_size
+    whole = lengths == page_size
+    joined = np.zeros(starts.size, dtype=bool)
+    joined[1:] = whole[1:] & whole[:-1] & (pages[1:] == pages[:-1] + 1)
+    heads = np.flatnonzero(~joined)
+    counts = np.diff(np.concatenate((heads, [starts.size])))
+    return [Segment(int(starts[h]), int(pages[h]), int(offsets[h]), int(count), int(lengths[h]))
+            for h, count in zip(heads, counts, strict=True)]
