@@ -166,20 +166,24 @@ def test_alert_rules_unit_tests(deploy: Path) -> None:
 
 
 def test_alerts_cover_errors_and_refusals(deploy: Path) -> None:
-    """Background errors and refusals have alerts over real metrics; each alert has a
-    severity and a summary; the L3 circuit alert has its marked place."""
+    """Background errors, refusals and the shared store (an open circuit, corrupt pages,
+    worker errors) have alerts over real metrics; each alert has a severity and a summary;
+    the L3 circuit alert is critical."""
     rules = alert_rules(deploy)
-    used = {name for rule in rules for name in re.findall(r"\b[a-z_]+(?=[{(\[ ]|$)",
+    used = {name for rule in rules for name in re.findall(r"\b[a-z_][a-z0-9_]*(?=[{(\[ )]|$)",
                                                          rule["expr"])
             if name.startswith("hicache_") or name in PROMETHEUS_METRICS}
     assert used - PROMETHEUS_METRICS <= sample_names(), used - sample_names()
     for needed in ("hicache_background_errors_total", "hicache_refused_load_back_tokens_total",
-                   "hicache_refused_backup_tokens_total"):
+                   "hicache_refused_backup_tokens_total", "hicache_l3_open_circuits",
+                   "hicache_l3_store_pages_total", "hicache_l3_worker_errors_total"):
         assert needed in used, needed
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["annotations"]["summary"], rule["alert"]
     assert "L3 circuit breaker" in (deploy / "prometheus" / "alerts.yml").read_text()
+    circuit = next(rule for rule in rules if rule["alert"] == "HicacheL3CircuitOpen")
+    assert circuit["labels"]["severity"] == "critical" and circuit["for"] == "5m"
 
 
 def test_scrape_target_is_the_default_metrics_address(deploy: Path) -> None:
