@@ -1,6 +1,7 @@
 """The shared store's (L3) metrics: every ``hicache_l3_*`` family is in the first scrape, at
 zero, with or without a store and after stop; a backup and a prefetch through the real file
-store (in a temporary directory) show their exact counts; store call latencies land in the
+store (in a temporary directory) show their exact counts, and each counter of the tier and
+the store has its own series; store call latencies land in the
 histogram buckets their seconds belong to."""
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from test_l3_tier import MODEL, fetch, make_config, put, settle
 
 from hicache.config import HiCacheConfig
 from hicache.config.storage import StorageConfig
+from hicache.controller import TransferStats
 from hicache.factory import build_service
-from hicache.l3 import PREFETCH_OUTCOMES
-from hicache.metrics import METRICS
+from hicache.l3 import PREFETCH_OUTCOMES, StorageTierStats
+from hicache.metrics import METRICS, MetricsExporter
 from hicache.metrics.names import L3_OPS, L3_PAGE_STATUSES, L3_QUEUES
 from hicache.service import HiCacheService
-from hicache.storage import PageStatus, StorageResult
+from hicache.storage import PageStatus, StorageResult, StorageStats
 from hicache.storage.base import LATENCY_BUCKETS_S, TIMED_OPS, StatsRecorder
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -199,3 +201,53 @@ def test_store_call_latencies_land_in_their_buckets() -> None:
     assert sum(stats.latency_counts["put"]) == 1 == stats.put_calls
     assert stats.latency_counts["put"][LATENCY_BUCKETS_S.index(0.001)] == 1
     assert sum(stats.latency_counts["exists"]) == 0
+
+
+@dataclasses.dataclass
+class StubStore:
+    """Stands in for a store: returns fixed stats."""
+
+    fixed: StorageStats
+
+    def stats(self) -> StorageStats:
+        return self.fixed
+
+
+@dataclasses.dataclass
+class StubTier:
+    """Stands in for the tier: fixed counters, queue depths and store."""
+
+    stats: StorageTierStats
+    store: StubStore
+    queue_depths: dict[str, int]
+
+
+def test_every_counter_lands_in_its_series() -> None:
+    """Each tier counter and StorageStats field is exported under its own labels, including
+    what the file store never counts (circuits, timeouts, deletes)."""
+    tier_stats = StorageTierStats(prefetches=1, queried_tokens=2, found_tokens=3,
+                                  backup_evictions=4, worker_errors=5)
+    tier_stats.prefetch_tokens.update(timeout=6, host_full=7)
+    tier_stats.backup_pages.update(dropped=8)
+    fields = ("pages_found", "pages_hit", "pages_missed", "pages_corrupt", "pages_timeout",
+              "pages_error", "pages_written", "pages_skipped", "pages_deleted", "pages_evicted",
+              "bytes_read", "bytes_written", "bytes_evicted", "exists_calls", "get_calls",
+              "put_calls", "delete_calls", "circuit_opens", "open_circuits")
+    store = StorageStats(**{name: 10 + i for i, name in enumerate(fields)})
+    tier = StubTier(tier_stats, StubStore(store), {"prefetch": 30, "backup": 31})
+    exporter = MetricsExporter(TransferStats(), storage=lambda: tier)
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for family in text_string_to_metric_families(exporter.render().decode())
+               if family.name in L3_FAMILIES for s in family.samples}
+    assert without_histograms(samples) == {
+        "enabled": 1, "prefetches_total": 1, "queried_tokens_total": 2,
+        "found_tokens_total": 3, "written_back_nodes_total": 4, "worker_errors_total": 5,
+        "prefetch_tokens_total{outcome=timeout}": 6,
+        "prefetch_tokens_total{outcome=host_full}": 7, "backup_pages_total{outcome=dropped}": 8,
+        **{f"store_pages_total{{status={status}}}": 10 + i
+           for i, status in enumerate(L3_PAGE_STATUSES)},
+        "store_bytes_total{kind=read}": 20, "store_bytes_total{kind=written}": 21,
+        "store_bytes_total{kind=evicted}": 22, "store_ops_total{op=exists}": 23,
+        "store_ops_total{op=get}": 24, "store_ops_total{op=put}": 25,
+        "store_ops_total{op=delete}": 26, "circuit_opens_total": 27, "open_circuits": 28,
+        "queued_jobs{queue=prefetch}": 30, "queued_jobs{queue=backup}": 31}
