@@ -1,8 +1,7 @@
 """The shared store's (L3) metrics: every ``hicache_l3_*`` family is in the first scrape, at
 zero, with or without a store and after stop; a backup and a prefetch through the real file
-store (in a temporary directory) show their exact counts, and each counter of the tier and
-the store has its own series; store call latencies land in the
-histogram buckets their seconds belong to."""
+store (in a temporary directory) show their exact counts; each counter of the tier and the
+store has its own series; store call latencies land in the buckets their seconds belong to."""
 
 from __future__ import annotations
 
