@@ -97,7 +97,7 @@ class HiCacheService(PrefetchCalls):
         self.exporter = None if metrics_address is None else MetricsExporter(
             self.controller.stats, cache=tree.stats,
             pool_usage=controller_pool_usage(self.controller), service=self.stats,
-            source_lock=self.service_lock,
+            source_lock=self.service_lock, storage=lambda: self.storage,
         )
         self._poller = BackgroundPoller(
             gate=self._gate, tree=tree, stats=self.stats,

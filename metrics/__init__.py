@@ -2,7 +2,8 @@
 
 The only package that imports ``prometheus_client``. :class:`MetricsExporter` owns a
 registry per instance and reads its sources (the controller's ``TransferStats``, the tree's
-``CacheStats``, pool occupancy and the service's counters) on every scrape;
+``CacheStats``, pool occupancy, the service's counters and its shared-store tier) on every
+scrape;
 :data:`METRICS` lists what it exports and :func:`markdown_table` documents it.
 """
 
@@ -15,6 +16,8 @@ from .sources import (
     PoolUsage,
     PoolUsageFn,
     ServiceSource,
+    StorageTierFn,
+    StorageTierSource,
     TokenAllocator,
     TransferSource,
     allocator_usage,
@@ -34,6 +37,8 @@ __all__ = [
     "PoolUsage",
     "PoolUsageFn",
     "ServiceSource",
+    "StorageTierFn",
+    "StorageTierSource",
     "TokenAllocator",
     "TransferSource",
     "allocator_usage",

@@ -5,37 +5,41 @@ takes a snapshot of the sources and builds one metric family per :data:`~.names.
 entry, so values are always current and no refresh thread is needed. The one exception is
 the duration histogram: the controller keeps only the durations measured since the last
 drain, so :meth:`HiCacheCollector.refresh` drains them into a :class:`DurationHistogram`.
+The shared store's (L3) families are built by :mod:`~.l3`, from the tier the ``storage``
+callable returns at each scrape.
 
 Threads: ``collect`` runs on the HTTP server's thread. Snapshots copy each counter mapping
 with one ``dict()`` call, which is atomic in CPython, so a scrape never sees a mapping
 change size under it. Draining durations on the scrape thread would race with the thread
 that appends them, so ``collect`` drains only when ``source_lock`` (the lock under which
 the owner acknowledges ops) was given; otherwise the owner calls ``refresh`` on the thread
-that acknowledges ops. Lock order: ``source_lock``, then the collector's own lock.
+that acknowledges ops. Lock order: ``source_lock``, then the collector's own lock, then the
+store's stats lock (taken by ``store.stats()``).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
-from prometheus_client.metrics_core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.utils import floatToGoString
+from prometheus_client.metrics_core import Metric
 
 from hicache import __version__
 
+from . import l3
 from . import names as n
+from .families import Labelled, add, add_histogram, by_label, family, union
 from .histogram import DurationHistogram, HistogramState
-from .sources import CacheSource, PoolUsage, PoolUsageFn, ServiceSource, TransferSource
-
-Labelled = Mapping[tuple[str, ...], float]
+from .sources import (
+    CacheSource,
+    PoolUsage,
+    PoolUsageFn,
+    ServiceSource,
+    StorageTierFn,
+    TransferSource,
+)
 
 
 @dataclass
@@ -52,6 +56,7 @@ class _Snapshot:
     cache: dict[str, int] | None = None
     cache_reasons: dict[str, dict[str, int]] = field(default_factory=dict)
     background_errors: int | None = None
+    storage: l3.L3Snapshot = field(default_factory=lambda: l3.snapshot(None))
 
 
 _CACHE_SCALARS = (
@@ -70,6 +75,8 @@ class HiCacheCollector:
         cache: the radix tree's counters (``None``: tree metrics have no samples).
         pool_usage: returns one ``(tier, pool, used_tokens, total_tokens)`` row per pool.
         service: the service's counters (``None``: no background error samples).
+        storage: returns the shared-store tier, or ``None`` when there is none; the L3
+            families are zeros without one (and when ``storage`` is not given).
         source_lock: held while a scrape reads the sources; when given, a scrape also
             drains durations (see the module docstring).
         duration_buckets_s: upper bounds of the duration histogram, in seconds.
@@ -82,6 +89,7 @@ class HiCacheCollector:
         cache: CacheSource | None = None,
         pool_usage: PoolUsageFn | None = None,
         service: ServiceSource | None = None,
+        storage: StorageTierFn | None = None,
         source_lock: AbstractContextManager[object] | None = None,
         duration_buckets_s: Sequence[float] = n.DURATION_BUCKETS_S,
     ) -> None:
@@ -89,6 +97,7 @@ class HiCacheCollector:
         self.cache = cache
         self.pool_usage = pool_usage
         self.service = service
+        self.storage = storage
         self.source_lock = source_lock
         self.histogram = DurationHistogram(duration_buckets_s)
         self._lock = threading.Lock()
@@ -106,19 +115,20 @@ class HiCacheCollector:
         """Families without samples, one per metric (lets the registry check name clashes
         without reading the sources)."""
         for spec in n.METRICS:
-            yield _family(spec)
+            yield family(spec)
 
     def collect(self) -> Iterator[Metric]:
         """One family per metric, from the current values of the sources."""
         snap = self._snapshot()
-        families = {spec.name: _family(spec) for spec in n.METRICS}
+        families = {spec.name: family(spec) for spec in n.METRICS}
         _add_transfers(families, snap)
         _add_pools(families, snap.pools)
         if snap.cache is not None:
             _add_cache(families, snap.cache, snap.cache_reasons)
         if snap.background_errors is not None:
-            _add(families[n.BACKGROUND_ERRORS], {(): snap.background_errors})
-        _add(families[n.BUILD_INFO], {(__version__,): 1})
+            add(families[n.BACKGROUND_ERRORS], {(): snap.background_errors})
+        add(families[n.BUILD_INFO], {(__version__,): 1})
+        l3.add_families(families, snap.storage)
         yield from families.values()
 
     def _snapshot(self) -> _Snapshot:
@@ -130,8 +140,8 @@ class HiCacheCollector:
             snap = _Snapshot(
                 dict(t.ops_submitted), dict(t.ops_acknowledged), dict(t.tokens),
                 dict(t.bytes), dict(t.backend_ops),
-                {d: self.histogram.state(d) for d in _union(n.DIRECTIONS,
-                                                            self.histogram.directions())},
+                {d: self.histogram.state(d) for d in union(n.DIRECTIONS,
+                                                           self.histogram.directions())},
             )
             if self.cache is not None:
                 snap.cache = {name: int(getattr(self.cache, name)) for name in _CACHE_SCALARS}
@@ -141,81 +151,52 @@ class HiCacheCollector:
                 snap.background_errors = int(self.service.background_errors)
             if self.pool_usage is not None:
                 snap.pools = [PoolUsage(*row) for row in self.pool_usage()]
+            snap.storage = l3.snapshot(None if self.storage is None else self.storage())
         return snap
 
 
 # ---- building families --------------------------------------------------------------------
 
 
-def _family(spec: n.MetricSpec) -> Metric:
-    labels = list(spec.labels)
-    if spec.type == "counter":
-        return CounterMetricFamily(spec.name, spec.description, labels=labels)
-    if spec.type == "gauge":
-        return GaugeMetricFamily(spec.name, spec.description, labels=labels)
-    return HistogramMetricFamily(spec.name, spec.description, labels=labels)
-
-
-def _union(known: Iterable[str], seen: Iterable[str]) -> list[str]:
-    """``known`` in order, then the other values of ``seen``, sorted."""
-    first = list(known)
-    return first + sorted(set(seen) - set(first))
-
-
-def _add(family: Metric, values: Labelled) -> None:
-    assert isinstance(family, CounterMetricFamily | GaugeMetricFamily), family.name
-    for labels, value in values.items():
-        family.add_metric(list(labels), value)
-
-
 def _per_direction_pool(counts: Mapping[tuple[str, str], int], pools: list[str]) -> Labelled:
-    directions = _union(n.DIRECTIONS, (d for d, _ in counts))
-    pools = _union(pools, (p for _, p in counts))
+    directions = union(n.DIRECTIONS, (d for d, _ in counts))
+    pools = union(pools, (p for _, p in counts))
     return {(d, p): counts.get((d, p), 0) for d in directions for p in pools}
 
 
 def _add_transfers(families: dict[str, Metric], snap: _Snapshot) -> None:
     pools = sorted({row.pool for row in snap.pools})
-    _add(families[n.TRANSFER_TOKENS], _per_direction_pool(snap.tokens, pools))
-    _add(families[n.TRANSFER_BYTES], _per_direction_pool(snap.bytes, pools))
-    _add(families[n.TRANSFER_OPS], dict(sorted(snap.backend_ops.items())))
-    directions = _union(n.DIRECTIONS, [*snap.submitted, *snap.acknowledged])
-    _add(families[n.TRANSFER_COMPLETED_OPS],
+    add(families[n.TRANSFER_TOKENS], _per_direction_pool(snap.tokens, pools))
+    add(families[n.TRANSFER_BYTES], _per_direction_pool(snap.bytes, pools))
+    add(families[n.TRANSFER_OPS], dict(sorted(snap.backend_ops.items())))
+    directions = union(n.DIRECTIONS, [*snap.submitted, *snap.acknowledged])
+    add(families[n.TRANSFER_COMPLETED_OPS],
          {(d,): snap.acknowledged.get(d, 0) for d in directions})
-    _add(families[n.IN_FLIGHT_OPS],
+    add(families[n.IN_FLIGHT_OPS],
          {(d,): snap.submitted.get(d, 0) - snap.acknowledged.get(d, 0) for d in directions})
-    histogram = families[n.TRANSFER_DURATION]
-    assert isinstance(histogram, HistogramMetricFamily)
     for direction, state in snap.histograms.items():
-        buckets = [(floatToGoString(bound), float(count))
-                   for bound, count in zip(state.upper_bounds, state.cumulative[:-1], strict=True)]
-        buckets.append(("+Inf", float(state.num_observed)))
-        histogram.add_metric([direction], buckets, sum_value=state.sum_s)
+        add_histogram(families[n.TRANSFER_DURATION], (direction,), state)
 
 
 def _add_pools(families: dict[str, Metric], rows: list[PoolUsage]) -> None:
-    _add(families[n.POOL_USED], {(r.tier, r.pool): r.used_tokens for r in rows})
-    _add(families[n.POOL_CAPACITY], {(r.tier, r.pool): r.total_tokens for r in rows})
-
-
-def _by_reason(counts: Mapping[str, int], known: tuple[str, ...]) -> Labelled:
-    return {(reason,): counts.get(reason, 0) for reason in _union(known, counts)}
+    add(families[n.POOL_USED], {(r.tier, r.pool): r.used_tokens for r in rows})
+    add(families[n.POOL_CAPACITY], {(r.tier, r.pool): r.total_tokens for r in rows})
 
 
 def _add_cache(
     families: dict[str, Metric], cache: dict[str, int], reasons: dict[str, dict[str, int]]
 ) -> None:
-    _add(families[n.LOOKUP_TOKENS], {(): cache["matched_tokens"]})
-    _add(families[n.HIT_TOKENS], {("device",): cache["device_hit_tokens"],
+    add(families[n.LOOKUP_TOKENS], {(): cache["matched_tokens"]})
+    add(families[n.HIT_TOKENS], {("device",): cache["device_hit_tokens"],
                                   ("host",): cache["host_hit_tokens"]})
-    _add(families[n.INSERTED_TOKENS], {(): cache["inserted_tokens"]})
-    _add(families[n.DUPLICATE_TOKENS], {(): cache["duplicate_tokens"]})
-    _add(families[n.EVICTED_TOKENS], {("device",): cache["evicted_device_tokens"],
+    add(families[n.INSERTED_TOKENS], {(): cache["inserted_tokens"]})
+    add(families[n.DUPLICATE_TOKENS], {(): cache["duplicate_tokens"]})
+    add(families[n.EVICTED_TOKENS], {("device",): cache["evicted_device_tokens"],
                                       ("host",): cache["evicted_host_tokens"]})
-    _add(families[n.LOAD_BACK_TOKENS], {(): cache["loaded_back_tokens"]})
-    _add(families[n.BACKUP_TOKENS], {(): cache["backed_up_tokens"]})
-    _add(families[n.DROPPED_TOKENS], _by_reason(reasons["dropped_tokens"], n.DROP_REASONS))
-    _add(families[n.REFUSED_LOAD_BACK_TOKENS],
-         _by_reason(reasons["refused_load_backs"], n.LOAD_BACK_REFUSAL_REASONS))
-    _add(families[n.REFUSED_BACKUP_TOKENS],
-         _by_reason(reasons["refused_backups"], n.BACKUP_REFUSAL_REASONS))
+    add(families[n.LOAD_BACK_TOKENS], {(): cache["loaded_back_tokens"]})
+    add(families[n.BACKUP_TOKENS], {(): cache["backed_up_tokens"]})
+    add(families[n.DROPPED_TOKENS], by_label(reasons["dropped_tokens"], n.DROP_REASONS))
+    add(families[n.REFUSED_LOAD_BACK_TOKENS],
+         by_label(reasons["refused_load_backs"], n.LOAD_BACK_REFUSAL_REASONS))
+    add(families[n.REFUSED_BACKUP_TOKENS],
+         by_label(reasons["refused_backups"], n.BACKUP_REFUSAL_REASONS))

@@ -5,7 +5,8 @@ Usage (the service wires this; core code never imports ``prometheus_client``)::
 
     exporter = MetricsExporter(controller.stats, cache=tree.stats,
                                pool_usage=controller_pool_usage(controller),
-                               service=service_stats, source_lock=service_lock)
+                               service=service_stats, storage=lambda: service.storage,
+                               source_lock=service_lock)
     port = exporter.start_http(config.service.metrics_host, config.service.metrics_port)
     ...
     exporter.stop()
@@ -36,7 +37,7 @@ from prometheus_client.exposition import ThreadingWSGIServer
 
 from .collector import HiCacheCollector
 from .names import DURATION_BUCKETS_S
-from .sources import CacheSource, PoolUsageFn, ServiceSource, TransferSource
+from .sources import CacheSource, PoolUsageFn, ServiceSource, StorageTierFn, TransferSource
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +60,13 @@ class MetricsExporter:
         cache: CacheSource | None = None,
         pool_usage: PoolUsageFn | None = None,
         service: ServiceSource | None = None,
+        storage: StorageTierFn | None = None,
         source_lock: AbstractContextManager[object] | None = None,
         duration_buckets_s: Sequence[float] = DURATION_BUCKETS_S,
     ) -> None:
         self.registry = CollectorRegistry()
         self.collector = HiCacheCollector(
-            transfers, cache=cache, pool_usage=pool_usage, service=service,
+            transfers, cache=cache, pool_usage=pool_usage, service=service, storage=storage,
             source_lock=source_lock, duration_buckets_s=duration_buckets_s,
         )
         self.registry.register(self.collector)

@@ -1,4 +1,5 @@
-"""A plain accumulator of transfer durations per direction, in fixed buckets.
+"""A plain accumulator of transfer durations per direction, in fixed buckets, and the
+:class:`HistogramState` the collector exports (also built from the store's own bucket counts).
 
 The controller keeps only the durations measured since the last drain; this class turns
 them into cumulative bucket counts that live as long as the exporter. Not thread-safe: the
@@ -28,6 +29,14 @@ class HistogramState(NamedTuple):
     def num_observed(self) -> int:
         """Durations counted (the ``+Inf`` bucket)."""
         return self.cumulative[-1]
+
+
+def histogram_state(upper_bounds: tuple[float, ...], counts: Sequence[int], sum_s: float
+                    ) -> HistogramState:
+    """The state of per-bucket ``counts`` (not cumulative; one more than ``upper_bounds``,
+    the last for values above every bound) whose values add up to ``sum_s`` seconds."""
+    assert len(counts) == len(upper_bounds) + 1, (len(counts), len(upper_bounds))
+    return HistogramState(upper_bounds, tuple(itertools.accumulate(counts)), sum_s)
 
 
 class DurationHistogram:
@@ -68,11 +77,7 @@ class DurationHistogram:
     def state(self, direction: str) -> HistogramState:
         """The histogram of ``direction`` (all zeros before its first duration)."""
         counts = self._counts.get(direction, [0] * (len(self.upper_bounds) + 1))
-        cumulative, total = [], 0
-        for count in counts:
-            total += count
-            cumulative.append(total)
-        return HistogramState(self.upper_bounds, tuple(cumulative), self._sums.get(direction, 0.0))
+        return histogram_state(self.upper_bounds, counts, self._sums.get(direction, 0.0))
 
     def directions(self) -> list[str]:
         """Directions that have at least one duration, sorted."""

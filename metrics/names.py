@@ -3,12 +3,16 @@
 Every name has the ``hicache_`` prefix and ends in its base unit (``_tokens``, ``_bytes``,
 ``_seconds``, ``_ops``); counters end in ``_total`` as they appear in the exposition. Label
 values that are known in advance (directions, tiers, reasons) are exported as zeros before
-their first increment, so dashboards and alerts see every series from the first scrape.
+their first increment, so dashboards and alerts see every series from the first scrape. The
+shared store's (L3) families too: they are zeros while the service has no store.
 """
 
 from __future__ import annotations
 
 from typing import Literal, NamedTuple
+
+from hicache.l3.stats import BACKUP_OUTCOMES, PREFETCH_OUTCOMES
+from hicache.storage.base import TIMED_OPS
 
 MetricType = Literal["counter", "gauge", "histogram"]
 
@@ -19,6 +23,16 @@ LOAD_BACK_REFUSAL_REASONS: tuple[str, ...] = (
     "below_threshold", "over_quota", "device_full", "swa_tail_missing",
 )
 BACKUP_REFUSAL_REASONS: tuple[str, ...] = ("host_full",)
+
+# The shared store (L3): the tier's outcomes (``hicache.l3.stats``), the store's page
+# statuses and byte counts (``hicache.storage.StorageStats``), its calls and the queues.
+L3_PAGE_STATUSES: tuple[str, ...] = (
+    "found", "hit", "missed", "corrupt", "timeout", "error", "written", "skipped", "deleted",
+    "evicted",
+)
+L3_BYTE_KINDS: tuple[str, ...] = ("read", "written", "evicted")
+L3_OPS: tuple[str, ...] = (*TIMED_OPS, "delete")
+L3_QUEUES: tuple[str, ...] = ("prefetch", "backup")
 
 # Upper bounds of the transfer duration histogram, in seconds: 100 us .. 10 s.
 DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -56,11 +70,72 @@ REFUSED_LOAD_BACK_TOKENS = "hicache_refused_load_back_tokens_total"
 REFUSED_BACKUP_TOKENS = "hicache_refused_backup_tokens_total"
 BACKGROUND_ERRORS = "hicache_background_errors_total"
 BUILD_INFO = "hicache_build_info"
+L3_ENABLED = "hicache_l3_enabled"
+L3_PREFETCHES = "hicache_l3_prefetches_total"
+L3_QUERIED_TOKENS = "hicache_l3_queried_tokens_total"
+L3_FOUND_TOKENS = "hicache_l3_found_tokens_total"
+L3_PREFETCH_TOKENS = "hicache_l3_prefetch_tokens_total"
+L3_BACKUP_PAGES = "hicache_l3_backup_pages_total"
+L3_WRITTEN_BACK_NODES = "hicache_l3_written_back_nodes_total"
+L3_STORE_PAGES = "hicache_l3_store_pages_total"
+L3_STORE_BYTES = "hicache_l3_store_bytes_total"
+L3_STORE_OPS = "hicache_l3_store_ops_total"
+L3_STORE_DURATION = "hicache_l3_store_op_duration_seconds"
+L3_QUEUED_JOBS = "hicache_l3_queued_jobs"
+L3_OPEN_CIRCUITS = "hicache_l3_open_circuits"
+L3_CIRCUIT_OPENS = "hicache_l3_circuit_opens_total"
+L3_WORKER_ERRORS = "hicache_l3_worker_errors_total"
 
 
 def _reasons(values: tuple[str, ...]) -> str:
     return ", ".join(f"`{value}`" for value in values)
 
+
+# Every L3 family is exported from the first scrape, with zeros when the service has no
+# shared store (or no longer has one, after stop); `hicache_l3_enabled` tells the two apart.
+_L3_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(L3_ENABLED, "gauge", (),
+               "1 while the service has a shared store (L3), else 0 (every other "
+               "`hicache_l3_*` family is then all zeros)."),
+    MetricSpec(L3_PREFETCHES, "counter", (),
+               "Prefetches started: requests whose uncached tail reached "
+               "`storage.prefetch_threshold_tokens` (prefetches)."),
+    MetricSpec(L3_QUERIED_TOKENS, "counter", (),
+               "Tokens prefetches asked the store about, whole pages (tokens)."),
+    MetricSpec(L3_FOUND_TOKENS, "counter", (),
+               "Queried tokens the store had, in a run from the first page asked about "
+               "(tokens)."),
+    MetricSpec(L3_PREFETCH_TOKENS, "counter", ("outcome",),
+               f"Prefetched tokens by how their page ended: {_reasons(PREFETCH_OUTCOMES)}; "
+               "`used` / all is the share of prefetched tokens the cache used (tokens)."),
+    MetricSpec(L3_BACKUP_PAGES, "counter", ("outcome",),
+               f"Pages backed up to the store, by outcome: {_reasons(BACKUP_OUTCOMES)} "
+               "(`dropped`: the backup queue was full) (pages)."),
+    MetricSpec(L3_WRITTEN_BACK_NODES, "counter", (),
+               "Host nodes written to the store before their host copy was evicted "
+               "(`storage.write_policy: write_back`) (nodes)."),
+    MetricSpec(L3_STORE_PAGES, "counter", ("status",),
+               f"Pages of the store's calls by status: {_reasons(L3_PAGE_STATUSES)}; `found` "
+               "by exists, `hit`/`missed` by get, `written`/`skipped` (already stored) by "
+               "put, `corrupt` (failed verification, deleted), `timeout` and `error` by any "
+               "call but delete, `evicted` by the file store's size cap (pages)."),
+    MetricSpec(L3_STORE_BYTES, "counter", ("kind",),
+               f"Page bytes of the store, by kind: {_reasons(L3_BYTE_KINDS)} (bytes)."),
+    MetricSpec(L3_STORE_OPS, "counter", ("op",),
+               f"Calls to the store, by op: {_reasons(L3_OPS)} (ops)."),
+    MetricSpec(L3_STORE_DURATION, "histogram", ("op",),
+               f"Time of one store call, by op: {_reasons(TIMED_OPS)} (seconds; buckets "
+               "50 us .. 10 s)."),
+    MetricSpec(L3_QUEUED_JOBS, "gauge", ("queue",),
+               f"Jobs waiting for a storage worker, by queue: {_reasons(L3_QUEUES)} (jobs)."),
+    MetricSpec(L3_OPEN_CIRCUITS, "gauge", (),
+               "Store servers whose circuit is open now: calls to them miss at once until "
+               "a retry succeeds (Redis; servers)."),
+    MetricSpec(L3_CIRCUIT_OPENS, "counter", (),
+               "Times a store server's circuit opened after a failure (Redis; opens)."),
+    MetricSpec(L3_WORKER_ERRORS, "counter", (),
+               "Exceptions a storage worker caught; the job ended as `error` (errors)."),
+)
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(TRANSFER_TOKENS, "counter", ("direction", "pool"),
@@ -112,6 +187,7 @@ METRICS: tuple[MetricSpec, ...] = (
                "Exceptions raised in the service's background thread (errors)."),
     MetricSpec(BUILD_INFO, "gauge", ("version",),
                "Always 1; `version` is the hicache package version of the process."),
+    *_L3_METRICS,
 )
 
 _BY_NAME = {spec.name: spec for spec in METRICS}

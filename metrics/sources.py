@@ -3,6 +3,8 @@
 - :class:`TransferSource`: the controller's ``TransferStats`` (``controller.stats``).
 - :class:`CacheSource`: the radix tree's ``CacheStats`` (``tree.stats``).
 - :class:`ServiceSource`: the service's own counters (background errors).
+- :data:`StorageTierFn`: returns the service's shared-store tier (:class:`StorageTierSource`,
+  ``service.storage``), or ``None`` when it has none or no longer has one.
 - :data:`PoolUsageFn`: a callable returning one :class:`PoolUsage` row per pool;
   :func:`controller_pool_usage` builds it from a controller's allocators.
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
+
+from hicache.storage.base import StorageStats
 
 
 class TransferSource(Protocol):
@@ -97,6 +101,59 @@ class ServiceSource(Protocol):
     @property
     def background_errors(self) -> int:
         """Exceptions raised in the background thread so far."""
+
+
+class StorageTierCounters(Protocol):
+    """The tier's cumulative counters (``hicache.l3.StorageTierStats``)."""
+
+    @property
+    def prefetches(self) -> int: ...
+
+    @property
+    def queried_tokens(self) -> int: ...
+
+    @property
+    def found_tokens(self) -> int: ...
+
+    @property
+    def prefetch_tokens(self) -> Mapping[str, int]:
+        """Tokens per prefetch outcome."""
+
+    @property
+    def backup_pages(self) -> Mapping[str, int]:
+        """Pages per backup outcome."""
+
+    @property
+    def backup_evictions(self) -> int: ...
+
+    @property
+    def worker_errors(self) -> int: ...
+
+
+class StoreSource(Protocol):
+    """The store's own counters (``hicache.storage.StorageBackend``)."""
+
+    def stats(self) -> StorageStats: ...
+
+
+class StorageTierSource(Protocol):
+    """What the exporter reads of the shared-store tier (``hicache.l3.StorageTier``), under
+    the service lock (the scheduler thread writes the counters under it)."""
+
+    @property
+    def stats(self) -> StorageTierCounters: ...
+
+    @property
+    def store(self) -> StoreSource: ...
+
+    @property
+    def queue_depths(self) -> Mapping[str, int]:
+        """Jobs waiting per queue (``prefetch``, ``backup``)."""
+
+
+# Called on every scrape, under the source lock: the tier may come and go (``None`` after
+# the service stops).
+StorageTierFn = Callable[[], StorageTierSource | None]
 
 
 class PoolUsage(NamedTuple):

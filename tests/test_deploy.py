@@ -40,7 +40,8 @@ def dashboard(deploy: Path) -> dict[str, Any]:
 
 
 def dashboard_queries(board: dict[str, Any]) -> list[str]:
-    return [target["expr"] for panel in board["panels"] for target in panel["targets"]]
+    """Every panel's queries (a row has none)."""
+    return [target["expr"] for panel in board["panels"] for target in panel.get("targets", [])]
 
 
 def alert_rules(deploy: Path) -> list[dict[str, Any]]:
@@ -79,7 +80,7 @@ def test_dashboard_picks_its_datasource_through_a_variable(deploy: Path) -> None
     assert variables["instance"]["datasource"] == DATASOURCE
     for panel in board["panels"]:
         assert panel["datasource"] == DATASOURCE, panel["title"]
-        for target in panel["targets"]:
+        for target in panel.get("targets", []):
             assert target.get("datasource", DATASOURCE) == DATASOURCE, panel["title"]
 
 
@@ -102,8 +103,33 @@ def test_dashboard_references_only_exported_metrics(deploy: Path) -> None:
                    "hicache_transfer_duration_seconds_bucket", "hicache_pool_used_tokens",
                    "hicache_hit_tokens_total", "hicache_dropped_tokens_total",
                    "hicache_evicted_tokens_total", "hicache_transfer_in_flight_ops",
-                   "hicache_background_errors_total"):
+                   "hicache_background_errors_total", "hicache_l3_prefetch_tokens_total",
+                   "hicache_l3_found_tokens_total", "hicache_l3_queried_tokens_total",
+                   "hicache_l3_store_pages_total", "hicache_l3_backup_pages_total",
+                   "hicache_l3_store_bytes_total", "hicache_l3_store_op_duration_seconds_bucket",
+                   "hicache_l3_queued_jobs", "hicache_l3_open_circuits",
+                   "hicache_l3_circuit_opens_total", "hicache_l3_worker_errors_total"):
         assert needed in used, needed
+
+
+def test_dashboard_has_an_l3_row_without_overlaps(deploy: Path) -> None:
+    """The shared store's panels sit under a row of their own, after every other panel;
+    no two panels share a grid cell and none is wider than the 24 columns."""
+    panels = dashboard(deploy)["panels"]
+    (row,) = [panel for panel in panels if panel["type"] == "row"]
+    assert row["title"] == "Shared store (L3)"
+    for panel in panels:
+        uses_l3 = any("hicache_l3_" in t["expr"] for t in panel.get("targets", []))
+        is_below = panel["gridPos"]["y"] > row["gridPos"]["y"]
+        assert uses_l3 == is_below, panel["title"]
+    cells: set[tuple[int, int]] = set()
+    for panel in panels:
+        pos = panel["gridPos"]
+        assert pos["x"] + pos["w"] <= 24, panel["title"]
+        mine = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"])
+                for y in range(pos["y"], pos["y"] + pos["h"])}
+        assert not mine & cells, panel["title"]
+        cells |= mine
 
 
 def test_every_dashboard_expression_passes_promtool(deploy: Path, tmp_path: Path) -> None:
@@ -111,7 +137,8 @@ def test_every_dashboard_expression_passes_promtool(deploy: Path, tmp_path: Path
     rule for promtool check rules."""
     queries = dashboard_queries(dashboard(deploy))
     rules = [{"record": f"hicache:dashboard_query_{i}:value",
-              "expr": query.replace("$__rate_interval", "1m").replace("$instance", ".*")}
+              "expr": query.replace("$__rate_interval", "1m").replace("$__range", "1h")
+              .replace("$instance", ".*")}
              for i, query in enumerate(queries)]
     assert all("$" not in rule["expr"] for rule in rules), rules
     path = tmp_path / "dashboard_rules.yml"
@@ -139,20 +166,24 @@ def test_alert_rules_unit_tests(deploy: Path) -> None:
 
 
 def test_alerts_cover_errors_and_refusals(deploy: Path) -> None:
-    """Background errors and refusals have alerts over real metrics; each alert has a
-    severity and a summary; the L3 circuit alert has its marked place."""
+    """Background errors, refusals and the shared store (an open circuit, corrupt pages,
+    worker errors) have alerts over real metrics; each alert has a severity and a summary;
+    the L3 circuit alert is critical."""
     rules = alert_rules(deploy)
-    used = {name for rule in rules for name in re.findall(r"\b[a-z_]+(?=[{(\[ ]|$)",
+    used = {name for rule in rules for name in re.findall(r"\b[a-z_][a-z0-9_]*(?=[{(\[ )]|$)",
                                                          rule["expr"])
             if name.startswith("hicache_") or name in PROMETHEUS_METRICS}
     assert used - PROMETHEUS_METRICS <= sample_names(), used - sample_names()
     for needed in ("hicache_background_errors_total", "hicache_refused_load_back_tokens_total",
-                   "hicache_refused_backup_tokens_total"):
+                   "hicache_refused_backup_tokens_total", "hicache_l3_open_circuits",
+                   "hicache_l3_store_pages_total", "hicache_l3_worker_errors_total"):
         assert needed in used, needed
     for rule in rules:
         assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
         assert rule["annotations"]["summary"], rule["alert"]
     assert "L3 circuit breaker" in (deploy / "prometheus" / "alerts.yml").read_text()
+    circuit = next(rule for rule in rules if rule["alert"] == "HicacheL3CircuitOpen")
+    assert circuit["labels"]["severity"] == "critical" and circuit["for"] == "5m"
 
 
 def test_scrape_target_is_the_default_metrics_address(deploy: Path) -> None:

@@ -16,11 +16,12 @@ order; ``put`` reads them.
 from __future__ import annotations
 
 import abc
+import bisect
 import enum
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from .keys import Namespace
@@ -29,6 +30,15 @@ PageBuffers = Sequence[memoryview]
 """One page: byte segments, written (``get``) or read (``put``) in order."""
 
 DEFAULT_TIMEOUT_S = 2.0
+
+TIMED_OPS: tuple[str, ...] = ("exists", "get", "put")
+"""Calls whose latency :class:`StatsRecorder` counts in :data:`LATENCY_BUCKETS_S`."""
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+"""Upper bounds of the call latency buckets, in seconds: 50 us (an ``exists`` on a local
+disk) .. 10 s (beyond any deadline)."""
 
 
 class PageStatus(enum.Enum):
@@ -95,6 +105,14 @@ class StorageStats:
     """Redis: times a server's circuit opened (calls to it then fail fast until a retry)."""
     open_circuits: int = 0
     """Redis: servers whose circuit is open now (a gauge)."""
+    latency_counts: Mapping[str, tuple[int, ...]] = field(default_factory=dict, hash=False)
+    """Calls per latency bucket, for each op of :data:`TIMED_OPS`: entry ``i`` counts calls
+    that took more than ``LATENCY_BUCKETS_S[i - 1]`` and at most ``LATENCY_BUCKETS_S[i]``
+    seconds, the last entry the slower ones; they add up to ``{op}_calls``, and their time
+    is ``{op}_seconds``."""
+
+
+_COUNTERS = tuple(f.name for f in fields(StorageStats) if f.name != "latency_counts")
 
 
 class StatsRecorder:
@@ -102,7 +120,8 @@ class StatsRecorder:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._values: dict[str, float] = {f.name: 0 for f in fields(StorageStats)}
+        self._values: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._latency = {op: [0] * (len(LATENCY_BUCKETS_S) + 1) for op in TIMED_OPS}
 
     def add(self, **amounts: float) -> None:
         with self._lock:
@@ -114,7 +133,7 @@ class StatsRecorder:
             self._values[name] = value
 
     def record(self, op: str, result: StorageResult, seconds: float) -> None:
-        """Count one ``exists``/``get``/``put`` call and its pages by status."""
+        """Count one ``exists``/``get``/``put`` call, its latency and its pages by status."""
         counts = {status: result.count(status) for status in PageStatus}
         amounts: dict[str, float] = {f"{op}_calls": 1, f"{op}_seconds": seconds,
                                      "pages_corrupt": counts[PageStatus.CORRUPT],
@@ -125,15 +144,20 @@ class StatsRecorder:
         elif op == "get":
             amounts["pages_hit"] = counts[PageStatus.OK]
             amounts["pages_missed"] = counts[PageStatus.MISS]
-        self.add(**amounts)
+        bucket = bisect.bisect_left(LATENCY_BUCKETS_S, seconds)  # a bound counts as <= it
+        with self._lock:  # one lock: a snapshot's buckets always add up to its calls
+            for name, amount in amounts.items():
+                self._values[name] += amount
+            self._latency[op][bucket] += 1
 
     def snapshot(self) -> StorageStats:
         with self._lock:
             values = dict(self._values)
+            latency = {op: tuple(counts) for op, counts in self._latency.items()}
         kinds = {f.name: f.type for f in fields(StorageStats)}
         typed: dict[str, Any] = {name: float(v) if kinds[name] in (float, "float") else int(v)
                                  for name, v in values.items()}
-        return StorageStats(**typed)
+        return StorageStats(**typed, latency_counts=latency)
 
 
 class Deadline:
