@@ -7,12 +7,8 @@ row with the largest ``min_tokens`` not above the op's size wins. Without CUDA, 
 matching row, ``torch`` (CPU) or ``kernel`` (GPU) is used. The choice is logged at DEBUG and
 counted per backend in ``TransferStats.backend_ops`` (a metric label).
 
-The shipped table's ``page_first_direct`` rows are the exception, marked ``"unmeasured":
-true`` until a GPU run of the benchmark replaces them: whole pages are contiguous there, so
-writes follow ``page_first`` (``staged`` from 724 tokens) and one layer of a run of pages is
-one 2D copy of ``page_size``-row blocks, so layer-wise loads follow ``layer_first``
-(``staged`` from 8192 tokens); below those sizes per-op overhead, not layout, decides, and
-``kernel`` has the least.
+The shipped table's ``page_first_direct`` rows come from a later run of the benchmark
+(``page_first_direct_measured_on``; ``kernel`` and ``staged`` only).
 """
 
 from __future__ import annotations
