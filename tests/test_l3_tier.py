@@ -255,3 +255,25 @@ def test_selective_backups_wait_for_hits(tmp_path: Path) -> None:
         assert tier.stats.backup_pages["stored"] == 5
     finally:
         service.stop()
+
+
+def test_pages_below_a_partial_prefetch_are_stored_under_their_chain_hashes(two) -> None:
+    """A prefetch that found fewer pages than it asked for gives the tree the hashes of
+    the pages that arrived only: pages computed below them are stored under the right
+    chain, so another instance finds them."""
+    a, b = two
+    tokens = list(range(500, 516))
+    put(a, tokens[:4])  # the store gets pages 0-1
+    settle(a)
+    attached, _ = fetch(b, tokens[:8])  # asks for pages 0-3, finds 0-1
+    assert attached == 4
+    node = b.match(tokens[:4]).last_host_node
+    assert node.page_hashes is not None
+    assert len(node.page_hashes) == node.num_tokens // PAGE * 32
+    put(b, tokens[:8])  # b computes pages 2-3 and backs them up
+    settle(b)
+    a.evict(10**6)
+    a.step()
+    a.evict_host(10**6)
+    attached, _ = fetch(a, tokens[:8])
+    assert attached == 8

@@ -24,6 +24,7 @@ from hicache.radix.host_run import attach_host_run
 from hicache.radix.key import TOKEN_BYTES
 from hicache.radix.node import MatchResult, TreeNode
 from hicache.storage import PageStatus
+from hicache.storage.keys import PAGE_HASH_BYTES
 
 from .hashes import key_page_hashes, last_hash, split_hashes
 from .jobs import PrefetchJob, PrefetchPhase
@@ -154,7 +155,7 @@ class Prefetches:
             self.notify("arrive", job.hashes[:arrived], host.tensor)
             attached, duplicate = attach_host_run(
                 self.tree, prefetch.node, prefetch.key[:arrived * page * TOKEN_BYTES],
-                prefetch.page_hashes, host)
+                prefetch.page_hashes[:arrived * PAGE_HASH_BYTES], host)
             self._free(duplicate)
             self.stats.prefetch_tokens["used"] += attached
             self.stats.prefetch_tokens["cached"] += len(duplicate)

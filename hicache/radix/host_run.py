@@ -40,6 +40,8 @@ def attach_host_run(
     """
     assert not tree.io.is_hybrid, "a hybrid model's pages need SWA rows too"
     assert len(host) * TOKEN_BYTES == len(key), "one host slot per token of the key"
+    assert len(page_hashes) * tree.page_size * TOKEN_BYTES == len(key) * PAGE_HASH_BYTES, \
+        "one page hash per page of the key"
     if node is not tree.root:
         tree._check_node(node, "attach_host_run")
     step, page = tree._page_bytes, tree.page_size
