@@ -90,12 +90,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     """Register ``hicache bench``; its handler is ``args.run`` (returns the exit code)."""
     parser = subparsers.add_parser(
         "bench", help="transfer bandwidth against the ceiling (GPU); 'bench scheduler': the "
-        "scheduler thread's costs (CPU)", description=DESCRIPTION)
+        "scheduler thread's costs (CPU); 'bench storage': the shared store; 'bench fleet': "
+        "a trace through several instances sharing it", description=DESCRIPTION)
     add_bench_arguments(parser)
     parser.set_defaults(run=run_bench)
-    from . import scheduler_cli, storage_cli
+    from . import fleet_cli, scheduler_cli, storage_cli
 
-    kinds = parser.add_subparsers(dest="bench_kind", metavar="scheduler|storage")
+    kinds = parser.add_subparsers(dest="bench_kind", metavar="scheduler|storage|fleet")
     scheduler = kinds.add_parser("scheduler", help=scheduler_cli.DESCRIPTION,
                                  description=scheduler_cli.DESCRIPTION)
     scheduler_cli.add_arguments(scheduler)
@@ -104,6 +105,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                                description=storage_cli.DESCRIPTION)
     storage_cli.add_arguments(storage)
     storage.set_defaults(run=storage_cli.run)
+    fleet = kinds.add_parser("fleet", help=fleet_cli.DESCRIPTION,
+                             description=fleet_cli.DESCRIPTION)
+    fleet_cli.add_arguments(fleet)
+    fleet.set_defaults(run=fleet_cli.run)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
