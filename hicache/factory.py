@@ -61,16 +61,19 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
 
     Raises:
         ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
-            store without ``model_id``/``model_revision``; a store with a hybrid model.
+            store without ``model_id``/``model_revision``; a store with a hybrid model whose
+            host keeps SWA rows for windows only.
     """
     if config.storage.is_enabled and (not model_id or not model_revision):
         raise ValueError(
             f"build_service: storage.backend is {config.storage.backend.value}: pass "
             f"model_id and model_revision (a commit or weights digest), which name the pages "
             f"in the shared store so that no other weights ever read them")
-    if config.storage.is_enabled and config.is_hybrid:
-        raise ValueError("build_service: the shared store does not carry a hybrid model's "
-                         "SWA rows yet; set storage.backend: none for a model with SWA layers")
+    if config.storage.is_enabled and config.is_hybrid and \
+            config.host.swa_history is not SWAHistory.ALL:
+        raise ValueError("build_service: a hybrid model's pages go to the shared store with "
+                         "their SWA rows, which host.swa_history: window_tails keeps for "
+                         "windows only; set host.swa_history: all, or storage.backend: none")
     device = torch.device(config.device_pool.device)
     ctl = config.controller
     backend = make_backend(ctl.io_backend.value, device, ctl.kernel_programs,

@@ -23,6 +23,8 @@ def test_the_second_instance_is_served_from_the_store(repo_root: Path) -> None:
     assert "second instance" in report.format()
 
 
-def test_storage_on_a_hybrid_config_says_what_to_run() -> None:
-    with pytest.raises(ValueError, match=r"examples/full_attention\.yaml"):
-        run_demo(load_default_config(), DemoOptions(quick=True, storage="file"))
+def test_the_default_hybrid_config_shares_pages_with_their_window_rows() -> None:
+    report = run_demo(load_default_config(), DemoOptions(quick=True, storage="file"))
+    assert report.passed, report.failure()
+    assert report.l3 is not None and report.l3["second_from_store_tokens"] > 0
+    assert report.swa is not None

@@ -57,11 +57,13 @@ def load(service: HiCacheService, tokens: list[int], rng: random.Random,
         "a loaded prefix holds rows of other tokens"
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_traffic_through_a_shared_store(tmp_path: Path, policy: str, seed: int) -> None:
+def test_random_traffic_through_a_shared_store(tmp_path: Path, policy: str, seed: int,
+                                               hybrid: bool) -> None:
     rng = random.Random(seed)
-    config = make_config(tmp_path / "l3", policy=policy, device_tokens=24,
+    config = make_config(tmp_path / "l3", policy=policy, device_tokens=24, hybrid=hybrid,
                          prefetch=rng.choice(["best_effort", "wait_complete", "timeout"]))
     services = [build_service(config, **MODEL), build_service(config, **MODEL)]
     pending: list[tuple[HiCacheService, Prefetch]] = []

@@ -15,7 +15,7 @@ from radix_helpers import expected_rows, read_rows, write_rows
 
 from hicache.config import HiCacheConfig, config_from_dict
 from hicache.factory import build_service
-from hicache.pools import DeviceKVPool, IndexSpace, Indices
+from hicache.pools import DeviceKVPool, HybridSWAPool, IndexSpace, Indices
 from hicache.service import HiCacheService
 
 PAGE = 2
@@ -23,13 +23,23 @@ MODEL = {"model_id": "test/model", "model_revision": "r1"}
 
 
 def make_config(path: Path, *, policy: str = "write_through", prefetch: str = "wait_complete",
-                threshold: int = 0, device_tokens: int = 32, **storage: Any) -> HiCacheConfig:
+                threshold: int = 0, device_tokens: int = 32, hybrid: bool = False,
+                swa_history: str = "all", **storage: Any) -> HiCacheConfig:
+    """A 2-layer model (layer 1 a 3-token sliding window when ``hybrid``) on the CPU, a
+    host twice the device, a file store at ``path``."""
+    model: dict[str, Any] = {"num_layers": 2, "attention": "mha", "num_kv_heads": 1,
+                             "head_dim": 2, "dtype": "float32"}
+    pool: dict[str, Any] = {"num_tokens": device_tokens, "device": "cpu"}
+    host: dict[str, Any] = {"ratio": 2.0, "ram_reserve_gib": 0.0}
+    if hybrid:
+        model.update(swa_layers=[1], window_tokens=3)
+        pool["swa_num_tokens"] = device_tokens
+        host["swa_history"] = swa_history
     return config_from_dict({
         "page_size_tokens": PAGE,
-        "model": {"num_layers": 2, "attention": "mha", "num_kv_heads": 1, "head_dim": 2,
-                  "dtype": "float32"},
-        "device_pool": {"num_tokens": device_tokens, "device": "cpu"},
-        "host": {"ratio": 2.0, "ram_reserve_gib": 0.0},
+        "model": model,
+        "device_pool": pool,
+        "host": host,
         "controller": {"io_backend": "torch", "write_policy": "write_through",
                        "load_back_threshold_tokens": 0},
         "service": {"metrics_enabled": False, "integrity_check_interval_s": 60.0},
@@ -40,9 +50,9 @@ def make_config(path: Path, *, policy: str = "write_through", prefetch: str = "w
 
 
 def pool_of(service: HiCacheService) -> DeviceKVPool:
+    """The full-attention device pool (of a hybrid pool: its full part)."""
     pool = service.device_pool
-    assert isinstance(pool, DeviceKVPool)
-    return pool
+    return pool.full if isinstance(pool, HybridSWAPool) else pool
 
 
 def put(service: HiCacheService, tokens: list[int]) -> None:
@@ -277,3 +287,33 @@ def test_pages_below_a_partial_prefetch_are_stored_under_their_chain_hashes(two)
     a.evict_host(10**6)
     attached, _ = fetch(a, tokens[:8])
     assert attached == 8
+
+
+def test_a_hybrid_model_shares_pages_with_their_sliding_window_rows(tmp_path: Path) -> None:
+    """Pages go to the store with their SWA rows, come back into full and SWA host slots,
+    and load back with the window's SWA rows (no swa_tail_missing refusal)."""
+    a = build_service(make_config(tmp_path / "l3", hybrid=True), **MODEL)
+    b = build_service(make_config(tmp_path / "l3", hybrid=True), **MODEL)
+    try:
+        tokens = list(range(1500, 1512))
+        put(a, tokens)
+        settle(a)
+        assert a.storage is not None and a.storage.stats.backup_pages["stored"] == 6
+        attached, device = fetch(b, tokens)
+        assert attached == 12
+        pool = pool_of(b)
+        assert torch.equal(read_rows(pool, device.tensor), expected_rows(tokens, pool.num_layers))
+        assert not b.tree.stats.refused_load_backs
+        node = b.match(tokens).last_host_node
+        assert node.host_swa is None or bool((node.host_swa.tensor != 0).all())
+        b.check_integrity()
+        a.check_integrity()
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_hybrid_store_needs_every_page_s_sliding_window_rows(tmp_path: Path) -> None:
+    config = make_config(tmp_path / "l3", hybrid=True, swa_history="window_tails")
+    with pytest.raises(ValueError, match="swa_history: all"):
+        build_service(config, **MODEL)

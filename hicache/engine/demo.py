@@ -121,11 +121,6 @@ def run_demo(
             engine = serve(config, options, model, workload, report, wanted_port=wanted_port,
                            on_progress=on_progress)
         else:
-            if config.is_hybrid:
-                raise ValueError(
-                    "--storage: the shared store does not carry sliding-window rows yet and "
-                    f"{config_name} has SWA layers; try it on a full-attention config: "
-                    "hicache demo --config examples/full_attention.yaml --storage file")
             with store_config(config, options.storage) as (config, where):
                 engine = serve_twice(config, options, model, workload, report, where,
                                      expected, wanted_port, on_progress)

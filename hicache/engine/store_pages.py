@@ -47,7 +47,8 @@ class StorePageAudit:
     """Digests of stored pages by page hash, shared by the audits of several instances."""
 
     def __init__(self) -> None:
-        self.pages: dict[bytes, list[bytes]] = {}
+        # page hash -> (digests of its full rows, of its SWA rows or None)
+        self.pages: dict[bytes, tuple[list[bytes], list[bytes] | None]] = {}
         self.arrived_pages = 0
         self.unknown_pages = 0  # arrived, but no instance of this run stored them
 
@@ -58,34 +59,50 @@ class StorePageAudit:
         if tier is None:
             return
         page = service.tree.page_size
-        digests = audit._digests["full"]
+        full, swa_digests = audit._digests["full"], audit._digests["swa"]
 
-        def observe(event: str, hashes: list[bytes], host: torch.Tensor) -> None:
+        def observe(event: str, hashes: list[bytes], host: torch.Tensor,
+                    swa: torch.Tensor | None) -> None:
             slots = host.tolist()
+            swa_slots = None if swa is None else swa.tolist()
             for i, page_hash in enumerate(hashes):
                 mine = slots[i * page:(i + 1) * page]
+                mine_swa = None if swa_slots is None else swa_slots[i * page:(i + 1) * page]
                 if event == "put":
-                    rows = [digests.get(slot) for slot in mine]
-                    if all(row is not None for row in rows):
-                        self.pages[page_hash] = [row for row in rows if row is not None]
+                    self._file(page_hash, [full.get(s) for s in mine],
+                               None if mine_swa is None else [swa_digests.get(s)
+                                                               for s in mine_swa])
                     continue
                 self.arrived_pages += 1
                 known = self.pages.get(page_hash)
                 if known is None:
                     self.unknown_pages += 1
                     for slot in mine:
-                        digests.pop(slot, None)  # never matches: reported if loaded
-                else:
-                    digests.update(zip(mine, known, strict=True))
+                        full.pop(slot, None)  # never matches: reported if loaded
+                    for slot in mine_swa or []:
+                        swa_digests.pop(slot, None)
+                    continue
+                full.update(zip(mine, known[0], strict=True))
+                if mine_swa is not None and known[1] is not None:
+                    swa_digests.update(zip(mine_swa, known[1], strict=True))
 
         tier.observers.append(observe)
+
+    def _file(self, page_hash: bytes, full: list[bytes | None],
+              swa: list[bytes | None] | None) -> None:
+        """Keep a stored page's digests when all of them are known."""
+        if any(d is None for d in full) or (swa is not None and any(d is None for d in swa)):
+            return
+        self.pages[page_hash] = ([d for d in full if d is not None],
+                                 None if swa is None else [d for d in swa if d is not None])
 
 
 @contextmanager
 def store_config(config: HiCacheConfig, storage: str) -> Iterator[tuple[HiCacheConfig, str]]:
     """``config`` with a ``storage`` section for ``storage`` (``file``: a temporary
     directory, removed afterwards; a directory; or a ``redis://`` / ``redis+cluster://``
-    URL), and how to name the store in the report.
+    URL), and how to name the store in the report. The demo's prompts are short, so any
+    uncached tail of a page or more is asked for (``prefetch_threshold_tokens``: one page).
 
     Raises:
         ValueError: a location the store cannot use (one line, from the config's checks).
@@ -95,7 +112,7 @@ def store_config(config: HiCacheConfig, storage: str) -> Iterator[tuple[HiCacheC
         if storage.startswith(("redis://", "redis+cluster://")):
             section = StorageConfig(backend=StorageKind.REDIS, url=storage,
                                     prefetch_policy=base.prefetch_policy,
-                                    prefetch_threshold_tokens=base.prefetch_threshold_tokens,
+                                    prefetch_threshold_tokens=config.page_size_tokens,
                                     timeout_s=base.timeout_s)
             where = f"Redis at {storage.split('@')[-1]}"
         else:
@@ -106,6 +123,6 @@ def store_config(config: HiCacheConfig, storage: str) -> Iterator[tuple[HiCacheC
                 where = "file store in a temporary directory"
             section = StorageConfig(backend=StorageKind.FILE, path=path,
                                     prefetch_policy=base.prefetch_policy,
-                                    prefetch_threshold_tokens=base.prefetch_threshold_tokens,
+                                    prefetch_threshold_tokens=config.page_size_tokens,
                                     timeout_s=base.timeout_s)
         yield dataclasses.replace(config, storage=section), where

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from hicache.config import WritePolicy
-from hicache.pools import IndexSpace, Indices
-from hicache.radix.node import PendingStore, TreeNode, cat_indices
+from hicache.pools import Indices
+from hicache.radix.node import PendingStore, TreeNode
 from hicache.storage import PageStatus
 
 from .hashes import node_page_hashes, split_hashes
@@ -43,7 +45,8 @@ class StoreBackups:
         self.hits = hits
         self.stats = stats
         self.notify = notify
-        self._pending_free: dict[PendingStore, list[Indices]] = {}
+        # host slots (full, aligned SWA) of nodes gone while their put reads them
+        self._pending_free: dict[PendingStore, list[tuple[Indices, Indices | None]]] = {}
 
     def host_copies_ready(self, nodes: list[TreeNode]) -> None:
         if self.policy is WritePolicy.WRITE_BACK:
@@ -76,20 +79,38 @@ class StoreBackups:
         assert node.host is not None
         pending = PendingStore([node], evict_after)
         hashes = split_hashes(node_page_hashes(self.tree, node))
-        job = PutJob(pending, hashes, node.host.tensor.clone())
+        host, swa = node.host.tensor, None
+        if node.host_swa is not None:  # hybrid: only pages whose SWA rows are all on the host
+            page = self.tree.page_size
+            whole = (node.host_swa.tensor.view(-1, page) != 0).all(dim=1)
+            if not bool(whole.all()):
+                self.stats.backup_pages["no_swa_rows"] += int((~whole).sum())
+                keep = whole.tolist()
+                hashes = [h for h, kept in zip(hashes, keep, strict=True) if kept]
+                host = host.view(-1, page)[whole].reshape(-1)
+                swa_rows = node.host_swa.tensor.view(-1, page)[whole].reshape(-1)
+            else:
+                swa_rows = node.host_swa.tensor
+            swa = swa_rows.clone()
+            if not hashes:
+                node.in_storage = True  # nothing of it can go to the store
+                return False
+        job = PutJob(pending, hashes, host.clone(), swa)
         if not self.worker.submit(job):
             self.stats.backup_pages["dropped"] += len(hashes)
             return False
         node.store_op = pending
-        self.notify("put", hashes, job.host)
+        self.notify("put", hashes, job.host, job.swa)
         return True
 
     def free_host_after_store(self, node: TreeNode, host: Indices) -> None:
         assert node.store_op is not None
-        self._pending_free.setdefault(node.store_op, []).append(host)
+        self._pending_free.setdefault(node.store_op, []).append((host, node.host_swa))
 
-    def held_host_slots(self) -> list[Indices]:
-        return [slots for parts in self._pending_free.values() for slots in parts]
+    def held_slots(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(full, SWA) host slots of gone nodes that wait for their put."""
+        return [(host.tensor, None if swa is None else swa.tensor)
+                for parts in self._pending_free.values() for host, swa in parts]
 
     def finish(self, job: PutJob) -> None:
         """Apply a put's result: clear the nodes' ``store_op``, mark them stored if every
@@ -106,9 +127,8 @@ class StoreBackups:
                 node.store_op = None
                 node.in_storage = stored == len(statuses)
                 tree._touch(node)
-        waiting = self._pending_free.pop(pending, None)
-        if waiting:
-            tree.io.free_host(cat_indices(waiting, IndexSpace.HOST_FULL), None)
+        for host, swa in self._pending_free.pop(pending, []):
+            tree.io.free_host(host, swa)
         if pending.evict_after:
             # deepest first: a parent becomes a leaf once its child left
             for node in sorted(pending.nodes, key=TreeNode.depth, reverse=True):

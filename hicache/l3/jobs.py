@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.pools import HostKVPool, IndexSpace, Indices
 from hicache.radix.node import PendingStore
-from hicache.storage import PageStatus, StorageBackend, StorageResult, host_page_views
+from hicache.storage import PageStatus, StorageBackend, StorageResult
+
+from .page_buffers import GetBuffers, HostPools, put_buffers
 
 
 @dataclass(eq=False)
@@ -28,12 +29,12 @@ class PutJob:
     pending: PendingStore
     hashes: list[bytes]
     host: torch.Tensor  # int64 HOST_FULL slots, a copy owned by the job
+    swa: torch.Tensor | None = None  # aligned HOST_SWA slots (hybrid models), a copy
     result: StorageResult | None = None
     done: bool = False
 
-    def run(self, store: StorageBackend, pool: HostKVPool) -> None:
-        views = host_page_views(pool, Indices(self.host, IndexSpace.HOST_FULL))
-        self.result = store.put(self.hashes, views)
+    def run(self, store: StorageBackend, pools: HostPools) -> None:
+        self.result = store.put(self.hashes, put_buffers(pools, self.host, self.swa))
 
     def fail(self, message: str) -> None:
         self.result = StorageResult((PageStatus.ERROR,) * len(self.hashes), message)
@@ -55,6 +56,7 @@ class PrefetchJob:
     phase: PrefetchPhase = PrefetchPhase.QUERY
     found: int = 0  # leading pages the store has (set by the query)
     host: torch.Tensor | None = None  # slots of the ``found`` pages (set by the scheduler)
+    swa: torch.Tensor | None = None  # their SWA slots (hybrid models; set with ``host``)
     arrived: int = 0  # leading pages loaded and verified, in ``host``
     statuses: list[PageStatus] = field(default_factory=list)  # per page loaded so far
     error: str | None = None
@@ -62,7 +64,7 @@ class PrefetchJob:
     done: bool = False  # back from the worker (reset when submitted again)
     changed: threading.Event = field(default_factory=threading.Event)
 
-    def run(self, store: StorageBackend, pool: HostKVPool) -> None:
+    def run(self, store: StorageBackend, pools: HostPools) -> None:
         if self.phase is PrefetchPhase.QUERY:
             result = store.exists(self.hashes)
             self.error = result.error
@@ -70,18 +72,19 @@ class PrefetchJob:
             self.phase = PrefetchPhase.ANSWERED if self.found else PrefetchPhase.DONE
             return
         assert self.phase is PrefetchPhase.LOAD and self.host is not None
-        page = pool.page_size
+        buffers = GetBuffers(pools, self.host, self.swa)
         for start in range(0, self.found, self.batch_pages):
             if self.cancelled:
                 break
             end = min(self.found, start + self.batch_pages)
-            slots = Indices(self.host[start * page:end * page], IndexSpace.HOST_FULL)
-            result = store.get(self.hashes[start:end], host_page_views(pool, slots))
+            result = store.get(self.hashes[start:end], buffers.pages[start:end])
             self.statuses.extend(result.statuses)
             self.error = self.error or result.error
-            if result.num_leading_ok < end - start:
+            ok = result.num_leading_ok
+            buffers.scatter(start, start + ok)
+            self.arrived = start + ok  # these pages are final: later batches write others
+            if ok < end - start:
                 break
-            self.arrived = end  # these pages are final: later batches write others
         self.phase = PrefetchPhase.DONE
 
     def fail(self, message: str) -> None:

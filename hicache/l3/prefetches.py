@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
 from hicache.config.storage import PrefetchPolicy, StorageConfig
 from hicache.pools import IndexSpace, Indices
 from hicache.radix.host_run import attach_host_run
@@ -81,7 +83,8 @@ class Prefetches:
         self.notify = notify
         self.page_size = tree.page_size
         self._active: dict[PrefetchJob, Prefetch] = {}
-        self._abandoned: dict[PrefetchJob, Indices] = {}  # finished early: freed when back
+        # finished early: (full, SWA) slots freed when the job is back
+        self._abandoned: dict[PrefetchJob, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def start(self, key: bytes, match: MatchResult) -> Prefetch | None:
         """Start a prefetch of ``key``'s pages after ``match``; ``None`` when the tail is
@@ -117,27 +120,43 @@ class Prefetches:
         """A job came back from the worker: load what the store has, or free what an
         early finish left behind."""
         if job in self._abandoned:
-            self._free(self._abandoned.pop(job))
+            self._free(*self._abandoned.pop(job))
             return
         if job.phase is not PrefetchPhase.ANSWERED or job not in self._active:
             return  # loaded (finish takes it), or finished early before the answer
         prefetch = self._active[job]
         self.stats.found_tokens += job.found * self.page_size
         num_tokens = job.found * self.page_size
-        host = self.tree.io.controller.host_pool.allocator.try_alloc(num_tokens)
-        if host is None and self.tree.evict_host(num_tokens) > 0:
-            host = self.tree.io.controller.host_pool.allocator.try_alloc(num_tokens)
-        if host is None:
+        slots = self._alloc(num_tokens)
+        if slots is None:
             job.phase = PrefetchPhase.DONE  # nothing read: finish counts the pages host_full
             prefetch.job.error = "host_full"
             return
-        job.host = host.tensor
+        job.host, job.swa = slots
         job.phase, job.done = PrefetchPhase.LOAD, False
         job.changed.clear()
         if not self.worker.submit(job):
-            self._free(host)
-            job.host, job.done, job.phase = None, True, PrefetchPhase.DONE
+            self._free(*slots)
+            job.host, job.swa, job.done, job.phase = None, None, True, PrefetchPhase.DONE
             job.error = "queue_full"
+
+    def _alloc(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Host slots (and SWA host slots, hybrid) of ``num_tokens``, evicting host leaves
+        once if needed; ``None`` when there is no room."""
+        io = self.tree.io
+        for attempt in range(2):
+            full = io.controller.host_pool.allocator.try_alloc(num_tokens)
+            swa = None
+            if full is not None and io.is_hybrid:
+                swa = io.try_alloc_host_swa(num_tokens)
+                if swa is None:
+                    io.free_host(full, None)
+                    full = None
+            if full is not None:
+                return full.tensor, None if swa is None else swa.tensor
+            if attempt == 0 and self.tree.evict_host(num_tokens) == 0:
+                return None
+        return None
 
     def finish(self, prefetch: Prefetch) -> int:
         """Give the tree what arrived, unlock, count every page's outcome; tokens attached."""
@@ -149,29 +168,34 @@ class Prefetches:
         job.cancelled = True
         arrived = job.arrived
         attached = 0
+        cut = arrived * page
         if arrived:
             assert job.host is not None
-            host = Indices(job.host[:arrived * page], IndexSpace.HOST_FULL)
-            self.notify("arrive", job.hashes[:arrived], host.tensor)
-            attached, duplicate = attach_host_run(
-                self.tree, prefetch.node, prefetch.key[:arrived * page * TOKEN_BYTES],
-                prefetch.page_hashes[:arrived * PAGE_HASH_BYTES], host)
-            self._free(duplicate)
+            host = Indices(job.host[:cut], IndexSpace.HOST_FULL)
+            swa = None if job.swa is None else Indices(job.swa[:cut], IndexSpace.HOST_SWA)
+            self.notify("arrive", job.hashes[:arrived], host.tensor,
+                        None if swa is None else swa.tensor)
+            attached, duplicate, duplicate_swa = attach_host_run(
+                self.tree, prefetch.node, prefetch.key[:cut * TOKEN_BYTES],
+                prefetch.page_hashes[:arrived * PAGE_HASH_BYTES], host, swa)
+            self._free(duplicate.tensor, None if duplicate_swa is None else duplicate_swa.tensor)
             self.stats.prefetch_tokens["used"] += attached
             self.stats.prefetch_tokens["cached"] += len(duplicate)
         self._count_rest(prefetch, arrived)
-        if job.host is not None and len(job.host) > arrived * page:
-            rest = Indices(job.host[arrived * page:], IndexSpace.HOST_FULL)
+        if job.host is not None and len(job.host) > cut:
+            rest = (job.host[cut:], None if job.swa is None else job.swa[cut:])
             if job.done:
-                self._free(rest)
+                self._free(*rest)
             else:
                 self._abandoned[job] = rest  # still being read into: freed when back
         if prefetch.node is not self.tree.root and not prefetch.node.is_detached:
             self.tree.unlock(prefetch.node)
         return attached
 
-    def held_host_slots(self) -> list[Indices]:
-        held = [Indices(p.job.host, IndexSpace.HOST_FULL) for p in self._active.values()
+    def held_slots(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """(full, SWA) host slots held outside the tree: prefetches being read, and what
+        early finishes left to the worker."""
+        held = [(p.job.host, p.job.swa) for p in self._active.values()
                 if p.job.host is not None]
         return held + list(self._abandoned.values())
 
@@ -196,7 +220,8 @@ class Prefetches:
             return None
         return now + config.prefetch_timeout_for(num_tokens)
 
-    def _free(self, host: Indices) -> None:
+    def _free(self, host: torch.Tensor, swa: torch.Tensor | None) -> None:
         if len(host):
-            self.tree.io.free_host(host, None)
+            self.tree.io.free_host(Indices(host, IndexSpace.HOST_FULL),
+                                   None if swa is None else Indices(swa, IndexSpace.HOST_SWA))
 

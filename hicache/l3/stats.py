@@ -14,7 +14,9 @@ Prefetch outcomes count tokens, by how each prefetched page ended:
 - ``cancelled``: the service stopped, or the engine dropped the request.
 
 Backups count pages: ``stored`` (the store has them now), ``failed`` (the store answered
-otherwise), ``dropped`` (never sent: the backup queue was full).
+otherwise), ``dropped`` (never sent: the backup queue was full), ``no_swa_rows`` (a hybrid
+model's page whose SWA rows are not all on the host: not sent, since a page goes to the
+store with its SWA rows or not at all).
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-PageObserver = Callable[[str, list[bytes], torch.Tensor], None]
-"""Called on the scheduler thread with ``("put", hashes, host_slots)`` when pages are sent
-to the store and ``("arrive", hashes, host_slots)`` when prefetched pages reach the tree
-(one int64 host slot per token, aligned with the hashes' pages); for audits and tests."""
+PageObserver = Callable[[str, list[bytes], torch.Tensor, torch.Tensor | None], None]
+"""Called on the scheduler thread with ``("put", hashes, host_slots, swa_slots)`` when pages
+are sent to the store and ``("arrive", hashes, host_slots, swa_slots)`` when prefetched
+pages reach the tree (one int64 host slot per token, aligned with the hashes' pages; the
+aligned SWA host slots of a hybrid model, else ``None``); for audits and tests."""
 
 PREFETCH_OUTCOMES = ("used", "not_found", "cached", "timeout", "corrupt", "error", "host_full",
                      "queue_full", "cancelled")
-BACKUP_OUTCOMES = ("stored", "failed", "dropped")
+BACKUP_OUTCOMES = ("stored", "failed", "dropped", "no_swa_rows")
 
 
 @dataclass

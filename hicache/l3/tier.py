@@ -21,12 +21,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.config.storage import StorageConfig
+from hicache.controller import HybridCacheController
 from hicache.pools import IndexSpace, Indices
 from hicache.radix.node import MatchResult, TreeNode, cat_indices
 from hicache.storage import StorageBackend
 
 from .backups import StoreBackups
 from .jobs import PrefetchJob, PutJob
+from .page_buffers import HostPools
 from .prefetches import Prefetch, Prefetches
 from .stats import PageObserver, StorageTierStats
 from .worker import StorageWorker
@@ -44,26 +46,25 @@ class StorageTier:
     """See the module docstring.
 
     Args:
-        tree: the cache (full-attention models; a hybrid model's pages need their SWA rows,
-            which the tier does not carry yet).
+        tree: the cache; a hybrid model's pages go to the store with their SWA rows.
         store: the shared store, opened for this config's namespace; closed by :meth:`close`.
         config: the ``storage`` section (policies, timeouts).
     """
 
     def __init__(self, tree: HiRadixCache, store: StorageBackend, config: StorageConfig
                  ) -> None:
-        if tree.io.is_hybrid:
-            raise ValueError("storage: the shared store does not carry a hybrid model's SWA "
-                             "rows yet; use storage.backend: none with SWA layers")
         self.tree = tree
         self.store = store
         self.config = config
         self.stats = StorageTierStats()
         self.observers: list[PageObserver] = []  # pages stored and arrived (audits, tests)
-        pool = tree.io.controller.host_pool
-        self.prefetch_worker = StorageWorker("hicache-l3-prefetch", store, pool,
+        controller = tree.io.controller
+        pools = HostPools(controller.host_pool,
+                          controller.host_swa if isinstance(controller, HybridCacheController)
+                          else None)
+        self.prefetch_worker = StorageWorker("hicache-l3-prefetch", store, pools,
                                              MAX_QUEUED_PREFETCHES)
-        self.backup_worker = StorageWorker("hicache-l3-backup", store, pool,
+        self.backup_worker = StorageWorker("hicache-l3-backup", store, pools,
                                            MAX_QUEUED_BACKUPS)
         self.prefetches = Prefetches(tree, self.prefetch_worker, config, self.stats,
                                      self._notify)
@@ -122,9 +123,10 @@ class StorageTier:
         self.tree.storage = None
         self.store.close()
 
-    def _notify(self, event: str, hashes: list[bytes], host: torch.Tensor) -> None:
+    def _notify(self, event: str, hashes: list[bytes], host: torch.Tensor,
+                swa: torch.Tensor | None) -> None:
         for observer in self.observers:
-            observer(event, hashes, host)
+            observer(event, hashes, host, swa)
 
     # ---- StorageHooks (the tree's calls) ------------------------------------------------
 
@@ -141,5 +143,11 @@ class StorageTier:
         self.backups.free_host_after_store(node, host)
 
     def held_host_slots(self) -> Indices | None:
-        held = self.prefetches.held_host_slots() + self.backups.held_host_slots()
-        return cat_indices(held, IndexSpace.HOST_FULL) if held else None
+        held = self.prefetches.held_slots() + self.backups.held_slots()
+        full = [Indices(host, IndexSpace.HOST_FULL) for host, _ in held]
+        return cat_indices(full, IndexSpace.HOST_FULL) if full else None
+
+    def held_host_swa_slots(self) -> Indices | None:
+        held = self.prefetches.held_slots() + self.backups.held_slots()
+        swa = [Indices(s[s != 0], IndexSpace.HOST_SWA) for _, s in held if s is not None]
+        return cat_indices(swa, IndexSpace.HOST_SWA) if swa else None

@@ -15,8 +15,9 @@ import queue
 import threading
 from typing import Protocol
 
-from hicache.pools import HostKVPool
 from hicache.storage import StorageBackend
+
+from .page_buffers import HostPools
 
 logger = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 class Job(Protocol):
     done: bool
 
-    def run(self, store: StorageBackend, pool: HostKVPool) -> None: ...
+    def run(self, store: StorageBackend, pools: HostPools) -> None: ...
 
     def fail(self, message: str) -> None: ...
 
@@ -35,14 +36,14 @@ class StorageWorker:
     Args:
         name: the thread's name (``hicache-l3-prefetch``, ``hicache-l3-backup``).
         store: the shared store; every call is bounded by its deadline.
-        pool: the host pool whose slots the jobs read and write.
+        pools: the host pools whose slots the jobs read and write.
         max_queued: jobs waiting at most; more are refused.
     """
 
-    def __init__(self, name: str, store: StorageBackend, pool: HostKVPool,
+    def __init__(self, name: str, store: StorageBackend, pools: HostPools,
                  max_queued: int) -> None:
         self.store = store
-        self.pool = pool
+        self.pools = pools
         self.errors = 0
         self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queued)
         self._finished: collections.deque[Job] = collections.deque()
@@ -93,7 +94,7 @@ class StorageWorker:
             if job is None:
                 return
             try:
-                job.run(self.store, self.pool)
+                job.run(self.store, self.pools)
             except Exception as exc:  # a job never takes the thread down
                 self.errors += 1
                 logger.exception("storage worker %s: job failed", self._thread.name)

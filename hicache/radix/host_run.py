@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 
 def attach_host_run(
-    tree: TieredRadixTree, node: TreeNode, key: bytes, page_hashes: bytes, host: Indices
-) -> tuple[int, Indices]:
+    tree: TieredRadixTree, node: TreeNode, key: bytes, page_hashes: bytes, host: Indices,
+    host_swa: Indices | None = None,
+) -> tuple[int, Indices, Indices | None]:
     """Attach the pages of ``key`` below ``node`` as host-only nodes.
 
     Args:
@@ -34,11 +35,12 @@ def attach_host_run(
         key: whole pages of token ids as tree key bytes, following ``node``'s key.
         page_hashes: the chained hash of each page of ``key``, joined (32 bytes each).
         host: ``HOST_FULL`` slots holding the pages' rows, aligned with ``key``.
+        host_swa: for a hybrid model, ``HOST_SWA`` slots holding their SWA rows, aligned.
     Returns:
-        tokens attached, and the slots of pages the tree had already (for the caller to
-        free).
+        tokens attached, and the slots (full, SWA) of pages the tree had already, for the
+        caller to free.
     """
-    assert not tree.io.is_hybrid, "a hybrid model's pages need SWA rows too"
+    assert (host_swa is not None) == tree.io.is_hybrid, "SWA slots iff the model is hybrid"
     assert len(host) * TOKEN_BYTES == len(key), "one host slot per token of the key"
     assert len(page_hashes) * tree.page_size * TOKEN_BYTES == len(key) * PAGE_HASH_BYTES, \
         "one page hash per page of the key"
@@ -47,12 +49,15 @@ def attach_host_run(
     step, page = tree._page_bytes, tree.page_size
     now, at, attached = tree._clock(), 0, 0
     unused: list[Indices] = []
+    unused_swa: list[Indices] = []
     while at < len(key):
         pos = at // TOKEN_BYTES
         child = node.children.get(key[at:at + step])
         if child is None:
             child = tree._new_child(node, key[at:], None)
             child.host = slice_indices(host, pos, len(host))
+            if host_swa is not None:
+                child.host_swa = slice_indices(host_swa, pos, len(host))
             child.page_hashes = page_hashes[pos // page * PAGE_HASH_BYTES:]
             child.in_storage = True
             child.last_access = now
@@ -62,5 +67,8 @@ def attach_host_run(
         if common < child.num_tokens:
             child = tree._split(child, common)
         unused.append(slice_indices(host, pos, pos + common))
+        if host_swa is not None:
+            unused_swa.append(slice_indices(host_swa, pos, pos + common))
         node, at = child, at + common * TOKEN_BYTES
-    return attached, cat_indices(unused, IndexSpace.HOST_FULL)
+    swa = None if host_swa is None else cat_indices(unused_swa, IndexSpace.HOST_SWA)
+    return attached, cat_indices(unused, IndexSpace.HOST_FULL), swa

@@ -205,9 +205,12 @@ def _engine_pages(
     if backups is not None and len(backups):
         pages[IndexSpace.HOST_SWA] = _pages(allocators, backups.host_slots(),
                                             "engine window backups", False)
-    held = None if tree.storage is None else tree.storage.held_host_slots()
-    if held is not None and len(held):
-        pages[IndexSpace.HOST_FULL] = _pages(allocators, held, "shared-store tier slots", False)
+    if tree.storage is not None:
+        for space, held in ((IndexSpace.HOST_FULL, tree.storage.held_host_slots()),
+                            (IndexSpace.HOST_SWA, tree.storage.held_host_swa_slots())):
+            if held is not None and len(held):
+                mine = _pages(allocators, held, "shared-store tier slots", False)
+                pages[space] = np.concatenate([pages[space], mine]) if space in pages else mine
     if engine_device is None or not len(engine_device):
         return pages
     pages |= {IndexSpace.DEVICE_FULL: _pages(allocators, engine_device, "engine slots", False)}

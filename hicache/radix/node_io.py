@@ -96,6 +96,10 @@ class NodeIO:
         """Free tokens of the SWA host pool (0 without SWA)."""
         return 0
 
+    def try_alloc_host_swa(self, num_tokens: int) -> Indices | None:
+        """``[num_tokens]`` fresh ``HOST_SWA`` slots (whole pages), or ``None`` (hybrid)."""
+        raise NotImplementedError("a full-attention model has no SWA rows")
+
     def device_swa_free_tokens(self) -> int:
         """Free tokens of the device SWA pool (0 without SWA)."""
         return 0
@@ -192,6 +196,9 @@ class HybridNodeIO(NodeIO):
 
     def host_swa_free_tokens(self) -> int:
         return self.hybrid.host_swa.allocator.num_free_tokens
+
+    def try_alloc_host_swa(self, num_tokens: int) -> Indices | None:
+        return self.hybrid.host_swa.allocator.try_alloc(num_tokens)
 
     def device_swa_free_tokens(self) -> int:
         return self.pool.swa_allocator.num_free_tokens

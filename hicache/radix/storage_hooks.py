@@ -33,3 +33,6 @@ class StorageHooks(Protocol):
 
     def held_host_slots(self) -> Indices | None:
         """``HOST_FULL`` slots the tier holds outside any node (prefetches, pending frees)."""
+
+    def held_host_swa_slots(self) -> Indices | None:
+        """``HOST_SWA`` slots the tier holds outside any node (hybrid models)."""
