@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from hicache.config import load_config, load_default_config
 from hicache.engine import DemoOptions, run_demo
 
