@@ -62,13 +62,14 @@ class CacheController(TransferCore):
                 device pool, or a queued or in-flight op touches one of them (nothing is
                 allocated or queued then).
         """
-        self._checks.writable(device_indices, self.device_allocator, "write")
+        device_pages = self._checks.writable(device_indices, self.device_allocator, "write")
         host = self.host_pool.allocator.try_alloc(len(device_indices))
         if host is None:
             return None
-        if len(host):
+        if device_pages.size:
             transfer = self._full_transfer(host, device_indices)
-            self._queue(Direction.DEVICE_TO_HOST, [transfer], tag)
+            host_pages = self.host_pool.allocator.pages_handed_out(host)
+            self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)])
         return host
 
     def load(self, host_indices: Indices, tag: object = None) -> Indices | None:
@@ -86,11 +87,12 @@ class CacheController(TransferCore):
                 pool, or a queued or in-flight write is still filling one of them (nothing
                 is allocated or queued then).
         """
-        self._checks.loadable(host_indices, self.host_pool.allocator, "load")
+        host_pages = self._checks.loadable(host_indices, self.host_pool.allocator, "load")
         device = self.device_allocator.try_alloc(len(host_indices))
         if device is None:
             return None
-        if len(device):
+        if host_pages.size:
             transfer = self._full_transfer(host_indices, device)
-            self._queue(Direction.HOST_TO_DEVICE, [transfer], tag)
+            device_pages = self.device_allocator.pages_handed_out(device)
+            self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)])
         return device

@@ -19,7 +19,13 @@ from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices, PageAll
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import LayerEventRing
 from .index_moves import move_checked
-from .op_queue import OpQueue, TransferObserver, acknowledgement, move_op_indices
+from .op_queue import (
+    OpQueue,
+    TransferObserver,
+    TransferPages,
+    acknowledgement,
+    move_op_indices,
+)
 from .side_streams import SideStreams
 from .slot_checks import SlotChecks
 from .stats import TransferStats
@@ -74,9 +80,13 @@ class TransferCore:
         self.write_stream = self._streams.write_stream
         self.load_stream = self._streams.load_stream
         self.layer_events = LayerEventRing(event_ring_size, self.num_layers, self.device)
-        self._ops = OpQueue(self._pools())
+        self.page_size = device_allocator.page_size
+        self._ops = OpQueue(self._pools(), self.page_size)
         self._held = self._ops.held
         self._checks = SlotChecks(self._held)
+        # poll() reads every device pool's bounds records: the list is fixed, find it once
+        self._bounds_checks = tuple(pool.raise_if_tripped for pool in self._pools()
+                                    if isinstance(pool, DeviceKVPool))
 
     # ---- configuration ------------------------------------------------------------------
 
@@ -175,9 +185,8 @@ class TransferCore:
         device pool that the GPU has run and that found an index out of range (each is
         reported once; the offending rows went to the padding slot). Reads pinned host
         memory only: no synchronisation."""
-        for pool in self._pools():
-            if isinstance(pool, DeviceKVPool):
-                pool.raise_if_tripped()
+        for raise_if_tripped in self._bounds_checks:
+            raise_if_tripped()
 
     def drain(self) -> list[Ack]:
         """Shutdown: issue everything queued, block until it finished, acknowledge it all."""
@@ -209,13 +218,13 @@ class TransferCore:
     def evict_device(self, device_indices: Indices) -> None:
         """Free device slots. Raises ``ValueError`` if any is read or written by an op in
         flight (wait for its ack)."""
-        self._checks.not_busy(device_indices, "evict_device")
-        self.device_allocator.free(device_indices)
+        allocator = self.device_allocator
+        allocator.free_pages(self._checks.freeable(device_indices, allocator, "evict_device"))
 
     def evict_host(self, host_indices: Indices) -> None:
         """Free host slots. Raises ``ValueError`` if any belongs to an op in flight."""
-        self._checks.not_busy(host_indices, "evict_host")
-        self.host_pool.allocator.free(host_indices)
+        allocator = self.host_pool.allocator
+        allocator.free_pages(self._checks.freeable(host_indices, allocator, "evict_host"))
 
     def is_in_flight(self, indices: Indices) -> bool:
         """True when any of ``indices`` (CPU, any space this controller has a pool in, values
@@ -280,16 +289,18 @@ class TransferCore:
             host_indices=host, device_indices=device, layers=self.full_layers,
         )
 
-    def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object) -> None:
-        self._ops.queue(direction, transfers, tag)
+    def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
+               pages: Sequence[TransferPages] | None = None) -> None:
+        self._ops.queue(direction, transfers, tag, pages)
 
     def _submitted(self, op: TransferOp) -> None:
         self._ops.issued(op)
         self.stats.on_submit(op)
-        logger.debug(
-            "issued %s op %d: %d tokens, %d pools, backend %s",
-            op.direction.value, op.op_id, op.num_tokens, len(op.transfers), op.backend,
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "issued %s op %d: %d tokens, %d pools, backend %s",
+                op.direction.value, op.op_id, op.num_tokens, len(op.transfers), op.backend,
+            )
 
     def _acknowledge(self, op: TransferOp) -> Ack:
         if op.event_set is not None:

@@ -1,5 +1,5 @@
 """The controller's ops from queuing to acknowledgement: queued calls per direction, their
-merge into one op, the ops in flight (FIFO per direction), the slots they hold and the
+merge into one op, the ops in flight (FIFO per direction), the pages they hold and the
 observers told of every queued call.
 
 Bookkeeping only (CPU, no stream): the controller issues the merged op on its side stream
@@ -11,17 +11,32 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import numpy as np
 
 from hicache.pools import DeviceKVPool, HostKVPool
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .index_moves import cat_parts, move_checked, owned_copy
-from .inflight import InFlightSlots
+from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
 
 # (direction, the queued call's pool transfers, its tag): see TransferCore.add_observer
 TransferObserver = Callable[[Direction, Sequence[PoolTransfer], object], None]
+
+# (host pages, device pages) of one pool transfer, from the checks where its slots entered
+TransferPages = tuple[np.ndarray, np.ndarray]
+
+
+class QueuedCall(NamedTuple):
+    """One queued ``write``/``load``: the op's own copies of its transfers, its tag and
+    the pages it holds."""
+
+    transfers: list[PoolTransfer]
+    tag: object
+    held: HeldCall
 
 
 class OpQueue:
@@ -29,24 +44,38 @@ class OpQueue:
 
     Args:
         pools: every pool the controller moves rows of (one per index space).
+        page_size: slots per page of every pool.
     """
 
-    def __init__(self, pools: Sequence[DeviceKVPool | HostKVPool]) -> None:
-        self.held = InFlightSlots(pools)
+    def __init__(self, pools: Sequence[DeviceKVPool | HostKVPool], page_size: int) -> None:
+        self.held = InFlightPages(pools, page_size)
+        self.page_size = page_size
         self.observers: list[TransferObserver] = []
         self._op_ids = itertools.count()
-        self._queued: dict[Direction, list[TransferOp]] = {d: [] for d in Direction}
+        self._queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
         self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
 
-    def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object) -> None:
-        """Queue one call's transfers (their slots are held from now on) and tell the
+    def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
+              pages: Sequence[TransferPages] | None = None) -> None:
+        """Queue one call's transfers (their pages are held from now on) and tell the
         observers. The op keeps its own copies of the slots: a caller that changes its
         index tensors after the call (or the host slots it got back) cannot change what the
-        op copies or unbalance the in-flight counts."""
+        op copies or unbalance the in-flight counts.
+
+        ``pages``: per transfer, the (host, device) page ids its slots' entry checks or
+        allocations gave; found from the slots when ``None``."""
         transfers = [owned_copy(t) for t in transfers]
-        op = TransferOp(next(self._op_ids), direction, transfers, [tag], held=list(transfers))
-        self.held.add(op, +1)
-        self._queued[direction].append(op)
+        if pages is None:
+            pages = [(pages_of_slots(t.host_indices.tensor.numpy(), self.page_size),
+                      pages_of_slots(t.device_indices.tensor.numpy(), self.page_size))
+                     for t in transfers]
+        parts = []
+        for transfer, (host_pages, device_pages) in zip(transfers, pages, strict=True):
+            parts.append((transfer.host_indices.space, host_pages))
+            parts.append((transfer.device_indices.space, device_pages))
+        held = HeldCall(direction, tuple(parts))
+        self.held.take(held)
+        self._queued[direction].append(QueuedCall(transfers, tag, held))
         for observer in list(self.observers):
             observer(direction, transfers, tag)
 
@@ -60,20 +89,28 @@ class OpQueue:
         queued, self._queued[direction] = self._queued[direction], []
         if not queued:
             return None
-        merged = []
-        for i, first in enumerate(queued[0].transfers):
-            parts = [op.transfers[i] for op in queued]
-            merged.append(PoolTransfer(
-                name=first.name, host_pool=first.host_pool, device_pool=first.device_pool,
-                host_indices=cat_parts([p.host_indices for p in parts]),
-                device_indices=cat_parts([p.device_indices for p in parts]),
-                layers=first.layers,
-            ))
-        tags = [tag for op in queued for tag in op.tags]
-        executor = backend.select(direction, merged[0].host_pool.layout, merged[0].num_tokens,
+        if len(queued) == 1:
+            merged = queued[0].transfers
+        else:
+            merged = [
+                PoolTransfer(
+                    name=first.name, host_pool=first.host_pool, device_pool=first.device_pool,
+                    host_indices=cat_parts([c.transfers[i].host_indices for c in queued]),
+                    device_indices=cat_parts([c.transfers[i].device_indices for c in queued]),
+                    layers=first.layers,
+                )
+                for i, first in enumerate(queued[0].transfers)
+            ]
+        first = merged[0]
+        executor = backend.select(direction, first.host_pool.layout, first.num_tokens,
                                   layer_wise=direction is Direction.HOST_TO_DEVICE)
-        op = TransferOp(next(self._op_ids), direction, merged, tags, backend=executor.name,
-                        executor=executor, held=[t for part in queued for t in part.held])
+        op = TransferOp(next(self._op_ids), direction, merged, [c.tag for c in queued],
+                        backend=executor.name, executor=executor,
+                        held=[c.held for c in queued])
+        for transfer in merged:
+            num_tokens = len(transfer.host_indices)
+            op.tokens_by_pool[transfer.name] = num_tokens
+            op.bytes_by_pool[transfer.name] = num_tokens * transfer.token_bytes
         op.moved = move_op_indices(op)
         return op
 
@@ -86,13 +123,15 @@ class OpQueue:
 
     def pop_done(self) -> list[TransferOp]:
         """Issued ops whose finish event fired, FIFO per direction (``query()`` only); their
-        slots are no longer held."""
+        pages are no longer held."""
         done: list[TransferOp] = []
+        give_back = self.held.give_back
         for direction in _DIRECTIONS:
             queue = self._in_flight[direction]
             while queue and queue[0].is_done():
                 op = queue.popleft()
-                self.held.add(op, -1)
+                for call in op.held:
+                    give_back(call)
                 done.append(op)
         return done
 
@@ -111,7 +150,7 @@ def move_op_indices(op: TransferOp) -> list[MovedTransfer]:
     executor = op.executor
     return [
         MovedTransfer(t, *move_checked(t.host_indices.tensor, t.device_indices.tensor,
-                                       t.host_pool, t.device_pool, executor))
+                                       t.host_pool, t.device_pool, executor, owned=True))
         for t in op.transfers
     ]
 
@@ -119,16 +158,10 @@ def move_op_indices(op: TransferOp) -> list[MovedTransfer]:
 def acknowledgement(op: TransferOp) -> Ack:
     """The :class:`Ack` of a finished ``op`` (its duration from its timing events); the
     op's moved indices and temporaries are released."""
-    duration = (
-        op.start_event.elapsed_s(op.finish_event)
-        if op.start_event is not None and op.finish_event is not None else None
-    )
-    ack = Ack(
-        op.op_id, op.direction, op.tags,
-        {t.name: t.num_tokens for t in op.transfers},
-        {t.name: t.size_bytes for t in op.transfers},
-        duration, op.backend,
-    )
+    start, finish = op.start_event, op.finish_event
+    duration = start.elapsed_s(finish) if start is not None and finish is not None else None
+    ack = Ack(op.op_id, op.direction, op.tags, op.tokens_by_pool, op.bytes_by_pool, duration,
+              op.backend)
     op.moved.clear()
     op.keep_alive.clear()
     return ack

@@ -83,7 +83,8 @@ class PageAllocator:
             int64 CPU :class:`Indices` of shape ``[num_tokens]`` in ascending slot order, or
             ``None`` when fewer than ``num_tokens`` slots are free (nothing allocated then).
         """
-        check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
+        if num_tokens < 0 or num_tokens % self.page_size:
+            check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size
         if num_pages > self._num_free_pages:
             return None
@@ -109,20 +110,34 @@ class PageAllocator:
                 range, repeat a page, or name a page that is not allocated (a double free or
                 a slot this allocator never handed out). Nothing is freed then.
         """
-        pages = self.pages_of(indices, op=f"free to pool '{self.name}'")
+        self.free_pages(self.pages_of(indices, op=f"free to pool '{self.name}'"))
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """:meth:`free` of page ids that :meth:`pages_of` returned (distinct, in range, not
+        page 0): raises ``ValueError`` for a page that is not allocated, freeing nothing."""
+        if pages.size == 1:  # the common single page: Python ints, no array calls
+            page = int(pages[0])
+            if self._is_free[page]:
+                self._raise_not_allocated(page)
+            self._is_free[page] = True
+            self._num_free_pages += 1
+            self._runs.add(page, 1)
+            return
         if pages.size == 0:
             return
-        not_allocated = pages[self._is_free[pages]]
+        not_allocated = np.flatnonzero(self._is_free[pages])
         if not_allocated.size:
-            slot = int(not_allocated[0]) * self.page_size
-            raise ValueError(
-                f"free to pool '{self.name}': slot {slot} (page {int(not_allocated[0])}) is not "
-                f"allocated: a double free, or an index from another pool"
-            )
+            self._raise_not_allocated(int(pages[not_allocated[0]]))
         self._is_free[pages] = True
         self._num_free_pages += int(pages.size)
         for start, length in zip(*_runs_of(pages), strict=True):
             self._runs.add(start, length)
+
+    def _raise_not_allocated(self, page: int) -> None:
+        raise ValueError(
+            f"free to pool '{self.name}': slot {page * self.page_size} (page {page}) is not "
+            f"allocated: a double free, or an index from another pool"
+        )
 
     def pages_of(self, indices: Indices, *, op: str) -> np.ndarray:
         """Page ids of slot ``indices`` that must be whole pages in order, distinct, not the
@@ -137,6 +152,14 @@ class PageAllocator:
             op=op,
         )
 
+    def pages_handed_out(self, indices: Indices) -> np.ndarray:
+        """Page ids (a new int64 array) of slots that :meth:`try_alloc` just returned, which
+        are whole ordered pages by construction: not checked again."""
+        slots = indices.tensor.numpy()
+        if slots.size == self.page_size:
+            return np.array([int(slots[0]) // self.page_size], dtype=np.int64)
+        return slots[:: self.page_size] // self.page_size
+
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""
         pages = self.pages_of(indices, op=f"is_allocated on pool '{self.name}'")
@@ -149,9 +172,17 @@ class PageAllocator:
         repeated pages, page 0, out-of-range values) before looking at ownership; vectorised,
         proportional to ``len(indices)``.
         """
-        pages = self.pages_of(indices, op=op)
+        page = self.first_unallocated_page(self.pages_of(indices, op=op))
+        return None if page is None else page * self.page_size
+
+    def first_unallocated_page(self, pages: np.ndarray) -> int | None:
+        """First of ``pages`` (page ids :meth:`pages_of` returned) that is not allocated, or
+        ``None`` if all are."""
+        if pages.size == 1:
+            page = int(pages[0])
+            return page if self._is_free[page] else None
         free = np.flatnonzero(self._is_free[pages])
-        return int(pages[free[0]]) * self.page_size if free.size else None
+        return int(pages[free[0]]) if free.size else None
 
     def used_pages(self) -> np.ndarray:
         """Ids of allocated pages (for integrity checks of the owners)."""

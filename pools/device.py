@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .base import (
@@ -22,6 +23,7 @@ from .base import (
     check_indices,
 )
 from .bounds import BoundsGuard
+from .row_records import layer_records
 
 LayerWaiter = Callable[[int], None]
 
@@ -106,6 +108,7 @@ class DeviceKVPool:
         self._padding = [[rows[PADDING_SLOT] for rows in component] for component in self._rows]
         self.guard = BoundsGuard(name, self.device)
         self._layer_waiter: LayerWaiter | None = None
+        self._records: list[list[np.ndarray]] | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -178,6 +181,13 @@ class DeviceKVPool:
     def layer_rows(self, component: int, layer: int) -> torch.Tensor:
         """Raw ``[num_slots, row_elems]`` view for the transfer engine (no layer wait)."""
         return self.data[component, layer]
+
+    def layer_records(self, component: int, layer: int) -> np.ndarray:
+        """:meth:`layer_rows` as ``[num_slots]`` numpy records (CPU pools only; see
+        :mod:`hicache.pools.row_records`), made once."""
+        if self._records is None:
+            self._records = layer_records(self._rows)
+        return self._records[component][layer]
 
     def key_buffer(self, layer: int) -> torch.Tensor:
         """``[num_slots, num_kv_heads, head_dim]`` K of ``layer`` (MHA); waits on loads."""
