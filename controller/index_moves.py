@@ -43,22 +43,24 @@ def cat_parts(parts: list[Indices]) -> Indices:
 
 def move_checked(
     host: torch.Tensor, device: torch.Tensor, host_pool: HostKVPool, device_pool: DeviceKVPool,
-    backend: TransferBackend, owned: bool = False,
+    backend: TransferBackend, owned: bool = False, may_pad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`TransferCore.move_indices` past its checks: aligned, checked CPU index
     tensors of equal length. Pairs touching the padding slot are dropped (numpy on the
     CPU: a few torch calls on small tensors would cost more than the whole op's
     bookkeeping). The results are the op's own: copies, or with ``owned`` (int64 tensors
-    the op already owns: its queued copies) the tensors themselves when no pair drops."""
-    host_np, device_np = host.numpy(), device.numpy()
-    size = host_np.size
-    if np.count_nonzero(host_np) != size or np.count_nonzero(device_np) != size:
-        keep = (host_np != 0) & (device_np != 0)
-        host = torch.from_numpy(host_np[keep].astype(np.int64))  # copies
-        device = torch.from_numpy(device_np[keep].astype(np.int64))
-    elif not owned:
-        host = torch.from_numpy(host_np.astype(np.int64))  # a copy: the op owns what it moves
-        device = torch.from_numpy(device_np.astype(np.int64))
+    the op already owns: its queued copies) the tensors themselves when no pair drops.
+    ``may_pad=False``: the caller's checks found no padding slot (nothing to look for)."""
+    if may_pad or not owned:
+        host_np, device_np = host.numpy(), device.numpy()
+        size = host_np.size
+        if np.count_nonzero(host_np) != size or np.count_nonzero(device_np) != size:
+            keep = (host_np != 0) & (device_np != 0)
+            host = torch.from_numpy(host_np[keep].astype(np.int64))  # copies
+            device = torch.from_numpy(device_np[keep].astype(np.int64))
+        elif not owned:
+            host = torch.from_numpy(host_np.astype(np.int64))  # the op owns what it moves
+            device = torch.from_numpy(device_np.astype(np.int64))
     host, device = backend.order_pairs(host, device)
     host_target, device_target = backend.index_devices(host_pool, device_pool)
     return to_device(host, host_target), to_device(device, device_target)

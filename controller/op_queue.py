@@ -37,6 +37,7 @@ class QueuedCall(NamedTuple):
     transfers: list[PoolTransfer]
     tag: object
     held: HeldCall
+    may_pad: bool  # its slots may name the padding slot (no entry check gave their pages)
 
 
 class OpQueue:
@@ -65,6 +66,7 @@ class OpQueue:
         ``pages``: per transfer, the (host, device) page ids its slots' entry checks or
         allocations gave; found from the slots when ``None``."""
         transfers = [owned_copy(t) for t in transfers]
+        may_pad = pages is None
         if pages is None:
             pages = [(pages_of_slots(t.host_indices.tensor.numpy(), self.page_size),
                       pages_of_slots(t.device_indices.tensor.numpy(), self.page_size))
@@ -75,7 +77,7 @@ class OpQueue:
             parts.append((transfer.device_indices.space, device_pages))
         held = HeldCall(direction, tuple(parts))
         self.held.take(held)
-        self._queued[direction].append(QueuedCall(transfers, tag, held))
+        self._queued[direction].append(QueuedCall(transfers, tag, held, may_pad))
         for observer in list(self.observers):
             observer(direction, transfers, tag)
 
@@ -111,7 +113,7 @@ class OpQueue:
             num_tokens = len(transfer.host_indices)
             op.tokens_by_pool[transfer.name] = num_tokens
             op.bytes_by_pool[transfer.name] = num_tokens * transfer.token_bytes
-        op.moved = move_op_indices(op)
+        op.moved = move_op_indices(op, may_pad=any(c.may_pad for c in queued))
         return op
 
     def issued(self, op: TransferOp) -> None:
@@ -142,15 +144,17 @@ class OpQueue:
         return queued + sum(len(q) for q in self._in_flight.values())
 
 
-def move_op_indices(op: TransferOp) -> list[MovedTransfer]:
+def move_op_indices(op: TransferOp, may_pad: bool = True) -> list[MovedTransfer]:
     """Move the indices of every pool transfer of ``op`` (its own list, so a pool kind added
     later is covered without touching call sites) where ``op.executor`` reads them. The
-    op's indices are the queue's own copies, checked when their call was queued."""
+    op's indices are the queue's own copies, checked when their call was queued; without
+    ``may_pad`` those checks found no padding slot among them."""
     assert op.executor is not None, f"op {op.op_id} has no backend"
     executor = op.executor
     return [
         MovedTransfer(t, *move_checked(t.host_indices.tensor, t.device_indices.tensor,
-                                       t.host_pool, t.device_pool, executor, owned=True))
+                                       t.host_pool, t.device_pool, executor,
+                                       owned=True, may_pad=may_pad))
         for t in op.transfers
     ]
 

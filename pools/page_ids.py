@@ -88,15 +88,17 @@ def _valid_pages(
     tensor = indices.tensor
     if tensor.dtype not in _INDEX_DTYPES or tensor.dim() != 1 or not tensor.is_cpu:
         return None
-    slots = tensor.numpy()
-    if slots.size == 0 or slots.size % page_size:
-        return None
-    if slots.size == page_size:  # one page, the common free and backup: no numpy calls
-        first = int(slots[0])
-        if first % page_size or slots.tolist() != list(range(first, first + page_size)):
+    size = tensor.numel()
+    if size == page_size:  # one page, the common free and backup: no numpy calls
+        values = tensor.tolist()
+        first = values[0]
+        if first % page_size or values != list(range(first, first + page_size)):
             return None
         page = first // page_size
-        return np.array([page], dtype=np.int64) if 1 <= page <= num_pages else None
+        return np.array((page,), dtype=np.int64) if 1 <= page <= num_pages else None
+    if size == 0 or size % page_size:
+        return None
+    slots = tensor.numpy()
     if page_size == 1:
         pages = slots.astype(np.int64)  # a copy
     else:
