@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool
@@ -73,7 +74,8 @@ class TorchBackend(TransferBackend):
         """Rows by index through the pools' numpy record views: a torch index op costs
         microseconds of dispatch per call, a record copy is a memcpy per row."""
         host, device = moved.source.host_pool, moved.source.device_pool
-        host_index, device_index = moved.host_index.numpy(), moved.device_index.numpy()
+        host_index = _block_or_index(moved.host_index.numpy())
+        device_index = _block_or_index(moved.device_index.numpy())
         to_host = direction is Direction.DEVICE_TO_HOST
         for c, layer in pairs:
             host_rows, device_rows = host.layer_records(c, layer), device.layer_records(c, layer)
@@ -167,6 +169,23 @@ class KernelBackend(TransferBackend):
                 to_host=direction is Direction.DEVICE_TO_HOST,
                 num_programs=self.num_programs,
             )
+
+
+def _block_or_index(index: np.ndarray) -> slice | np.ndarray:
+    """``index`` as a slice when it is one ascending run of consecutive slots (what the
+    allocators hand out; one block copy instead of a copy per row), else as it is. Short
+    indices are left alone: their per-row copy costs less than the test."""
+    size = index.size
+    if size < _BLOCK_MIN_ROWS:
+        return index
+    first = int(index[0])
+    if int(index[-1]) - first != size - 1 or not np.array_equal(
+            index, np.arange(first, first + size)):
+        return index
+    return slice(first, first + size)
+
+
+_BLOCK_MIN_ROWS = 256
 
 
 def _contiguous_ranges(layers: Sequence[int]) -> list[tuple[int, int]]:

@@ -285,6 +285,9 @@ def _runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     """``(starts, lengths)`` of the runs of consecutive pages among distinct ``pages``."""
     if pages.size == 1:
         return [int(pages[0])], [1]
+    low, high = int(pages.min()), int(pages.max())
+    if high - low == pages.size - 1:  # distinct pages spanning no more than their count
+        return [low], [int(pages.size)]
     pages = np.sort(pages)
     breaks = np.flatnonzero(np.diff(pages) != 1) + 1
     starts = pages[np.concatenate(([0], breaks))]

@@ -8,6 +8,8 @@ error names the first thing wrong.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -99,21 +101,29 @@ def _valid_pages(
     if size == 0 or size % page_size:
         return None
     slots = tensor.numpy()
+    # count_nonzero rather than .any()/.all(): a C call, where those go through Python
     if page_size == 1:
         pages = slots.astype(np.int64)  # a copy
     else:
         by_page = slots.reshape(-1, page_size)
         pages = by_page[:, 0].astype(np.int64)  # a copy
-        if (pages % page_size).any() or not (
-            by_page - by_page[:, :1] == np.arange(page_size)
-        ).all():
+        if np.count_nonzero(pages % page_size) or np.count_nonzero(
+                by_page - _offsets(page_size) - pages[:, None]):
             return None
         pages //= page_size
-    if pages.size == 1 or (pages[1:] > pages[:-1]).all():
+    if pages.size == 1 or not np.count_nonzero(pages[1:] <= pages[:-1]):
         low, high = pages[0], pages[-1]
     else:
         ordered = np.sort(pages)
-        if (ordered[1:] == ordered[:-1]).any():
+        if np.count_nonzero(ordered[1:] == ordered[:-1]):
             return None
         low, high = ordered[0], ordered[-1]
     return pages if low >= 1 and high <= num_pages else None
+
+
+@functools.lru_cache(maxsize=8)
+def _offsets(page_size: int) -> np.ndarray:
+    """``[page_size]`` offsets of a page's slots, made once per page size (read-only)."""
+    offsets = np.arange(page_size, dtype=np.int64)
+    offsets.flags.writeable = False
+    return offsets
