@@ -95,7 +95,10 @@ class PageAllocator:
             pages = self._take_longest_runs(num_pages)
             return Indices(torch.from_numpy(self._slots_of(pages)), self.space)
         self._runs.take(start, num_pages)
-        self._is_free[start : start + num_pages] = False
+        if num_pages == 1:
+            self._is_free[start] = False  # an item store, no slice object
+        else:
+            self._is_free[start : start + num_pages] = False
         self._num_free_pages -= num_pages
         slots = np.arange(
             start * self.page_size, (start + num_pages) * self.page_size, dtype=np.int64
