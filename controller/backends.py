@@ -60,7 +60,7 @@ class TorchBackend(TransferBackend):
             return
         components = range(device.geometry.num_components)
         pairs = [(c, layer) for layer in local_layers for c in components]
-        if device.device.type == "cpu":
+        if device.device == CPU:  # (comparing devices is cheaper than reading .type)
             self._copy_cpu(moved, pairs, direction)
         elif direction is Direction.DEVICE_TO_HOST:
             self._write_gpu(moved, pairs)

@@ -63,13 +63,15 @@ class CacheController(TransferCore):
                 allocated or queued then).
         """
         device_pages = self._checks.writable(device_indices, self.device_allocator, "write")
-        host = self.host_pool.allocator.try_alloc(len(device_indices))
-        if host is None:
+        num_tokens = device_pages.size * self.device_allocator.page_size
+        allocated = self.host_pool.allocator.try_alloc_pages(num_tokens)
+        if allocated is None:
             return None
+        host, host_pages = allocated
         if device_pages.size:
-            transfer = self._full_transfer(host, device_indices)
-            host_pages = self.host_pool.allocator.pages_handed_out(host)
-            self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)])
+            transfer = self._owned_full_transfer(host, device_indices)
+            self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
+                        owned=True)
         return host
 
     def load(self, host_indices: Indices, tag: object = None) -> Indices | None:
@@ -88,11 +90,13 @@ class CacheController(TransferCore):
                 is allocated or queued then).
         """
         host_pages = self._checks.loadable(host_indices, self.host_pool.allocator, "load")
-        device = self.device_allocator.try_alloc(len(host_indices))
-        if device is None:
+        num_tokens = host_pages.size * self.host_pool.page_size
+        allocated = self.device_allocator.try_alloc_pages(num_tokens)
+        if allocated is None:
             return None
+        device, device_pages = allocated
         if host_pages.size:
-            transfer = self._full_transfer(host_indices, device)
-            device_pages = self.device_allocator.pages_handed_out(device)
-            self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)])
+            transfer = self._owned_full_transfer(host_indices, device)
+            self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)],
+                        owned=True)
         return device

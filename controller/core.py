@@ -18,7 +18,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices, PageAll
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import LayerEventRing
-from .index_moves import move_checked
+from .index_moves import move_checked, owned_indices
 from .op_queue import (
     OpQueue,
     TransferObserver,
@@ -80,8 +80,7 @@ class TransferCore:
         self.write_stream = self._streams.write_stream
         self.load_stream = self._streams.load_stream
         self.layer_events = LayerEventRing(event_ring_size, self.num_layers, self.device)
-        self.page_size = device_allocator.page_size
-        self._ops = OpQueue(self._pools(), self.page_size)
+        self._ops = OpQueue(self._paged_pools())
         self._held = self._ops.held
         self._checks = SlotChecks(self._held)
         # poll() reads every device pool's bounds records: the list is fixed, find it once
@@ -278,7 +277,12 @@ class TransferCore:
         return move_op_indices(op)
 
     def _pools(self) -> list[DeviceKVPool | HostKVPool]:
-        return [self.device_pool, self.host_pool]
+        return [pool for pool, _ in self._paged_pools()]
+
+    def _paged_pools(self) -> list[tuple[DeviceKVPool | HostKVPool, int]]:
+        """Every pool with the page size of the allocator that hands its slots out."""
+        return [(self.device_pool, self.device_allocator.page_size),
+                (self.host_pool, self.host_pool.page_size)]
 
     def _pool(self, space: IndexSpace, op: str) -> DeviceKVPool | HostKVPool:
         return self._held.pool(space, op)
@@ -289,9 +293,17 @@ class TransferCore:
             host_indices=host, device_indices=device, layers=self.full_layers,
         )
 
+    def _owned_full_transfer(self, host: Indices, device: Indices) -> PoolTransfer:
+        """:meth:`_full_transfer` of int64 copies of the slots, for ``_queue(owned=True)``."""
+        return PoolTransfer(
+            name=self.device_pool.name, host_pool=self.host_pool, device_pool=self.device_pool,
+            host_indices=owned_indices(host), device_indices=owned_indices(device),
+            layers=self.full_layers,
+        )
+
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
-               pages: Sequence[TransferPages] | None = None) -> None:
-        self._ops.queue(direction, transfers, tag, pages)
+               pages: Sequence[TransferPages] | None = None, owned: bool = False) -> None:
+        self._ops.queue(direction, transfers, tag, pages, owned)
 
     def _submitted(self, op: TransferOp) -> None:
         self._ops.issued(op)

@@ -252,8 +252,11 @@ class HybridCacheController(TransferCore):
         self._checks.not_busy(host_swa, "host_swa_evict")
         self.host_swa.allocator.free(host_swa)
 
-    def _pools(self) -> list[DeviceKVPool | HostKVPool]:
-        return [self.device_pool, self.hybrid_pool.swa, self.host_pool, self.host_swa]
+    def _paged_pools(self) -> list[tuple[DeviceKVPool | HostKVPool, int]]:
+        return [(self.device_pool, self.device_allocator.page_size),
+                (self.hybrid_pool.swa, self.hybrid_pool.swa_allocator.page_size),
+                (self.host_pool, self.host_pool.page_size),
+                (self.host_swa, self.host_swa.page_size)]
 
     def _swa_transfer(self, host: Indices, device: Indices) -> PoolTransfer:
         return PoolTransfer(

@@ -20,18 +20,19 @@ _CPU = torch.device("cpu")
 def owned_copy(transfer: PoolTransfer) -> PoolTransfer:
     """``transfer`` with int64 copies of its index tensors (the caller keeps its own; the
     op moves these as they are, see :func:`move_checked`)."""
-    host, device = transfer.host_indices, transfer.device_indices
     return PoolTransfer(
         name=transfer.name, host_pool=transfer.host_pool, device_pool=transfer.device_pool,
-        host_indices=Indices(_int64_copy(host.tensor), host.space),
-        device_indices=Indices(_int64_copy(device.tensor), device.space),
-        layers=transfer.layers,
+        host_indices=owned_indices(transfer.host_indices),
+        device_indices=owned_indices(transfer.device_indices), layers=transfer.layers,
     )
 
 
-def _int64_copy(tensor: torch.Tensor) -> torch.Tensor:
-    # clone() is half the cost of to(copy=True); another dtype's to() copies anyway
-    return tensor.clone() if tensor.dtype is torch.int64 else tensor.to(torch.int64)
+def owned_indices(indices: Indices) -> Indices:
+    """An int64 copy of CPU ``indices`` (clone() is half the cost of to(copy=True); another
+    dtype's to() copies anyway)."""
+    tensor = indices.tensor
+    copy = tensor.clone() if tensor.dtype is torch.int64 else tensor.to(torch.int64)
+    return Indices(copy, indices.space)
 
 
 def cat_parts(parts: list[Indices]) -> Indices:

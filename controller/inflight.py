@@ -66,18 +66,15 @@ class InFlightPages:
     """Per-page write and load counts of the ops that hold each page of the controller's pools.
 
     Args:
-        pools: every pool the controller moves rows of (one per index space).
-        page_size: slots per page of every one of them.
+        pools: every pool the controller moves rows of (one per index space), each with the
+            slots per page of the allocator that hands its slots out.
     """
 
-    def __init__(self, pools: Sequence[Pool], page_size: int) -> None:
-        self.page_size = page_size
-        self._pools = {pool.space: pool for pool in pools}
-        for pool in pools:
-            assert pool.num_slots % page_size == 0, (
-                f"pool '{pool.name}': {pool.num_slots} slots are not whole pages of {page_size}")
-        self._counts = {pool.space: np.zeros(pool.num_slots // page_size, dtype=np.int64)
-                        for pool in pools}
+    def __init__(self, pools: Sequence[tuple[Pool, int]]) -> None:
+        self._pools = {pool.space: pool for pool, _ in pools}
+        self.page_sizes = {pool.space: page_size for pool, page_size in pools}
+        self._counts = {pool.space: np.zeros(-(-pool.num_slots // page_size), dtype=np.int64)
+                        for pool, page_size in pools}
         # the queued calls holding pages now, by id (for busy_slots)
         self._held: dict[int, HeldCall] = {}
 
@@ -103,7 +100,7 @@ class InFlightPages:
 
     def mask(self, space: IndexSpace, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` (checked, in range) any op holds."""
-        return self._counts[space][slots // self.page_size] != 0
+        return self._counts[space][slots // self.page_sizes[space]] != 0
 
     def first_busy_page(self, space: IndexSpace, pages: np.ndarray) -> int | None:
         """The first of ``pages`` (checked, in range) that any op holds, or ``None``."""
@@ -124,8 +121,9 @@ class InFlightPages:
         if not parts:
             return np.empty(0, dtype=np.int64)
         pages = np.unique(np.concatenate(parts))
-        offsets = np.arange(self.page_size, dtype=np.int64)
-        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+        page_size = self.page_sizes[space]
+        offsets = np.arange(page_size, dtype=np.int64)
+        return (pages[:, None] * page_size + offsets).reshape(-1)
 
     def refuse_conflicts(self, space: IndexSpace, pages: np.ndarray, op: str,
                          new_op: Direction, slots: np.ndarray | None = None) -> None:
@@ -147,7 +145,8 @@ class InFlightPages:
             hit = np.flatnonzero(held & mask)
             if hit.size:
                 at = int(hit[0])
-                slot = int(pages[at]) * self.page_size if slots is None else int(slots[at])
+                slot = (int(pages[at]) * self.page_sizes[space] if slots is None
+                        else int(slots[at]))
                 raise ValueError(
                     f"{op}: {space.name} slot {slot} of pool '{self.pool(space, op).name}' {why}"
                 )
@@ -156,7 +155,8 @@ class InFlightPages:
                               new_op: Direction) -> None:
         """:meth:`refuse_conflicts` for checked slots that need not be whole pages."""
         if slots.size:
-            self.refuse_conflicts(space, slots // self.page_size, op, new_op, slots=slots)
+            self.refuse_conflicts(space, slots // self.page_sizes[space], op, new_op,
+                                  slots=slots)
 
 
 def host_pages_of(op: TransferOp, index: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hicache.pools import DeviceKVPool, HostKVPool
+from hicache.pools import DeviceKVPool, HostKVPool, Indices
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .index_moves import cat_parts, move_checked, owned_copy
@@ -44,32 +44,32 @@ class OpQueue:
     """Queued and in-flight ops of one controller.
 
     Args:
-        pools: every pool the controller moves rows of (one per index space).
-        page_size: slots per page of every pool.
+        pools: every pool the controller moves rows of (one per index space),
+            with the slots per page of the allocator that hands its slots out.
     """
 
-    def __init__(self, pools: Sequence[DeviceKVPool | HostKVPool], page_size: int) -> None:
-        self.held = InFlightPages(pools, page_size)
-        self.page_size = page_size
+    def __init__(self, pools: Sequence[tuple[DeviceKVPool | HostKVPool, int]]) -> None:
+        self.held = InFlightPages(pools)
         self.observers: list[TransferObserver] = []
         self._op_ids = itertools.count()
         self._queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
         self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
 
     def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
-              pages: Sequence[TransferPages] | None = None) -> None:
+              pages: Sequence[TransferPages] | None = None, owned: bool = False) -> None:
         """Queue one call's transfers (their pages are held from now on) and tell the
         observers. The op keeps its own copies of the slots: a caller that changes its
         index tensors after the call (or the host slots it got back) cannot change what the
         op copies or unbalance the in-flight counts.
 
         ``pages``: per transfer, the (host, device) page ids its slots' entry checks or
-        allocations gave; found from the slots when ``None``."""
-        transfers = [owned_copy(t) for t in transfers]
+        allocations gave; found from the slots when ``None``. ``owned``: the transfers'
+        index tensors are already int64 copies made for the queue (not copied again)."""
+        if not owned:
+            transfers = [owned_copy(t) for t in transfers]
         may_pad = pages is None
         if pages is None:
-            pages = [(pages_of_slots(t.host_indices.tensor.numpy(), self.page_size),
-                      pages_of_slots(t.device_indices.tensor.numpy(), self.page_size))
+            pages = [(self._pages_of(t.host_indices), self._pages_of(t.device_indices))
                      for t in transfers]
         parts = []
         for transfer, (host_pages, device_pages) in zip(transfers, pages, strict=True):
@@ -78,8 +78,12 @@ class OpQueue:
         held = HeldCall(direction, tuple(parts))
         self.held.take(held)
         self._queued[direction].append(QueuedCall(transfers, tag, held, may_pad))
-        for observer in list(self.observers):
-            observer(direction, transfers, tag)
+        if self.observers:
+            for observer in list(self.observers):
+                observer(direction, transfers, tag)
+
+    def _pages_of(self, indices: Indices) -> np.ndarray:
+        return pages_of_slots(indices.tensor.numpy(), self.held.page_sizes[indices.space])
 
     def num_queued(self, direction: Direction) -> int:
         return len(self._queued[direction])
@@ -110,10 +114,13 @@ class OpQueue:
                         backend=executor.name, executor=executor,
                         held=[c.held for c in queued])
         for transfer in merged:
-            num_tokens = len(transfer.host_indices)
+            num_tokens = transfer.host_indices.tensor.numel()
             op.tokens_by_pool[transfer.name] = num_tokens
             op.bytes_by_pool[transfer.name] = num_tokens * transfer.token_bytes
-        op.moved = move_op_indices(op, may_pad=any(c.may_pad for c in queued))
+        may_pad = False
+        for call in queued:
+            may_pad |= call.may_pad
+        op.moved = move_op_indices(op, may_pad)
         return op
 
     def issued(self, op: TransferOp) -> None:

@@ -19,6 +19,7 @@ from .free_runs import FreeRuns
 from .page_ids import page_ids
 
 CPU = torch.device("cpu")
+_NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 class PageAllocator:
@@ -83,17 +84,23 @@ class PageAllocator:
             int64 CPU :class:`Indices` of shape ``[num_tokens]`` in ascending slot order, or
             ``None`` when fewer than ``num_tokens`` slots are free (nothing allocated then).
         """
+        allocated = self.try_alloc_pages(num_tokens)
+        return None if allocated is None else allocated[0]
+
+    def try_alloc_pages(self, num_tokens: int) -> tuple[Indices, np.ndarray] | None:
+        """:meth:`try_alloc`, with the page ids of the slots it hands out (a new int64
+        array, in slot order) for a caller that tracks pages."""
         if num_tokens < 0 or num_tokens % self.page_size:
             check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size
         if num_pages > self._num_free_pages:
             return None
         if num_pages == 0:
-            return Indices(torch.empty(0, dtype=torch.int64), self.space)
+            return Indices(torch.empty(0, dtype=torch.int64), self.space), _NO_PAGES.copy()
         start = self._runs.best_fit(num_pages)
         if start is None:
             pages = self._take_longest_runs(num_pages)
-            return Indices(torch.from_numpy(self._slots_of(pages)), self.space)
+            return Indices(torch.from_numpy(self._slots_of(pages)), self.space), pages
         self._runs.take(start, num_pages)
         if num_pages == 1:
             self._is_free[start] = False  # an item store, no slice object
@@ -103,7 +110,8 @@ class PageAllocator:
         slots = np.arange(
             start * self.page_size, (start + num_pages) * self.page_size, dtype=np.int64
         )
-        return Indices(torch.from_numpy(slots), self.space)
+        pages = np.arange(start, start + num_pages, dtype=np.int64)
+        return Indices(torch.from_numpy(slots), self.space), pages
 
     def free(self, indices: Indices) -> None:
         """Return whole pages to the pool.
@@ -154,14 +162,6 @@ class PageAllocator:
             num_pages=self.num_pages,
             op=op,
         )
-
-    def pages_handed_out(self, indices: Indices) -> np.ndarray:
-        """Page ids (a new int64 array) of slots that :meth:`try_alloc` just returned, which
-        are whole ordered pages by construction: not checked again."""
-        slots = indices.tensor.numpy()
-        if slots.size == self.page_size:
-            return np.array([int(slots[0]) // self.page_size], dtype=np.int64)
-        return slots[:: self.page_size] // self.page_size
 
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""

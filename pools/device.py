@@ -7,6 +7,7 @@ Storage is one tensor ``data`` of shape ``[components, layers, slots, row_elems]
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,17 +46,18 @@ class RowGeometry:
     latent_dim: int
     dtype: torch.dtype
 
-    @property
+    # cached: the transfer path reads them per op, and the fields never change
+    @functools.cached_property
     def num_components(self) -> int:
         return 2 if self.kind is AttentionKind.MHA else 1
 
-    @property
+    @functools.cached_property
     def row_elems(self) -> int:
         if self.kind is AttentionKind.MHA:
             return self.num_kv_heads * self.head_dim
         return self.latent_dim
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         """Bytes of one component of one token in one layer."""
         return self.row_elems * self.dtype.itemsize

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.controller import Direction
+from hicache.controller import CacheController, Direction, TorchBackend
 from hicache.controller.inflight import HeldCall, InFlightPages, pages_of_slots
 from hicache.pools import (
     AttentionKind,
@@ -17,6 +17,8 @@ from hicache.pools import (
     HostKVPool,
     HostLayout,
     IndexSpace,
+    Indices,
+    PageAllocator,
     RowGeometry,
 )
 
@@ -32,7 +34,7 @@ def tracker() -> InFlightPages:
                           geometry=GEOMETRY, device="cpu")
     host = HostKVPool(name="full", space=HOST, num_layers=1, num_pages=NUM_PAGES - 1,
                       page_size=PAGE, geometry=GEOMETRY, layout=HostLayout.LAYER_FIRST, pin=False)
-    return InFlightPages([device, host], PAGE)
+    return InFlightPages([(device, PAGE), (host, PAGE)])
 
 
 class Reference:
@@ -119,3 +121,28 @@ def test_pages_of_slots_leaves_out_padding_and_repeats() -> None:
     """Any slots: their distinct pages, ascending, page 0 (padding) left out."""
     slots = np.array([9, 0, 1, 8, 5, 4, 9], dtype=np.int32)
     assert pages_of_slots(slots, PAGE).tolist() == [2, 4]
+
+
+def test_pools_with_their_own_page_sizes() -> None:
+    """A device allocator of one-slot pages beside a host pool of four-slot pages: each
+    space is held in its own pages, the write's slots are busy until the ack, and only
+    those."""
+    device_allocator = PageAllocator(16, 1, DEVICE, "full")
+    device = DeviceKVPool(name="full", space=DEVICE, num_layers=1, num_slots=20,
+                          geometry=GEOMETRY, device="cpu")
+    host = HostKVPool(name="full", space=HOST, num_layers=1, num_pages=4, page_size=4,
+                      geometry=GEOMETRY, layout=HostLayout.LAYER_FIRST, pin=False)
+    ctrl = CacheController(device_pool=device, device_allocator=device_allocator,
+                           host_pool=host, backend=TorchBackend())
+    slots = device_allocator.try_alloc(8)
+    assert slots is not None
+    written = ctrl.write(Indices(slots.tensor[[0, 1, 2, 3]], DEVICE))
+    assert written is not None and written.tensor.tolist() == [4, 5, 6, 7]
+    assert ctrl.busy_slots(DEVICE).tolist() == [1, 2, 3, 4]
+    assert ctrl.busy_slots(HOST).tolist() == [4, 5, 6, 7]
+    assert not ctrl.is_in_flight(Indices(slots.tensor[4:], DEVICE))
+    with pytest.raises(ValueError, match="slot 4 of pool 'full' belongs to a transfer"):
+        ctrl.evict_host(written)
+    ctrl.drain()
+    assert ctrl.busy_slots(DEVICE).size == 0 and ctrl.busy_slots(HOST).size == 0
+    ctrl.evict_host(written)
