@@ -101,6 +101,15 @@ def _valid_pages(
     if size == 0 or size % page_size:
         return None
     slots = tensor.numpy()
+    first = int(slots[0])
+    if int(slots[-1]) - first == size - 1 and not first % page_size and np.array_equal(
+            slots, np.arange(first, first + size)):
+        # one ascending run of whole pages (what an allocation hands out): one comparison
+        page = first // page_size
+        last_page = page + size // page_size - 1
+        if page < 1 or last_page > num_pages:
+            return None
+        return np.arange(page, last_page + 1, dtype=np.int64)
     # count_nonzero rather than .any()/.all(): a C call, where those go through Python
     if page_size == 1:
         pages = slots.astype(np.int64)  # a copy
