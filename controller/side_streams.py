@@ -37,8 +37,10 @@ class SideStreams:
         self.load_stream = torch.cuda.Stream(device) if self.on_cuda else None
         # Without CUDA a move is done when issued: every write shares one completed event
         # (no timing: ``elapsed_s`` is None on a CPU anyway), made once, not twice per op.
-        self._done = Event(device)
-        self._done.record()
+        self._done: Event | None = None
+        if not self.on_cuda:
+            self._done = Event(device)
+            self._done.record()
 
     def register_producer(self, stream: torch.cuda.Stream) -> None:
         """Add a stream that writes KV; every later op waits on it."""
@@ -47,7 +49,7 @@ class SideStreams:
 
     def issue_write(self, op: TransferOp) -> None:
         """Copy every layer of every pool transfer of ``op`` on the write stream."""
-        if not self.on_cuda:
+        if self._done is not None:
             executor = _executor(op)
             for moved in op.moved:
                 executor.copy(moved, range(len(moved.source.layers)), op.direction,

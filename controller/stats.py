@@ -83,6 +83,10 @@ def _breaks(pages: np.ndarray, page_size: int) -> int:
     page named twice interleave, ``page_size`` per repeat."""
     if pages.size == 1:
         return 0
+    first = int(pages[0])
+    if int(pages[-1]) - first == pages.size - 1 and np.array_equal(
+            pages, np.arange(first, first + pages.size)):
+        return 0  # one ascending run (an allocation's)
     steps = np.diff(pages)
     if (steps < 0).any():
         steps = np.diff(np.sort(pages))
