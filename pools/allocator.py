@@ -136,9 +136,9 @@ class PageAllocator:
             return
         if pages.size == 0:
             return
-        not_allocated = np.flatnonzero(self._is_free[pages])
-        if not_allocated.size:
-            self._raise_not_allocated(int(pages[not_allocated[0]]))
+        is_free = self._is_free[pages]
+        if np.count_nonzero(is_free):
+            self._raise_not_allocated(int(pages[np.flatnonzero(is_free)[0]]))
         self._is_free[pages] = True
         self._num_free_pages += int(pages.size)
         for start, length in zip(*_runs_of(pages), strict=True):
@@ -166,7 +166,7 @@ class PageAllocator:
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""
         pages = self.pages_of(indices, op=f"is_allocated on pool '{self.name}'")
-        return not bool(self._is_free[pages].any())
+        return not np.count_nonzero(self._is_free[pages])
 
     def first_unallocated(self, indices: Indices, *, op: str) -> int | None:
         """First slot of ``indices`` whose page is not allocated, or ``None`` if all are.
@@ -184,8 +184,10 @@ class PageAllocator:
         if pages.size == 1:
             page = int(pages[0])
             return page if self._is_free[page] else None
-        free = np.flatnonzero(self._is_free[pages])
-        return int(pages[free[0]]) if free.size else None
+        is_free = self._is_free[pages]
+        if not np.count_nonzero(is_free):
+            return None
+        return int(pages[np.flatnonzero(is_free)[0]])
 
     def used_pages(self) -> np.ndarray:
         """Ids of allocated pages (for integrity checks of the owners)."""
