@@ -16,10 +16,9 @@ import torch
 
 from .base import IndexSpace, Indices, check_page_multiple
 from .free_runs import FreeRuns
-from .page_ids import page_ids
+from .page_ids import page_ids, valid_pages
 
 CPU = torch.device("cpu")
-_NO_PAGES = np.empty(0, dtype=np.int64)
 
 
 class PageAllocator:
@@ -84,34 +83,46 @@ class PageAllocator:
             int64 CPU :class:`Indices` of shape ``[num_tokens]`` in ascending slot order, or
             ``None`` when fewer than ``num_tokens`` slots are free (nothing allocated then).
         """
-        allocated = self.try_alloc_pages(num_tokens)
-        return None if allocated is None else allocated[0]
+        got = self._take(num_tokens)
+        if got is None:
+            return None
+        if isinstance(got, int):
+            start, end = got * self.page_size, (got + num_tokens // self.page_size) * self.page_size
+            return Indices(torch.from_numpy(np.arange(start, end, dtype=np.int64)), self.space)
+        return Indices(torch.from_numpy(self._slots_of(got)), self.space)
 
     def try_alloc_pages(self, num_tokens: int) -> tuple[Indices, np.ndarray] | None:
         """:meth:`try_alloc`, with the page ids of the slots it hands out (a new int64
         array, in slot order) for a caller that tracks pages."""
+        got = self._take(num_tokens)
+        if got is None:
+            return None
+        if not isinstance(got, int):
+            return Indices(torch.from_numpy(self._slots_of(got)), self.space), got
+        end = got + num_tokens // self.page_size
+        slots = np.arange(got * self.page_size, end * self.page_size, dtype=np.int64)
+        return Indices(torch.from_numpy(slots), self.space), np.arange(got, end, dtype=np.int64)
+
+    def _take(self, num_tokens: int) -> int | np.ndarray | None:
+        """Allocate the pages of :meth:`try_alloc`: the first page of the one run they
+        form, or their ids (empty for no tokens); ``None`` when they are not free."""
         if num_tokens < 0 or num_tokens % self.page_size:
             check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size
         if num_pages > self._num_free_pages:
             return None
         if num_pages == 0:
-            return Indices(torch.empty(0, dtype=torch.int64), self.space), _NO_PAGES.copy()
+            return np.empty(0, dtype=np.int64)
         start = self._runs.best_fit(num_pages)
         if start is None:
-            pages = self._take_longest_runs(num_pages)
-            return Indices(torch.from_numpy(self._slots_of(pages)), self.space), pages
+            return self._take_longest_runs(num_pages)
         self._runs.take(start, num_pages)
         if num_pages == 1:
             self._is_free[start] = False  # an item store, no slice object
         else:
             self._is_free[start : start + num_pages] = False
         self._num_free_pages -= num_pages
-        slots = np.arange(
-            start * self.page_size, (start + num_pages) * self.page_size, dtype=np.int64
-        )
-        pages = np.arange(start, start + num_pages, dtype=np.int64)
-        return Indices(torch.from_numpy(slots), self.space), pages
+        return start
 
     def free(self, indices: Indices) -> None:
         """Return whole pages to the pool.
@@ -154,6 +165,9 @@ class PageAllocator:
         """Page ids of slot ``indices`` that must be whole pages in order, distinct, not the
         padding page, in this pool's space and range; raises ``TypeError``/``ValueError``
         (see :func:`~hicache.pools.page_ids.page_ids`) otherwise. A new array."""
+        pages = valid_pages(indices, self.space, self.page_size, self.num_pages)
+        if pages is not None:  # the common case, without page_ids' keyword plumbing
+            return pages
         return page_ids(
             indices,
             space=self.space,
@@ -260,6 +274,9 @@ class PageAllocator:
             )
 
     def _slots_of(self, pages: np.ndarray) -> np.ndarray:
+        if pages.size == 1:
+            first = int(pages[0]) * self.page_size
+            return np.arange(first, first + self.page_size, dtype=np.int64)
         return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)
 
 

@@ -2,7 +2,7 @@
 
 Slot indices name whole pages in order (``page * page_size + 0 .. page_size - 1``). Valid
 input, the common case on the scheduler thread, is recognised with a few numpy calls per
-call (:func:`_valid_pages`); anything else goes through every check in turn so that the
+call (:func:`valid_pages`); anything else goes through every check in turn so that the
 error names the first thing wrong.
 """
 
@@ -34,7 +34,7 @@ def page_ids(
             (:class:`~hicache.pools.BoundsError`); a partial or unordered page; page 0; a
             page twice.
     """
-    pages = _valid_pages(indices, space, page_size, num_pages)
+    pages = valid_pages(indices, space, page_size, num_pages)
     if pages is not None:
         return pages
     return _checked_page_ids(
@@ -76,7 +76,7 @@ def _checked_page_ids(
     return pages
 
 
-def _valid_pages(
+def valid_pages(
     indices: Indices, space: IndexSpace, page_size: int, num_pages: int
 ) -> np.ndarray | None:
     """The pages of ``indices`` when every check of :func:`page_ids` passes; ``None``
