@@ -40,6 +40,7 @@ from hicache.pools import Indices
 
 from .base import Direction
 from .core import TransferCore
+from .index_moves import owned_indices
 from .op_queue import TransferObserver
 
 __all__ = ["CacheController", "TransferObserver"]
@@ -69,7 +70,7 @@ class CacheController(TransferCore):
             return None
         host, host_pages = allocated
         if device_pages.size:
-            transfer = self._owned_full_transfer(host, device_indices)
+            transfer = self._full_transfer(owned_indices(host), owned_indices(device_indices))
             self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
                         owned=True)
         return host
@@ -96,7 +97,7 @@ class CacheController(TransferCore):
             return None
         device, device_pages = allocated
         if host_pages.size:
-            transfer = self._owned_full_transfer(host_indices, device)
+            transfer = self._full_transfer(owned_indices(host_indices), owned_indices(device))
             self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)],
                         owned=True)
         return device

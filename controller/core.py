@@ -18,7 +18,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices, PageAll
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import LayerEventRing
-from .index_moves import move_checked, owned_indices
+from .index_moves import move_checked
 from .op_queue import (
     OpQueue,
     TransferObserver,
@@ -256,19 +256,8 @@ class TransferCore:
         Returns:
             (host index, device index) raw int64 tensors of equal length.
         """
-        host_pool = self._pool(host_indices.space, "move_indices")
-        device_pool = self._pool(device_indices.space, "move_indices")
-        if not isinstance(host_pool, HostKVPool) or not isinstance(device_pool, DeviceKVPool):
-            raise ValueError(
-                f"move_indices: expected (host, device) indices, got spaces "
-                f"({host_indices.space.name}, {device_indices.space.name})"
-            )
-        host = self._checks.cpu(host_indices, host_pool, "move_indices")
-        device = self._checks.cpu(device_indices, device_pool, "move_indices")
-        if host.numel() != device.numel():
-            raise ValueError(
-                f"move_indices: {host.numel()} host indices but {device.numel()} device indices"
-            )
+        host_pool, device_pool, host, device = self._checks.pair(
+            host_indices, device_indices, "move_indices")
         return move_checked(host, device, host_pool, device_pool, backend or self.backend)
 
     def move_op_indices(self, op: TransferOp) -> list[MovedTransfer]:
@@ -284,21 +273,10 @@ class TransferCore:
         return [(self.device_pool, self.device_allocator.page_size),
                 (self.host_pool, self.host_pool.page_size)]
 
-    def _pool(self, space: IndexSpace, op: str) -> DeviceKVPool | HostKVPool:
-        return self._held.pool(space, op)
-
     def _full_transfer(self, host: Indices, device: Indices) -> PoolTransfer:
         return PoolTransfer(
             name=self.device_pool.name, host_pool=self.host_pool, device_pool=self.device_pool,
             host_indices=host, device_indices=device, layers=self.full_layers,
-        )
-
-    def _owned_full_transfer(self, host: Indices, device: Indices) -> PoolTransfer:
-        """:meth:`_full_transfer` of int64 copies of the slots, for ``_queue(owned=True)``."""
-        return PoolTransfer(
-            name=self.device_pool.name, host_pool=self.host_pool, device_pool=self.device_pool,
-            host_indices=owned_indices(host), device_indices=owned_indices(device),
-            layers=self.full_layers,
         )
 
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,

@@ -39,6 +39,23 @@ class SlotChecks:
             raise TypeError(f"{op}: expected hicache.pools.Indices, got {type(indices).__name__}")
         return self.cpu(indices, self.held.pool(indices.space, op), op).numpy()
 
+    def pair(self, host_indices: Indices, device_indices: Indices, op: str
+             ) -> tuple[HostKVPool, DeviceKVPool, torch.Tensor, torch.Tensor]:
+        """The pools and raw tensors of aligned host and device slots (``cpu`` each)."""
+        host_pool = self.held.pool(host_indices.space, op)
+        device_pool = self.held.pool(device_indices.space, op)
+        if not isinstance(host_pool, HostKVPool) or not isinstance(device_pool, DeviceKVPool):
+            raise ValueError(
+                f"{op}: expected (host, device) indices, got spaces "
+                f"({host_indices.space.name}, {device_indices.space.name})"
+            )
+        host = self.cpu(host_indices, host_pool, op)
+        device = self.cpu(device_indices, device_pool, op)
+        if host.numel() != device.numel():
+            raise ValueError(f"{op}: {host.numel()} host indices but {device.numel()} device "
+                             f"indices")
+        return host_pool, device_pool, host, device
+
     def writable(self, device_indices: Indices, allocator: PageAllocator, op: str
                  ) -> np.ndarray:
         """Pages of device slots to back up: whole, distinct, allocated pages that no op

@@ -9,14 +9,15 @@ without scanning the pool, so an allocation or a free costs per run it touches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from .base import IndexSpace, Indices, check_page_multiple
 from .free_runs import FreeRuns
 from .page_ids import page_ids, valid_pages
+from .snapshot import AllocatorSnapshot, used_pages_of
+
+__all__ = ["AllocatorSnapshot", "PageAllocator", "used_pages_of"]
 
 CPU = torch.device("cpu")
 
@@ -248,52 +249,13 @@ class PageAllocator:
     def verify_snapshot(self, snapshot: AllocatorSnapshot) -> None:
         """The checks of :meth:`check_integrity` on ``snapshot`` (the free-run index's own
         views excepted); reads nothing else of the allocator but its name and size."""
-        is_free = snapshot.is_free
-        num_free = int(is_free.sum())
-        if is_free[0]:
-            raise RuntimeError(f"pool '{self.name}': reserved page 0 is marked free")
-        if num_free != snapshot.num_free_pages:
-            raise RuntimeError(
-                f"pool '{self.name}': free count {snapshot.num_free_pages} pages != "
-                f"{num_free} pages marked free"
-            )
-        num_used = int(used_pages_of(is_free).size)
-        if num_free + num_used != self.num_pages:
-            raise RuntimeError(
-                f"pool '{self.name}': free {num_free} + used {num_used} pages != "
-                f"capacity {self.num_pages} pages"
-            )
-        scanned_starts, scanned_lengths = _scan_runs(is_free)
-        if not (
-            np.array_equal(snapshot.run_starts, scanned_starts)
-            and np.array_equal(snapshot.run_lengths, scanned_lengths)
-        ):
-            raise RuntimeError(
-                f"pool '{self.name}': the free-run index ({snapshot.run_starts.size} runs) "
-                f"differs from the free map ({scanned_starts.size} runs)"
-            )
+        snapshot.verify(self.name, self.num_pages)
 
     def _slots_of(self, pages: np.ndarray) -> np.ndarray:
         if pages.size == 1:
             first = int(pages[0]) * self.page_size
             return np.arange(first, first + self.page_size, dtype=np.int64)
         return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)
-
-
-@dataclass(frozen=True)
-class AllocatorSnapshot:
-    """An allocator's state at one moment (see :meth:`PageAllocator.integrity_snapshot`)."""
-
-    is_free: np.ndarray
-    num_free_pages: int
-    run_starts: np.ndarray
-    run_lengths: np.ndarray
-
-
-def used_pages_of(free_map: np.ndarray) -> np.ndarray:
-    """Ids of the allocated pages of a free map (page 0, the padding page, excluded)."""
-    used = np.flatnonzero(~free_map)
-    return used[used != 0]
 
 
 def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -315,11 +277,3 @@ def _runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     starts = pages[np.concatenate(([0], breaks))]
     ends = pages[np.concatenate((breaks - 1, [pages.size - 1]))] + 1
     return starts.tolist(), (ends - starts).tolist()
-
-
-def _scan_runs(is_free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, lengths)`` of the runs of ``True`` in ``is_free``, by a pass over it."""
-    padded = np.concatenate(([False], is_free, [False]))
-    edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
-    starts, ends = edges[0::2], edges[1::2]
-    return starts, ends - starts
