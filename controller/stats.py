@@ -88,8 +88,9 @@ def _breaks(pages: np.ndarray, page_size: int) -> int:
             pages, np.arange(first, first + pages.size)):
         return 0  # one ascending run (an allocation's)
     steps = np.diff(pages)
-    if (steps < 0).any():
+    if np.count_nonzero(steps < 0):
         steps = np.diff(np.sort(pages))
-    gaps = int(np.count_nonzero(steps > 1))
-    repeats = int(pages.size - np.count_nonzero(steps)) - 1
-    return gaps + repeats * page_size
+    breaks = int(np.count_nonzero(steps != 1))  # a gap or a repeat each
+    if breaks:  # a repeat (two loads of one page) breaks page_size times
+        breaks += (int(pages.size) - 1 - int(np.count_nonzero(steps))) * (page_size - 1)
+    return breaks

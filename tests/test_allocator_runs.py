@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hicache.controller.stats import _breaks
 from hicache.pools import IndexSpace, Indices, PageAllocator
 from hicache.pools.free_runs import FreeRuns
 
@@ -133,3 +134,14 @@ def test_free_run_heaps_drop_stale_entries() -> None:
     assert len(runs._starts[1]) == live
     assert runs.best_fit(1) == 1 and runs.best_fit(2) == 301
     runs.check_integrity("full")
+
+
+def test_host_runs_counted_per_page_match_the_slots() -> None:
+    """Breaks between host runs counted on page ids (repeats included) are those of the
+    sorted slots they stand for."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        page_size = int(rng.integers(1, 5))
+        pages = rng.integers(1, 15, int(rng.integers(1, 12)))
+        slots = np.sort((pages[:, None] * page_size + np.arange(page_size)).reshape(-1))
+        assert _breaks(pages, page_size) == np.count_nonzero(np.diff(slots) != 1), pages
