@@ -74,8 +74,10 @@ class TorchBackend(TransferBackend):
         """Rows by index through the pools' numpy record views: a torch index op costs
         microseconds of dispatch per call, a record copy is a memcpy per row."""
         host, device = moved.source.host_pool, moved.source.device_pool
-        host_index = _block_or_index(moved.host_index.numpy())
-        device_index = _block_or_index(moved.device_index.numpy())
+        if moved.row_selectors is None:  # once per op, not per layer of a load
+            moved.row_selectors = (_block_or_index(moved.host_index.numpy()),
+                                   _block_or_index(moved.device_index.numpy()))
+        host_index, device_index = moved.row_selectors
         to_host = direction is Direction.DEVICE_TO_HOST
         for c, layer in pairs:
             host_rows, device_rows = host.layer_records(c, layer), device.layer_records(c, layer)

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout, Indices
@@ -72,11 +73,14 @@ class MovedTransfer:
 
     ``host_index`` / ``device_index`` are raw int64 tensors on the devices the backend asked
     for, with padding pairs removed. They are recorded on the stream that reads them.
+    ``row_selectors``: what a backend derived from them once and reuses for every layer
+    (the CPU copy's numpy selectors), made at its first layer.
     """
 
     source: PoolTransfer
     host_index: torch.Tensor
     device_index: torch.Tensor
+    row_selectors: tuple[slice | np.ndarray, slice | np.ndarray] | None = None
 
     def local_layers_of(self, model_layer: int) -> list[int]:
         """Local layer ids of this pool that hold ``model_layer`` (empty when none)."""

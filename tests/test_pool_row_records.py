@@ -6,13 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
 
+from hicache.controller import TorchBackend
 from hicache.pools import (
     AttentionKind,
     DeviceKVPool,
     HostKVPool,
     HostLayout,
     IndexSpace,
+    Indices,
     RowGeometry,
 )
 from hicache.pools.row_records import row_records
@@ -57,3 +60,29 @@ def test_closed_host_pool_drops_its_records() -> None:
     host.close()
     with pytest.raises(RuntimeError, match="closed"):
         host.layer_records(0, 0)
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+@pytest.mark.parametrize("one_run", [True, False])
+def test_cpu_moves_of_many_rows_land_in_place(layout: HostLayout, one_run: bool) -> None:
+    """A write and a layer-wise load of 512 rows on a CPU (one block copy when the slots
+    are one run, a record per row otherwise) move exactly those rows, every layer."""
+    ctrl = make_controller(TorchBackend(), page_size=16, device_pages=100, host_pages=40,
+                           num_layers=3, layout=layout)
+    taken = ctrl.device_allocator.try_alloc(1024)
+    assert taken is not None
+    pages = taken.tensor.view(-1, 16)
+    chosen = pages[:32] if one_run else pages[::2]  # 32 pages, in one run or every other
+    device = Indices(chosen.reshape(-1).clone(), IndexSpace.DEVICE_FULL)
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.drain()
+    written = host_rows(ctrl.host_pool)
+    assert torch.equal(written[host.tensor], device_rows(ctrl.device_pool)[device.tensor])
+    assert (untouched(written, host.tensor) == SENTINEL).all()
+    loaded = ctrl.load(host)
+    assert loaded is not None
+    ctrl.start_loading()
+    ctrl.drain()
+    rows = device_rows(ctrl.device_pool)
+    assert torch.equal(rows[loaded.tensor], rows[device.tensor])
