@@ -12,9 +12,10 @@ import logging
 import os
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from hicache.pools import DeviceKVPool, HostKVPool
+from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
 from .auto import AutoBackend, load_table
 from .base import Direction, MovedTransfer, TransferBackend
@@ -59,7 +60,7 @@ class TorchBackend(TransferBackend):
             return
         components = range(device.geometry.num_components)
         pairs = [(c, layer) for layer in local_layers for c in components]
-        if device.device.type == "cpu":
+        if device.device == CPU:  # (comparing devices is cheaper than reading .type)
             self._copy_cpu(moved, pairs, direction)
         elif direction is Direction.DEVICE_TO_HOST:
             self._write_gpu(moved, pairs)
@@ -70,15 +71,29 @@ class TorchBackend(TransferBackend):
     def _copy_cpu(
         moved: MovedTransfer, pairs: list[tuple[int, int]], direction: Direction
     ) -> None:
+        """Rows by index through the pools' numpy record views: a torch index op costs
+        microseconds of dispatch per call, a record copy is a memcpy per row."""
         host, device = moved.source.host_pool, moved.source.device_pool
+        if moved.row_selectors is None:  # once per op, not per layer of a load
+            moved.row_selectors = (_block_or_index(moved.host_index.numpy()),
+                                   _block_or_index(moved.device_index.numpy()))
+        host_index, device_index = moved.row_selectors
+        to_host = direction is Direction.DEVICE_TO_HOST
         for c, layer in pairs:
-            device_rows = device.layer_rows(c, layer)
-            if direction is Direction.DEVICE_TO_HOST:
-                host.write_layer_rows(c, layer, moved.host_index,
-                                      device_rows.index_select(0, moved.device_index))
+            if host.layout is HostLayout.PAGE_FIRST_DIRECT:  # no flat [slots] view of a layer
+                device_rows = device.layer_rows(c, layer)
+                if to_host:
+                    host.write_layer_rows(c, layer, moved.host_index,
+                                          device_rows.index_select(0, moved.device_index))
+                else:
+                    device_rows.index_copy_(0, moved.device_index,
+                                            host.read_layer_rows(c, layer, moved.host_index))
+                continue
+            host_rows, device_rows = host.layer_records(c, layer), device.layer_records(c, layer)
+            if to_host:
+                host_rows[host_index] = device_rows[device_index]
             else:
-                device_rows.index_copy_(0, moved.device_index,
-                                        host.read_layer_rows(c, layer, moved.host_index))
+                device_rows[device_index] = host_rows[host_index]
 
     @staticmethod
     def _write_gpu(moved: MovedTransfer, pairs: list[tuple[int, int]]) -> None:
@@ -165,6 +180,23 @@ class KernelBackend(TransferBackend):
                 to_host=direction is Direction.DEVICE_TO_HOST,
                 num_programs=self.num_programs,
             )
+
+
+def _block_or_index(index: np.ndarray) -> slice | np.ndarray:
+    """``index`` as a slice when it is one ascending run of consecutive slots (what the
+    allocators hand out; one block copy instead of a copy per row), else as it is. Short
+    indices are left alone: their per-row copy costs less than the test."""
+    size = index.size
+    if size < _BLOCK_MIN_ROWS:
+        return index
+    first = int(index[0])
+    if int(index[-1]) - first != size - 1 or not np.array_equal(
+            index, np.arange(first, first + size)):
+        return index
+    return slice(first, first + size)
+
+
+_BLOCK_MIN_ROWS = 256
 
 
 def _contiguous_ranges(layers: Sequence[int]) -> list[tuple[int, int]]:

@@ -12,13 +12,17 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout, Indices
 
 from .events import Event
+
+if TYPE_CHECKING:
+    from .inflight import HeldCall
 
 
 class Direction(enum.Enum):
@@ -54,9 +58,13 @@ class PoolTransfer:
         return len(self.host_indices)
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes one token moves: every component of every layer of this pool."""
+        return self.device_pool.geometry.token_bytes(len(self.layers))
+
+    @property
     def size_bytes(self) -> int:
-        geometry = self.device_pool.geometry
-        return self.num_tokens * geometry.token_bytes(len(self.layers))
+        return self.num_tokens * self.token_bytes
 
 
 @dataclass(eq=False)
@@ -65,11 +73,14 @@ class MovedTransfer:
 
     ``host_index`` / ``device_index`` are raw int64 tensors on the devices the backend asked
     for, with padding pairs removed. They are recorded on the stream that reads them.
+    ``row_selectors``: what a backend derived from them once and reuses for every layer
+    (the CPU copy's numpy selectors), made at its first layer.
     """
 
     source: PoolTransfer
     host_index: torch.Tensor
     device_index: torch.Tensor
+    row_selectors: tuple[slice | np.ndarray, slice | np.ndarray] | None = None
 
     def local_layers_of(self, model_layer: int) -> list[int]:
         """Local layer ids of this pool that hold ``model_layer`` (empty when none)."""
@@ -82,10 +93,13 @@ class TransferOp:
     """One submitted move. Owns its tensors until acknowledged.
 
     ``layer_events`` (loads only) has one event per model layer; ``finish_event`` is the
-    last one for loads and a dedicated event for writes. ``held`` lists the transfers of
-    every queued call this op carries (one call's transfers, or every merged call's): the
-    in-flight counts are taken and given back per entry, where no slot repeats, whereas
-    the merged ``transfers`` may name a host slot twice (two loads of one page).
+    last one for loads and a dedicated event for writes (on a CPU, where a move is done
+    when issued, one completed event the controller shares between ops). ``held`` lists
+    the pages of every queued call this op carries (one call's, or every merged call's):
+    the in-flight counts are taken and given back per entry, where no page repeats,
+    whereas the merged ``transfers`` may name a host slot twice (two loads of one page).
+    ``tokens_by_pool`` / ``bytes_by_pool`` are what its :class:`Ack` reports, counted when
+    the op is merged.
     """
 
     op_id: int
@@ -100,7 +114,9 @@ class TransferOp:
     finish_event: Event | None = None
     layer_events: list[Event] = field(default_factory=list)
     event_set: int | None = None
-    held: list[PoolTransfer] = field(default_factory=list)
+    held: list[HeldCall] = field(default_factory=list)
+    tokens_by_pool: dict[str, int] = field(default_factory=dict)
+    bytes_by_pool: dict[str, int] = field(default_factory=dict)
 
     @property
     def primary(self) -> PoolTransfer:

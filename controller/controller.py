@@ -40,6 +40,7 @@ from hicache.pools import Indices
 
 from .base import Direction
 from .core import TransferCore
+from .index_moves import owned_indices
 from .op_queue import TransferObserver
 
 __all__ = ["CacheController", "TransferObserver"]
@@ -62,13 +63,16 @@ class CacheController(TransferCore):
                 device pool, or a queued or in-flight op touches one of them (nothing is
                 allocated or queued then).
         """
-        self._checks.writable(device_indices, self.device_allocator, "write")
-        host = self.host_pool.allocator.try_alloc(len(device_indices))
-        if host is None:
+        device_pages = self._checks.writable(device_indices, self.device_allocator, "write")
+        num_tokens = device_pages.size * self.device_allocator.page_size
+        allocated = self.host_pool.allocator.try_alloc_pages(num_tokens)
+        if allocated is None:
             return None
-        if len(host):
-            transfer = self._full_transfer(host, device_indices)
-            self._queue(Direction.DEVICE_TO_HOST, [transfer], tag)
+        host, host_pages = allocated
+        if device_pages.size:
+            transfer = self._full_transfer(owned_indices(host), owned_indices(device_indices))
+            self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
+                        owned=True)
         return host
 
     def load(self, host_indices: Indices, tag: object = None) -> Indices | None:
@@ -86,11 +90,14 @@ class CacheController(TransferCore):
                 pool, or a queued or in-flight write is still filling one of them (nothing
                 is allocated or queued then).
         """
-        self._checks.loadable(host_indices, self.host_pool.allocator, "load")
-        device = self.device_allocator.try_alloc(len(host_indices))
-        if device is None:
+        host_pages = self._checks.loadable(host_indices, self.host_pool.allocator, "load")
+        num_tokens = host_pages.size * self.host_pool.page_size
+        allocated = self.device_allocator.try_alloc_pages(num_tokens)
+        if allocated is None:
             return None
-        if len(device):
-            transfer = self._full_transfer(host_indices, device)
-            self._queue(Direction.HOST_TO_DEVICE, [transfer], tag)
+        device, device_pages = allocated
+        if host_pages.size:
+            transfer = self._full_transfer(owned_indices(host_indices), owned_indices(device))
+            self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)],
+                        owned=True)
         return device

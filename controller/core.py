@@ -19,7 +19,13 @@ from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices, PageAll
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import LayerEventRing
 from .index_moves import move_checked
-from .op_queue import OpQueue, TransferObserver, acknowledgement, move_op_indices
+from .op_queue import (
+    OpQueue,
+    TransferObserver,
+    TransferPages,
+    acknowledgement,
+    move_op_indices,
+)
 from .side_streams import SideStreams
 from .slot_checks import SlotChecks
 from .stats import TransferStats
@@ -74,9 +80,12 @@ class TransferCore:
         self.write_stream = self._streams.write_stream
         self.load_stream = self._streams.load_stream
         self.layer_events = LayerEventRing(event_ring_size, self.num_layers, self.device)
-        self._ops = OpQueue(self._pools())
+        self._ops = OpQueue(self._paged_pools())
         self._held = self._ops.held
         self._checks = SlotChecks(self._held)
+        # poll() reads every device pool's bounds records: the list is fixed, find it once
+        self._bounds_checks = tuple(pool.raise_if_tripped for pool in self._pools()
+                                    if isinstance(pool, DeviceKVPool))
 
     # ---- configuration ------------------------------------------------------------------
 
@@ -175,9 +184,8 @@ class TransferCore:
         device pool that the GPU has run and that found an index out of range (each is
         reported once; the offending rows went to the padding slot). Reads pinned host
         memory only: no synchronisation."""
-        for pool in self._pools():
-            if isinstance(pool, DeviceKVPool):
-                pool.raise_if_tripped()
+        for raise_if_tripped in self._bounds_checks:
+            raise_if_tripped()
 
     def drain(self) -> list[Ack]:
         """Shutdown: issue everything queued, block until it finished, acknowledge it all."""
@@ -209,13 +217,13 @@ class TransferCore:
     def evict_device(self, device_indices: Indices) -> None:
         """Free device slots. Raises ``ValueError`` if any is read or written by an op in
         flight (wait for its ack)."""
-        self._checks.not_busy(device_indices, "evict_device")
-        self.device_allocator.free(device_indices)
+        allocator = self.device_allocator
+        allocator.free_pages(self._checks.freeable(device_indices, allocator, "evict_device"))
 
     def evict_host(self, host_indices: Indices) -> None:
         """Free host slots. Raises ``ValueError`` if any belongs to an op in flight."""
-        self._checks.not_busy(host_indices, "evict_host")
-        self.host_pool.allocator.free(host_indices)
+        allocator = self.host_pool.allocator
+        allocator.free_pages(self._checks.freeable(host_indices, allocator, "evict_host"))
 
     def is_in_flight(self, indices: Indices) -> bool:
         """True when any of ``indices`` (CPU, any space this controller has a pool in, values
@@ -248,19 +256,8 @@ class TransferCore:
         Returns:
             (host index, device index) raw int64 tensors of equal length.
         """
-        host_pool = self._pool(host_indices.space, "move_indices")
-        device_pool = self._pool(device_indices.space, "move_indices")
-        if not isinstance(host_pool, HostKVPool) or not isinstance(device_pool, DeviceKVPool):
-            raise ValueError(
-                f"move_indices: expected (host, device) indices, got spaces "
-                f"({host_indices.space.name}, {device_indices.space.name})"
-            )
-        host = self._checks.cpu(host_indices, host_pool, "move_indices")
-        device = self._checks.cpu(device_indices, device_pool, "move_indices")
-        if host.numel() != device.numel():
-            raise ValueError(
-                f"move_indices: {host.numel()} host indices but {device.numel()} device indices"
-            )
+        host_pool, device_pool, host, device = self._checks.pair(
+            host_indices, device_indices, "move_indices")
         return move_checked(host, device, host_pool, device_pool, backend or self.backend)
 
     def move_op_indices(self, op: TransferOp) -> list[MovedTransfer]:
@@ -269,10 +266,12 @@ class TransferCore:
         return move_op_indices(op)
 
     def _pools(self) -> list[DeviceKVPool | HostKVPool]:
-        return [self.device_pool, self.host_pool]
+        return [pool for pool, _ in self._paged_pools()]
 
-    def _pool(self, space: IndexSpace, op: str) -> DeviceKVPool | HostKVPool:
-        return self._held.pool(space, op)
+    def _paged_pools(self) -> list[tuple[DeviceKVPool | HostKVPool, int]]:
+        """Every pool with the page size of the allocator that hands its slots out."""
+        return [(self.device_pool, self.device_allocator.page_size),
+                (self.host_pool, self.host_pool.page_size)]
 
     def _full_transfer(self, host: Indices, device: Indices) -> PoolTransfer:
         return PoolTransfer(
@@ -280,16 +279,18 @@ class TransferCore:
             host_indices=host, device_indices=device, layers=self.full_layers,
         )
 
-    def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object) -> None:
-        self._ops.queue(direction, transfers, tag)
+    def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
+               pages: Sequence[TransferPages] | None = None, owned: bool = False) -> None:
+        self._ops.queue(direction, transfers, tag, pages, owned)
 
     def _submitted(self, op: TransferOp) -> None:
         self._ops.issued(op)
         self.stats.on_submit(op)
-        logger.debug(
-            "issued %s op %d: %d tokens, %d pools, backend %s",
-            op.direction.value, op.op_id, op.num_tokens, len(op.transfers), op.backend,
-        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "issued %s op %d: %d tokens, %d pools, backend %s",
+                op.direction.value, op.op_id, op.num_tokens, len(op.transfers), op.backend,
+            )
 
     def _acknowledge(self, op: TransferOp) -> Ack:
         if op.event_set is not None:

@@ -26,7 +26,7 @@ from hicache.pools import (
 
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .core import TransferCore
-from .slot_checks import owned_slots
+from .slot_checks import owned_pages
 
 
 class HybridCacheController(TransferCore):
@@ -91,8 +91,8 @@ class HybridCacheController(TransferCore):
                                  f"{tuple(swa_skip.shape)}")
             mapped &= ~swa_skip
         swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
-        self._held.refuse_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write",
-                                    Direction.DEVICE_TO_HOST)
+        self._held.refuse_slot_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write",
+                                         Direction.DEVICE_TO_HOST)
         host_full = self.host_pool.allocator.try_alloc(len(device_indices))
         if host_full is None:
             return None
@@ -185,13 +185,13 @@ class HybridCacheController(TransferCore):
         Raises:
             ValueError: as :meth:`write` for the SWA slots (nothing allocated or queued).
         """
-        owned_slots(device_indices, self.device_allocator, "write_swa",
-                     "back up only device slots that are allocated and hold rows")
+        owned_pages(device_indices, self.device_allocator, "write_swa",
+                    "back up only device slots that are allocated and hold rows")
         device_swa = self.hybrid_pool.swa_slots_of(device_indices)
         mapped = device_swa.tensor != 0
         swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
-        self._held.refuse_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write_swa",
-                                    Direction.DEVICE_TO_HOST)
+        self._held.refuse_slot_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(),
+                                         "write_swa", Direction.DEVICE_TO_HOST)
         host_swa_part = self.host_swa.allocator.try_alloc(len(swa_part))
         if host_swa_part is None:
             return None
@@ -208,8 +208,8 @@ class HybridCacheController(TransferCore):
         allocated whole full pages without an SWA slot, aligned host SWA slots, none 0."""
         if restore is None:
             return _empty(IndexSpace.DEVICE_FULL), _empty(IndexSpace.HOST_SWA)
-        owned_slots(restore.full, self.device_allocator, "load (restore)",
-                     "restore only device slots the tree owns")
+        owned_pages(restore.full, self.device_allocator, "load (restore)",
+                    "restore only device slots the tree owns")
         host = self._checks.cpu(restore.swa, self.host_swa, "load (restore)")
         if host.numel() != len(restore.full):
             raise ValueError(
@@ -252,8 +252,11 @@ class HybridCacheController(TransferCore):
         self._checks.not_busy(host_swa, "host_swa_evict")
         self.host_swa.allocator.free(host_swa)
 
-    def _pools(self) -> list[DeviceKVPool | HostKVPool]:
-        return [self.device_pool, self.hybrid_pool.swa, self.host_pool, self.host_swa]
+    def _paged_pools(self) -> list[tuple[DeviceKVPool | HostKVPool, int]]:
+        return [(self.device_pool, self.device_allocator.page_size),
+                (self.hybrid_pool.swa, self.hybrid_pool.swa_allocator.page_size),
+                (self.host_pool, self.host_pool.page_size),
+                (self.host_swa, self.host_swa.page_size)]
 
     def _swa_transfer(self, host: Indices, device: Indices) -> PoolTransfer:
         return PoolTransfer(

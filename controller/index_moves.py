@@ -14,15 +14,25 @@ from hicache.pools import DeviceKVPool, HostKVPool, Indices
 
 from .base import PoolTransfer, TransferBackend, TransferOp
 
+_CPU = torch.device("cpu")
+
 
 def owned_copy(transfer: PoolTransfer) -> PoolTransfer:
-    """``transfer`` with copies of its index tensors (the caller keeps its own)."""
-    host, device = transfer.host_indices, transfer.device_indices
+    """``transfer`` with int64 copies of its index tensors (the caller keeps its own; the
+    op moves these as they are, see :func:`move_checked`)."""
     return PoolTransfer(
         name=transfer.name, host_pool=transfer.host_pool, device_pool=transfer.device_pool,
-        host_indices=Indices(host.tensor.clone(), host.space),
-        device_indices=Indices(device.tensor.clone(), device.space), layers=transfer.layers,
+        host_indices=owned_indices(transfer.host_indices),
+        device_indices=owned_indices(transfer.device_indices), layers=transfer.layers,
     )
+
+
+def owned_indices(indices: Indices) -> Indices:
+    """An int64 copy of CPU ``indices`` (clone() is half the cost of to(copy=True); another
+    dtype's to() copies anyway)."""
+    tensor = indices.tensor
+    copy = tensor.clone() if tensor.dtype is torch.int64 else tensor.to(torch.int64)
+    return Indices(copy, indices.space)
 
 
 def cat_parts(parts: list[Indices]) -> Indices:
@@ -34,18 +44,24 @@ def cat_parts(parts: list[Indices]) -> Indices:
 
 def move_checked(
     host: torch.Tensor, device: torch.Tensor, host_pool: HostKVPool, device_pool: DeviceKVPool,
-    backend: TransferBackend,
+    backend: TransferBackend, owned: bool = False, may_pad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:meth:`TransferCore.move_indices` past its checks: aligned, checked CPU index
     tensors of equal length. Pairs touching the padding slot are dropped (numpy on the
     CPU: a few torch calls on small tensors would cost more than the whole op's
-    bookkeeping)."""
-    host_np, device_np = host.numpy(), device.numpy()
-    if host_np.size and not (host_np.all() and device_np.all()):
-        keep = (host_np != 0) & (device_np != 0)
-        host_np, device_np = host_np[keep], device_np[keep]
-    host = torch.from_numpy(host_np.astype(np.int64))  # a copy: the op owns what it moves
-    device = torch.from_numpy(device_np.astype(np.int64))
+    bookkeeping). The results are the op's own: copies, or with ``owned`` (int64 tensors
+    the op already owns: its queued copies) the tensors themselves when no pair drops.
+    ``may_pad=False``: the caller's checks found no padding slot (nothing to look for)."""
+    if may_pad or not owned:
+        host_np, device_np = host.numpy(), device.numpy()
+        size = host_np.size
+        if np.count_nonzero(host_np) != size or np.count_nonzero(device_np) != size:
+            keep = (host_np != 0) & (device_np != 0)
+            host = torch.from_numpy(host_np[keep].astype(np.int64))  # copies
+            device = torch.from_numpy(device_np[keep].astype(np.int64))
+        elif not owned:
+            host = torch.from_numpy(host_np.astype(np.int64))  # the op owns what it moves
+            device = torch.from_numpy(device_np.astype(np.int64))
     host, device = backend.order_pairs(host, device)
     host_target, device_target = backend.index_devices(host_pool, device_pool)
     return to_device(host, host_target), to_device(device, device_target)
@@ -53,7 +69,7 @@ def move_checked(
 
 def to_device(index: torch.Tensor, target: torch.device) -> torch.Tensor:
     """``index`` on ``target``: staged through pinned memory, copied without blocking."""
-    if target.type == "cpu":
+    if target == _CPU:
         return index
     return index.pin_memory().to(target, non_blocking=True)
 

@@ -1,10 +1,15 @@
-"""Which slots queued or issued transfer ops hold: per direction and index space, a count of
-ops per slot, so eviction can refuse a slot in flight and a new op can refuse a slot another
-op would race.
+"""Which pages queued or issued transfer ops hold: per index space, a count of the writes and
+of the loads that hold each page, so eviction can refuse a slot in flight and a new op can
+refuse a slot another op would race.
 
-Bookkeeping only (numpy on the CPU, no stream). Counts are taken and given back per queued
-call (``TransferOp.held``), where no slot repeats, so ops merged from several calls balance
-exactly even when two calls name one host slot.
+Bookkeeping only (numpy on the CPU, no stream). Ops move whole pages (their slots come from
+an allocator or from an entry check of whole pages), so a page is the unit: a call of 256
+pages costs one array operation, not one per slot, and a slot is in flight exactly when its
+page is. Both counts of a page share one int64 word (writes in the low 32 bits, loads in the
+high ones), so a new write's conflict check, an eviction's check and the take or give-back
+of a call are one array operation each. Counts are taken and given back per queued call
+(:class:`HeldCall`), where no page repeats, so ops merged from several calls balance exactly
+even when two calls name one host page.
 
 Conflicts refused for a new op (the side streams do not wait for each other):
 
@@ -17,46 +22,61 @@ Conflicts refused for a new op (the side streams do not wait for each other):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace
 
-from .base import Direction, PoolTransfer, TransferOp
+from .base import Direction, TransferOp
 
 Pool = DeviceKVPool | HostKVPool
 
-_CONFLICTS: dict[Direction, tuple[tuple[Direction, str], ...]] = {
+WRITE_UNIT = 1  # a write adds this to each page it holds
+LOAD_UNIT = 1 << 32  # a load adds this
+WRITE_MASK = LOAD_UNIT - 1  # the write count of a word
+
+_UNIT = {Direction.DEVICE_TO_HOST: WRITE_UNIT, Direction.HOST_TO_DEVICE: LOAD_UNIT}
+# the counts a new op of a direction must find at zero, checked in this order
+_CONFLICTS: dict[Direction, tuple[tuple[int, str], ...]] = {
     Direction.DEVICE_TO_HOST: (
-        (Direction.DEVICE_TO_HOST, "is already being backed up by a queued or in-flight "
-         "write; back a page up once (its host copy comes with that write's ack)"),
-        (Direction.HOST_TO_DEVICE, "is still being filled by a queued or in-flight load; "
-         "back it up after poll() acknowledged that load (the write stream does not wait "
-         "for the load stream)"),
+        (WRITE_MASK, "is already being backed up by a queued or in-flight write; back a page "
+         "up once (its host copy comes with that write's ack)"),
+        (~WRITE_MASK, "is still being filled by a queued or in-flight load; back it up after "
+         "poll() acknowledged that load (the write stream does not wait for the load "
+         "stream)"),
     ),
     Direction.HOST_TO_DEVICE: (
-        (Direction.DEVICE_TO_HOST, "is still being filled by a queued or in-flight write; "
-         "load it after poll() acknowledged that write (the load stream does not wait for "
-         "the write stream)"),
+        (WRITE_MASK, "is still being filled by a queued or in-flight write; load it after "
+         "poll() acknowledged that write (the load stream does not wait for the write "
+         "stream)"),
     ),
 }
 
 
-class InFlightSlots:
-    """Per-slot counts of the ops that hold each slot of the controller's pools.
+class HeldCall(NamedTuple):
+    """The pages one queued call holds: ``parts`` are ``(space, pages)`` with distinct int64
+    page ids (never page 0), two per pool transfer of the call, host then device."""
+
+    direction: Direction
+    parts: tuple[tuple[IndexSpace, np.ndarray], ...]
+
+
+class InFlightPages:
+    """Per-page write and load counts of the ops that hold each page of the controller's pools.
 
     Args:
-        pools: every pool the controller moves rows of (one per index space).
+        pools: every pool the controller moves rows of (one per index space), each with the
+            slots per page of the allocator that hands its slots out.
     """
 
-    def __init__(self, pools: Sequence[Pool]) -> None:
-        self._pools = {pool.space: pool for pool in pools}
-        self._counts: dict[Direction, dict[IndexSpace, np.ndarray]] = {
-            d: {pool.space: np.zeros(pool.num_slots, dtype=np.int32) for pool in pools}
-            for d in Direction
-        }
-        # the queued calls holding slots now, by id (a merged op holds its calls' transfers)
-        self._held: dict[int, PoolTransfer] = {}
+    def __init__(self, pools: Sequence[tuple[Pool, int]]) -> None:
+        self._pools = {pool.space: pool for pool, _ in pools}
+        self.page_sizes = {pool.space: page_size for pool, page_size in pools}
+        self._counts = {pool.space: np.zeros(-(-pool.num_slots // page_size), dtype=np.int64)
+                        for pool, page_size in pools}
+        # the queued calls holding pages now, by id (for busy_slots)
+        self._held: dict[int, HeldCall] = {}
 
     def pool(self, space: IndexSpace, op: str) -> Pool:
         """The pool of ``space``; ``ValueError`` naming the spaces there are otherwise."""
@@ -68,45 +88,93 @@ class InFlightSlots:
             )
         return pool
 
-    def add(self, op: TransferOp, delta: int) -> None:
-        """Take (``+1``) or give back (``-1``) the slots of every call ``op`` carries."""
-        counts = self._counts[op.direction]
-        for transfer in op.held:
-            if delta > 0:
-                self._held[id(transfer)] = transfer
-            else:
-                self._held.pop(id(transfer), None)
-            for indices in (transfer.host_indices, transfer.device_indices):
-                slots = indices.tensor.numpy()
-                if not slots.all():  # padding (0) entries of a hybrid op
-                    slots = slots[slots != 0]
-                # Fancy-index += counts a repeated slot once: fine per queued call, where the
-                # entry checks leave no repeats (np.add.at: ~6 ms per 32k slots).
-                counts[indices.space][slots] += delta
+    def take(self, call: HeldCall) -> None:
+        """Count the pages of ``call`` as held until :meth:`give_back`."""
+        self._held[id(call)] = call
+        _bump(self._counts, call, _UNIT[call.direction])
+
+    def give_back(self, call: HeldCall) -> None:
+        """Release the pages :meth:`take` counted for ``call``."""
+        del self._held[id(call)]
+        _bump(self._counts, call, -_UNIT[call.direction])
 
     def mask(self, space: IndexSpace, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` (checked, in range) any op holds."""
-        return (self._counts[Direction.DEVICE_TO_HOST][space][slots] > 0) | (
-            self._counts[Direction.HOST_TO_DEVICE][space][slots] > 0)
+        return self._counts[space][slots // self.page_sizes[space]] != 0
+
+    def first_busy_page(self, space: IndexSpace, pages: np.ndarray) -> int | None:
+        """The first of ``pages`` (checked, in range) that any op holds, or ``None``."""
+        counts = self._counts[space]
+        if pages.size == 1:
+            return int(pages[0]) if counts[pages[0]] else None
+        held = counts[pages]
+        if not np.count_nonzero(held):
+            return None
+        return int(pages[np.flatnonzero(held)[0]])
 
     def held_slots(self, space: IndexSpace) -> np.ndarray:
-        """Every slot of ``space`` an op holds, ascending (from the ops themselves, so the
-        cost follows the slots in flight, not the pool's size)."""
+        """Every slot of ``space`` an op holds, ascending (from the calls themselves, so the
+        cost follows the pages in flight, not the pool's size)."""
         self.pool(space, "busy_slots")
-        parts = [indices.tensor.numpy() for transfer in self._held.values()
-                 for indices in (transfer.host_indices, transfer.device_indices)
-                 if indices.space == space]
-        slots = np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
-        return slots[slots != 0].astype(np.int64, copy=False)
+        parts = [pages for call in self._held.values() for part_space, pages in call.parts
+                 if part_space is space]
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        pages = np.unique(np.concatenate(parts))
+        page_size = self.page_sizes[space]
+        offsets = np.arange(page_size, dtype=np.int64)
+        return (pages[:, None] * page_size + offsets).reshape(-1)
 
-    def refuse_conflicts(self, space: IndexSpace, slots: np.ndarray, op: str,
-                         new_op: Direction) -> None:
+    def refuse_conflicts(self, space: IndexSpace, pages: np.ndarray, op: str,
+                         new_op: Direction, slots: np.ndarray | None = None) -> None:
         """Raise ``ValueError`` if an op that a new ``new_op`` op would race holds one of
-        ``slots`` (the source slots of the new op)."""
-        for direction, why in _CONFLICTS[new_op]:
-            held = slots[self._counts[direction][space][slots] > 0]
-            if held.size:
+        ``pages`` (checked page ids of the new op's source slots), naming the first slot of
+        the first such page (or, given the ``slots`` those pages are of, one per slot, the
+        first such slot)."""
+        counts = self._counts[space]
+        if pages.size == 1:
+            word = int(counts[pages[0]])
+            if not word:
+                return
+            held = np.array([word], dtype=np.int64)
+        else:
+            held = counts[pages]
+            if not np.count_nonzero(held):
+                return
+        for mask, why in _CONFLICTS[new_op]:
+            hit = np.flatnonzero(held & mask)
+            if hit.size:
+                at = int(hit[0])
+                slot = (int(pages[at]) * self.page_sizes[space] if slots is None
+                        else int(slots[at]))
                 raise ValueError(
-                    f"{op}: {space.name} slot {int(held[0])} of pool "
-                    f"'{self.pool(space, op).name}' {why}"
+                    f"{op}: {space.name} slot {slot} of pool '{self.pool(space, op).name}' {why}"
                 )
+
+    def refuse_slot_conflicts(self, space: IndexSpace, slots: np.ndarray, op: str,
+                              new_op: Direction) -> None:
+        """:meth:`refuse_conflicts` for checked slots that need not be whole pages."""
+        if slots.size:
+            self.refuse_conflicts(space, slots // self.page_sizes[space], op, new_op,
+                                  slots=slots)
+
+
+def host_pages_of(op: TransferOp, index: int) -> np.ndarray:
+    """The host page ids of ``op.transfers[index]`` in slot order (every merged call's)."""
+    parts = [call.parts[2 * index][1] for call in op.held]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def pages_of_slots(slots: np.ndarray, page_size: int) -> np.ndarray:
+    """Distinct pages (int64, page 0 left out) of any slots: the form a call's slots are held
+    in when no entry check gave their pages (a hybrid op's SWA slots)."""
+    pages = np.unique(slots.astype(np.int64, copy=False) // page_size)
+    return pages[pages != 0]
+
+
+def _bump(counts: dict[IndexSpace, np.ndarray], call: HeldCall, delta: int) -> None:
+    for space, pages in call.parts:
+        if pages.size == 1:  # one page: an item update, no fancy-index machinery
+            counts[space][pages[0]] += delta
+        elif pages.size:
+            counts[space][pages] += delta  # distinct pages: fancy += adds once each

@@ -1,5 +1,5 @@
 """The controller's ops from queuing to acknowledgement: queued calls per direction, their
-merge into one op, the ops in flight (FIFO per direction), the slots they hold and the
+merge into one op, the ops in flight (FIFO per direction), the pages they hold and the
 observers told of every queued call.
 
 Bookkeeping only (CPU, no stream): the controller issues the merged op on its side stream
@@ -11,44 +11,79 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
-from hicache.pools import DeviceKVPool, HostKVPool
+import numpy as np
+
+from hicache.pools import DeviceKVPool, HostKVPool, Indices
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .index_moves import cat_parts, move_checked, owned_copy
-from .inflight import InFlightSlots
+from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
 
 # (direction, the queued call's pool transfers, its tag): see TransferCore.add_observer
 TransferObserver = Callable[[Direction, Sequence[PoolTransfer], object], None]
 
+# (host pages, device pages) of one pool transfer, from the checks where its slots entered
+TransferPages = tuple[np.ndarray, np.ndarray]
+
+
+class QueuedCall(NamedTuple):
+    """One queued ``write``/``load``: the op's own copies of its transfers, its tag and
+    the pages it holds."""
+
+    transfers: list[PoolTransfer]
+    tag: object
+    held: HeldCall
+    may_pad: bool  # its slots may name the padding slot (no entry check gave their pages)
+
 
 class OpQueue:
     """Queued and in-flight ops of one controller.
 
     Args:
-        pools: every pool the controller moves rows of (one per index space).
+        pools: every pool the controller moves rows of (one per index space),
+            with the slots per page of the allocator that hands its slots out.
     """
 
-    def __init__(self, pools: Sequence[DeviceKVPool | HostKVPool]) -> None:
-        self.held = InFlightSlots(pools)
+    def __init__(self, pools: Sequence[tuple[DeviceKVPool | HostKVPool, int]]) -> None:
+        self.held = InFlightPages(pools)
         self.observers: list[TransferObserver] = []
         self._op_ids = itertools.count()
-        self._queued: dict[Direction, list[TransferOp]] = {d: [] for d in Direction}
+        self._queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
         self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
 
-    def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object) -> None:
-        """Queue one call's transfers (their slots are held from now on) and tell the
+    def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
+              pages: Sequence[TransferPages] | None = None, owned: bool = False) -> None:
+        """Queue one call's transfers (their pages are held from now on) and tell the
         observers. The op keeps its own copies of the slots: a caller that changes its
         index tensors after the call (or the host slots it got back) cannot change what the
-        op copies or unbalance the in-flight counts."""
-        transfers = [owned_copy(t) for t in transfers]
-        op = TransferOp(next(self._op_ids), direction, transfers, [tag], held=list(transfers))
-        self.held.add(op, +1)
-        self._queued[direction].append(op)
-        for observer in list(self.observers):
-            observer(direction, transfers, tag)
+        op copies or unbalance the in-flight counts.
+
+        ``pages``: per transfer, the (host, device) page ids its slots' entry checks or
+        allocations gave; found from the slots when ``None``. ``owned``: the transfers'
+        index tensors are already int64 copies made for the queue (not copied again)."""
+        if not owned:
+            transfers = [owned_copy(t) for t in transfers]
+        may_pad = pages is None
+        if pages is None:
+            pages = [(self._pages_of(t.host_indices), self._pages_of(t.device_indices))
+                     for t in transfers]
+        parts = []
+        for transfer, (host_pages, device_pages) in zip(transfers, pages, strict=True):
+            parts.append((transfer.host_indices.space, host_pages))
+            parts.append((transfer.device_indices.space, device_pages))
+        held = HeldCall(direction, tuple(parts))
+        self.held.take(held)
+        self._queued[direction].append(QueuedCall(transfers, tag, held, may_pad))
+        if self.observers:
+            for observer in list(self.observers):
+                observer(direction, transfers, tag)
+
+    def _pages_of(self, indices: Indices) -> np.ndarray:
+        return pages_of_slots(indices.tensor.numpy(), self.held.page_sizes[indices.space])
 
     def num_queued(self, direction: Direction) -> int:
         return len(self._queued[direction])
@@ -60,21 +95,32 @@ class OpQueue:
         queued, self._queued[direction] = self._queued[direction], []
         if not queued:
             return None
-        merged = []
-        for i, first in enumerate(queued[0].transfers):
-            parts = [op.transfers[i] for op in queued]
-            merged.append(PoolTransfer(
-                name=first.name, host_pool=first.host_pool, device_pool=first.device_pool,
-                host_indices=cat_parts([p.host_indices for p in parts]),
-                device_indices=cat_parts([p.device_indices for p in parts]),
-                layers=first.layers,
-            ))
-        tags = [tag for op in queued for tag in op.tags]
-        executor = backend.select(direction, merged[0].host_pool.layout, merged[0].num_tokens,
+        if len(queued) == 1:
+            merged = queued[0].transfers
+        else:
+            merged = [
+                PoolTransfer(
+                    name=first.name, host_pool=first.host_pool, device_pool=first.device_pool,
+                    host_indices=cat_parts([c.transfers[i].host_indices for c in queued]),
+                    device_indices=cat_parts([c.transfers[i].device_indices for c in queued]),
+                    layers=first.layers,
+                )
+                for i, first in enumerate(queued[0].transfers)
+            ]
+        first = merged[0]
+        executor = backend.select(direction, first.host_pool.layout, first.num_tokens,
                                   layer_wise=direction is Direction.HOST_TO_DEVICE)
-        op = TransferOp(next(self._op_ids), direction, merged, tags, backend=executor.name,
-                        executor=executor, held=[t for part in queued for t in part.held])
-        op.moved = move_op_indices(op)
+        op = TransferOp(next(self._op_ids), direction, merged, [c.tag for c in queued],
+                        backend=executor.name, executor=executor,
+                        held=[c.held for c in queued])
+        for transfer in merged:
+            num_tokens = transfer.host_indices.tensor.numel()
+            op.tokens_by_pool[transfer.name] = num_tokens
+            op.bytes_by_pool[transfer.name] = num_tokens * transfer.token_bytes
+        may_pad = False
+        for call in queued:
+            may_pad |= call.may_pad
+        op.moved = move_op_indices(op, may_pad)
         return op
 
     def issued(self, op: TransferOp) -> None:
@@ -86,13 +132,15 @@ class OpQueue:
 
     def pop_done(self) -> list[TransferOp]:
         """Issued ops whose finish event fired, FIFO per direction (``query()`` only); their
-        slots are no longer held."""
+        pages are no longer held."""
         done: list[TransferOp] = []
+        give_back = self.held.give_back
         for direction in _DIRECTIONS:
             queue = self._in_flight[direction]
             while queue and queue[0].is_done():
                 op = queue.popleft()
-                self.held.add(op, -1)
+                for call in op.held:
+                    give_back(call)
                 done.append(op)
         return done
 
@@ -103,15 +151,17 @@ class OpQueue:
         return queued + sum(len(q) for q in self._in_flight.values())
 
 
-def move_op_indices(op: TransferOp) -> list[MovedTransfer]:
+def move_op_indices(op: TransferOp, may_pad: bool = True) -> list[MovedTransfer]:
     """Move the indices of every pool transfer of ``op`` (its own list, so a pool kind added
     later is covered without touching call sites) where ``op.executor`` reads them. The
-    op's indices are the queue's own copies, checked when their call was queued."""
+    op's indices are the queue's own copies, checked when their call was queued; without
+    ``may_pad`` those checks found no padding slot among them."""
     assert op.executor is not None, f"op {op.op_id} has no backend"
     executor = op.executor
     return [
         MovedTransfer(t, *move_checked(t.host_indices.tensor, t.device_indices.tensor,
-                                       t.host_pool, t.device_pool, executor))
+                                       t.host_pool, t.device_pool, executor,
+                                       owned=True, may_pad=may_pad))
         for t in op.transfers
     ]
 
@@ -119,16 +169,10 @@ def move_op_indices(op: TransferOp) -> list[MovedTransfer]:
 def acknowledgement(op: TransferOp) -> Ack:
     """The :class:`Ack` of a finished ``op`` (its duration from its timing events); the
     op's moved indices and temporaries are released."""
-    duration = (
-        op.start_event.elapsed_s(op.finish_event)
-        if op.start_event is not None and op.finish_event is not None else None
-    )
-    ack = Ack(
-        op.op_id, op.direction, op.tags,
-        {t.name: t.num_tokens for t in op.transfers},
-        {t.name: t.size_bytes for t in op.transfers},
-        duration, op.backend,
-    )
+    start, finish = op.start_event, op.finish_event
+    duration = start.elapsed_s(finish) if start is not None and finish is not None else None
+    ack = Ack(op.op_id, op.direction, op.tags, op.tokens_by_pool, op.bytes_by_pool, duration,
+              op.backend)
     op.moved.clear()
     op.keep_alive.clear()
     return ack

@@ -32,9 +32,15 @@ class SideStreams:
                  ) -> None:
         self.device = device
         self.producers = list(producer_streams)
-        on_cuda = device.type == "cuda"
-        self.write_stream = torch.cuda.Stream(device) if on_cuda else None
-        self.load_stream = torch.cuda.Stream(device) if on_cuda else None
+        self.on_cuda = device.type == "cuda"
+        self.write_stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self.load_stream = torch.cuda.Stream(device) if self.on_cuda else None
+        # Without CUDA a move is done when issued: every write shares one completed event
+        # (no timing: ``elapsed_s`` is None on a CPU anyway), made once, not twice per op.
+        self._done: Event | None = None
+        if not self.on_cuda:
+            self._done = Event(device)
+            self._done.record()
 
     def register_producer(self, stream: torch.cuda.Stream) -> None:
         """Add a stream that writes KV; every later op waits on it."""
@@ -43,6 +49,13 @@ class SideStreams:
 
     def issue_write(self, op: TransferOp) -> None:
         """Copy every layer of every pool transfer of ``op`` on the write stream."""
+        if self._done is not None:
+            executor = _executor(op)
+            for moved in op.moved:
+                executor.copy(moved, range(len(moved.source.layers)), op.direction,
+                              op.keep_alive)
+            op.start_event = op.finish_event = self._done
+            return
         stream = self.write_stream
         self._begin(op, stream)
         with _on_stream(stream):

@@ -2,6 +2,10 @@
 controller has a pool in, in range, whole allocated pages, and not held by an op the new
 one would race. Each raises ``ValueError`` (``TypeError`` for a bare tensor) naming the
 call, the pool, the slot and what to do; nothing is changed by a refused call.
+
+Each check runs once, where the slots enter, and hands back their page ids (what the
+in-flight counts and the allocators work in), so later steps of the same call do not check
+them again.
 """
 
 from __future__ import annotations
@@ -12,15 +16,15 @@ import torch
 from hicache.pools import DeviceKVPool, HostKVPool, Indices, PageAllocator, check_indices
 
 from .base import Direction
-from .inflight import InFlightSlots
+from .inflight import InFlightPages
 
 CPU = torch.device("cpu")
 
 
 class SlotChecks:
-    """The checks, over the in-flight slots of one controller."""
+    """The checks, over the in-flight pages of one controller."""
 
-    def __init__(self, held: InFlightSlots) -> None:
+    def __init__(self, held: InFlightPages) -> None:
         self.held = held
 
     def cpu(self, indices: Indices, pool: DeviceKVPool | HostKVPool, op: str) -> torch.Tensor:
@@ -35,37 +39,72 @@ class SlotChecks:
             raise TypeError(f"{op}: expected hicache.pools.Indices, got {type(indices).__name__}")
         return self.cpu(indices, self.held.pool(indices.space, op), op).numpy()
 
-    def writable(self, device_indices: Indices, allocator: PageAllocator, op: str) -> None:
-        """Device slots to back up: whole, distinct, allocated pages that no op holds."""
-        slots = owned_slots(device_indices, allocator, op,
-                            "back up only device slots that are allocated and hold rows")
-        self.held.refuse_conflicts(device_indices.space, slots, op, Direction.DEVICE_TO_HOST)
+    def pair(self, host_indices: Indices, device_indices: Indices, op: str
+             ) -> tuple[HostKVPool, DeviceKVPool, torch.Tensor, torch.Tensor]:
+        """The pools and raw tensors of aligned host and device slots (``cpu`` each)."""
+        host_pool = self.held.pool(host_indices.space, op)
+        device_pool = self.held.pool(device_indices.space, op)
+        if not isinstance(host_pool, HostKVPool) or not isinstance(device_pool, DeviceKVPool):
+            raise ValueError(
+                f"{op}: expected (host, device) indices, got spaces "
+                f"({host_indices.space.name}, {device_indices.space.name})"
+            )
+        host = self.cpu(host_indices, host_pool, op)
+        device = self.cpu(device_indices, device_pool, op)
+        if host.numel() != device.numel():
+            raise ValueError(f"{op}: {host.numel()} host indices but {device.numel()} device "
+                             f"indices")
+        return host_pool, device_pool, host, device
 
-    def loadable(self, host_indices: Indices, allocator: PageAllocator, op: str) -> None:
-        """Host slots to load: whole, distinct, allocated pages that no write still fills."""
-        slots = owned_slots(host_indices, allocator, op,
+    def writable(self, device_indices: Indices, allocator: PageAllocator, op: str
+                 ) -> np.ndarray:
+        """Pages of device slots to back up: whole, distinct, allocated pages that no op
+        holds."""
+        pages = owned_pages(device_indices, allocator, op,
+                            "back up only device slots that are allocated and hold rows")
+        self.held.refuse_conflicts(device_indices.space, pages, op, Direction.DEVICE_TO_HOST)
+        return pages
+
+    def loadable(self, host_indices: Indices, allocator: PageAllocator, op: str) -> np.ndarray:
+        """Pages of host slots to load: whole, distinct, allocated pages that no write still
+        fills."""
+        pages = owned_pages(host_indices, allocator, op,
                             "load only host slots that write() returned and were not evicted")
-        self.held.refuse_conflicts(host_indices.space, slots, op, Direction.HOST_TO_DEVICE)
+        self.held.refuse_conflicts(host_indices.space, pages, op, Direction.HOST_TO_DEVICE)
+        return pages
 
     def not_busy(self, indices: Indices, op: str) -> None:
         """Slots to free: none held by an op in flight."""
         slots = self.slots(indices, op)
         busy = slots[self.held.mask(indices.space, slots)]
         if busy.size:
-            raise ValueError(
-                f"{op}: slot {int(busy[0])} of pool '{self.held.pool(indices.space, op).name}' "
-                f"belongs to a transfer in flight; evict it after poll() acknowledged that "
-                f"transfer"
-            )
+            raise_busy(int(busy[0]), self.held.pool(indices.space, op).name, op)
+
+    def freeable(self, indices: Indices, allocator: PageAllocator, op: str) -> np.ndarray:
+        """Pages of slots to free to ``allocator``: whole, distinct pages of its pool (the
+        checks of ``PageAllocator.pages_of``) that no op in flight holds."""
+        pages = allocator.pages_of(indices, op=op)
+        busy = self.held.first_busy_page(indices.space, pages)
+        if busy is not None:
+            raise_busy(busy * allocator.page_size, allocator.name, op)
+        return pages
 
 
-def owned_slots(indices: Indices, allocator: PageAllocator, op: str, fix: str) -> np.ndarray:
-    """Raw numpy slots of ``indices`` once they are whole, distinct pages of ``allocator``'s
-    pool (space, range, page 0: ``PageAllocator.pages_of``) and every page is allocated."""
-    slot = allocator.first_unallocated(indices, op=op)
+def raise_busy(slot: int, pool_name: str, op: str) -> None:
+    raise ValueError(
+        f"{op}: slot {slot} of pool '{pool_name}' belongs to a transfer in flight; evict it "
+        f"after poll() acknowledged that transfer"
+    )
+
+
+def owned_pages(indices: Indices, allocator: PageAllocator, op: str, fix: str) -> np.ndarray:
+    """Page ids of ``indices`` once they are whole, distinct pages of ``allocator``'s pool
+    (space, range, page 0: ``PageAllocator.pages_of``) and every page is allocated."""
+    pages = allocator.pages_of(indices, op=op)
+    slot = allocator.first_unallocated_page(pages)
     if slot is not None:
         raise ValueError(
-            f"{op}: {allocator.space.name} slot {slot} of pool '{allocator.name}' is not "
-            f"allocated (never allocated, or already freed); {fix}"
+            f"{op}: {allocator.space.name} slot {slot * allocator.page_size} of pool "
+            f"'{allocator.name}' is not allocated (never allocated, or already freed); {fix}"
         )
-    return indices.tensor.numpy()
+    return pages

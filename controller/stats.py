@@ -8,8 +8,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .base import Direction
+from .inflight import host_pages_of
+
 if TYPE_CHECKING:
     from .base import Ack, TransferOp
+
+_VALUES = {d: d.value for d in Direction}  # Enum.value is a Python-level descriptor call
 
 
 @dataclass
@@ -34,19 +39,20 @@ class TransferStats:
         return sum(self.ops_submitted.values()) - sum(self.ops_acknowledged.values())
 
     def on_submit(self, op: TransferOp) -> None:
-        self.ops_submitted[op.direction.value] += 1
-        self.backend_ops[(op.direction.value, op.backend)] += 1
-        for transfer in op.transfers:
-            slots = transfer.host_indices.tensor.numpy()
-            if not slots.all():
-                slots = slots[slots != 0]
-            if slots.size:
-                steps = np.diff(slots)
-                if (steps < 0).any():  # allocations are ascending: sort only the rare rest
-                    steps = np.diff(np.sort(slots))
-                key = (op.direction.value, transfer.name)
-                self.host_runs[key] += 1 + int(np.count_nonzero(steps != 1))
-                self.host_run_tokens[key] += int(slots.size)
+        """Count the issued ``op`` and the runs of host slots it moves (ops move whole
+        pages, so runs of slots are runs of the pages the op holds: counted per page, not
+        per slot)."""
+        direction = _VALUES[op.direction]
+        self.ops_submitted[direction] += 1
+        self.backend_ops[(direction, op.backend)] += 1
+        for i, transfer in enumerate(op.transfers):
+            pages = host_pages_of(op, i)
+            if not pages.size:
+                continue
+            page_size = transfer.host_pool.page_size
+            key = (direction, transfer.name)
+            self.host_runs[key] += 1 + _breaks(pages, page_size)
+            self.host_run_tokens[key] += int(pages.size) * page_size
 
     def mean_host_run_tokens(self, direction: str, pool: str) -> float | None:
         """Mean length, in tokens, of the contiguous host-slot runs that ops of ``direction``
@@ -56,7 +62,7 @@ class TransferStats:
         return self.host_run_tokens[(direction, pool)] / runs if runs else None
 
     def on_ack(self, ack: Ack) -> None:
-        direction = ack.direction.value
+        direction = _VALUES[ack.direction]
         self.ops_acknowledged[direction] += 1
         for pool, num_tokens in ack.tokens_by_pool.items():
             self.tokens[(direction, pool)] += num_tokens
@@ -69,3 +75,22 @@ class TransferStats:
         """Return and forget the measured durations."""
         drained, self.durations = self.durations, []
         return drained
+
+
+def _breaks(pages: np.ndarray, page_size: int) -> int:
+    """Breaks between runs of the slots of whole ``pages`` sorted (allocations are
+    ascending: sort only the rare rest): one per gap between pages and, as the slots of a
+    page named twice interleave, ``page_size`` per repeat."""
+    if pages.size == 1:
+        return 0
+    first = int(pages[0])
+    if int(pages[-1]) - first == pages.size - 1 and np.array_equal(
+            pages, np.arange(first, first + pages.size)):
+        return 0  # one ascending run (an allocation's)
+    steps = np.diff(pages)
+    if np.count_nonzero(steps < 0):
+        steps = np.diff(np.sort(pages))
+    breaks = int(np.count_nonzero(steps != 1))  # a gap or a repeat each
+    if breaks:  # a repeat (two loads of one page) breaks page_size times
+        breaks += (int(pages.size) - 1 - int(np.count_nonzero(steps))) * (page_size - 1)
+    return breaks

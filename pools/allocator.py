@@ -9,14 +9,15 @@ without scanning the pool, so an allocation or a free costs per run it touches.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from .base import IndexSpace, Indices, check_page_multiple
 from .free_runs import FreeRuns
-from .page_ids import page_ids
+from .page_ids import page_ids, valid_pages
+from .snapshot import AllocatorSnapshot, used_pages_of
+
+__all__ = ["AllocatorSnapshot", "PageAllocator", "used_pages_of"]
 
 CPU = torch.device("cpu")
 
@@ -83,23 +84,46 @@ class PageAllocator:
             int64 CPU :class:`Indices` of shape ``[num_tokens]`` in ascending slot order, or
             ``None`` when fewer than ``num_tokens`` slots are free (nothing allocated then).
         """
-        check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
+        got = self._take(num_tokens)
+        if got is None:
+            return None
+        if isinstance(got, int):
+            start, end = got * self.page_size, (got + num_tokens // self.page_size) * self.page_size
+            return Indices(torch.from_numpy(np.arange(start, end, dtype=np.int64)), self.space)
+        return Indices(torch.from_numpy(self._slots_of(got)), self.space)
+
+    def try_alloc_pages(self, num_tokens: int) -> tuple[Indices, np.ndarray] | None:
+        """:meth:`try_alloc`, with the page ids of the slots it hands out (a new int64
+        array, in slot order) for a caller that tracks pages."""
+        got = self._take(num_tokens)
+        if got is None:
+            return None
+        if not isinstance(got, int):
+            return Indices(torch.from_numpy(self._slots_of(got)), self.space), got
+        end = got + num_tokens // self.page_size
+        slots = np.arange(got * self.page_size, end * self.page_size, dtype=np.int64)
+        return Indices(torch.from_numpy(slots), self.space), np.arange(got, end, dtype=np.int64)
+
+    def _take(self, num_tokens: int) -> int | np.ndarray | None:
+        """Allocate the pages of :meth:`try_alloc`: the first page of the one run they
+        form, or their ids (empty for no tokens); ``None`` when they are not free."""
+        if num_tokens < 0 or num_tokens % self.page_size:
+            check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size
         if num_pages > self._num_free_pages:
             return None
         if num_pages == 0:
-            return Indices(torch.empty(0, dtype=torch.int64), self.space)
+            return np.empty(0, dtype=np.int64)
         start = self._runs.best_fit(num_pages)
         if start is None:
-            pages = self._take_longest_runs(num_pages)
-            return Indices(torch.from_numpy(self._slots_of(pages)), self.space)
+            return self._take_longest_runs(num_pages)
         self._runs.take(start, num_pages)
-        self._is_free[start : start + num_pages] = False
+        if num_pages == 1:
+            self._is_free[start] = False  # an item store, no slice object
+        else:
+            self._is_free[start : start + num_pages] = False
         self._num_free_pages -= num_pages
-        slots = np.arange(
-            start * self.page_size, (start + num_pages) * self.page_size, dtype=np.int64
-        )
-        return Indices(torch.from_numpy(slots), self.space)
+        return start
 
     def free(self, indices: Indices) -> None:
         """Return whole pages to the pool.
@@ -109,25 +133,42 @@ class PageAllocator:
                 range, repeat a page, or name a page that is not allocated (a double free or
                 a slot this allocator never handed out). Nothing is freed then.
         """
-        pages = self.pages_of(indices, op=f"free to pool '{self.name}'")
+        self.free_pages(self.pages_of(indices, op=f"free to pool '{self.name}'"))
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """:meth:`free` of page ids that :meth:`pages_of` returned (distinct, in range, not
+        page 0): raises ``ValueError`` for a page that is not allocated, freeing nothing."""
+        if pages.size == 1:  # the common single page: Python ints, no array calls
+            page = int(pages[0])
+            if self._is_free[page]:
+                self._raise_not_allocated(page)
+            self._is_free[page] = True
+            self._num_free_pages += 1
+            self._runs.add(page, 1)
+            return
         if pages.size == 0:
             return
-        not_allocated = pages[self._is_free[pages]]
-        if not_allocated.size:
-            slot = int(not_allocated[0]) * self.page_size
-            raise ValueError(
-                f"free to pool '{self.name}': slot {slot} (page {int(not_allocated[0])}) is not "
-                f"allocated: a double free, or an index from another pool"
-            )
+        is_free = self._is_free[pages]
+        if np.count_nonzero(is_free):
+            self._raise_not_allocated(int(pages[np.flatnonzero(is_free)[0]]))
         self._is_free[pages] = True
         self._num_free_pages += int(pages.size)
         for start, length in zip(*_runs_of(pages), strict=True):
             self._runs.add(start, length)
 
+    def _raise_not_allocated(self, page: int) -> None:
+        raise ValueError(
+            f"free to pool '{self.name}': slot {page * self.page_size} (page {page}) is not "
+            f"allocated: a double free, or an index from another pool"
+        )
+
     def pages_of(self, indices: Indices, *, op: str) -> np.ndarray:
         """Page ids of slot ``indices`` that must be whole pages in order, distinct, not the
         padding page, in this pool's space and range; raises ``TypeError``/``ValueError``
         (see :func:`~hicache.pools.page_ids.page_ids`) otherwise. A new array."""
+        pages = valid_pages(indices, self.space, self.page_size, self.num_pages)
+        if pages is not None:  # the common case, without page_ids' keyword plumbing
+            return pages
         return page_ids(
             indices,
             space=self.space,
@@ -140,7 +181,7 @@ class PageAllocator:
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""
         pages = self.pages_of(indices, op=f"is_allocated on pool '{self.name}'")
-        return not bool(self._is_free[pages].any())
+        return not np.count_nonzero(self._is_free[pages])
 
     def first_unallocated(self, indices: Indices, *, op: str) -> int | None:
         """First slot of ``indices`` whose page is not allocated, or ``None`` if all are.
@@ -149,9 +190,19 @@ class PageAllocator:
         repeated pages, page 0, out-of-range values) before looking at ownership; vectorised,
         proportional to ``len(indices)``.
         """
-        pages = self.pages_of(indices, op=op)
-        free = np.flatnonzero(self._is_free[pages])
-        return int(pages[free[0]]) * self.page_size if free.size else None
+        page = self.first_unallocated_page(self.pages_of(indices, op=op))
+        return None if page is None else page * self.page_size
+
+    def first_unallocated_page(self, pages: np.ndarray) -> int | None:
+        """First of ``pages`` (page ids :meth:`pages_of` returned) that is not allocated, or
+        ``None`` if all are."""
+        if pages.size == 1:
+            page = int(pages[0])
+            return page if self._is_free[page] else None
+        is_free = self._is_free[pages]
+        if not np.count_nonzero(is_free):
+            return None
+        return int(pages[np.flatnonzero(is_free)[0]])
 
     def used_pages(self) -> np.ndarray:
         """Ids of allocated pages (for integrity checks of the owners)."""
@@ -198,49 +249,13 @@ class PageAllocator:
     def verify_snapshot(self, snapshot: AllocatorSnapshot) -> None:
         """The checks of :meth:`check_integrity` on ``snapshot`` (the free-run index's own
         views excepted); reads nothing else of the allocator but its name and size."""
-        is_free = snapshot.is_free
-        num_free = int(is_free.sum())
-        if is_free[0]:
-            raise RuntimeError(f"pool '{self.name}': reserved page 0 is marked free")
-        if num_free != snapshot.num_free_pages:
-            raise RuntimeError(
-                f"pool '{self.name}': free count {snapshot.num_free_pages} pages != "
-                f"{num_free} pages marked free"
-            )
-        num_used = int(used_pages_of(is_free).size)
-        if num_free + num_used != self.num_pages:
-            raise RuntimeError(
-                f"pool '{self.name}': free {num_free} + used {num_used} pages != "
-                f"capacity {self.num_pages} pages"
-            )
-        scanned_starts, scanned_lengths = _scan_runs(is_free)
-        if not (
-            np.array_equal(snapshot.run_starts, scanned_starts)
-            and np.array_equal(snapshot.run_lengths, scanned_lengths)
-        ):
-            raise RuntimeError(
-                f"pool '{self.name}': the free-run index ({snapshot.run_starts.size} runs) "
-                f"differs from the free map ({scanned_starts.size} runs)"
-            )
+        snapshot.verify(self.name, self.num_pages)
 
     def _slots_of(self, pages: np.ndarray) -> np.ndarray:
+        if pages.size == 1:
+            first = int(pages[0]) * self.page_size
+            return np.arange(first, first + self.page_size, dtype=np.int64)
         return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)
-
-
-@dataclass(frozen=True)
-class AllocatorSnapshot:
-    """An allocator's state at one moment (see :meth:`PageAllocator.integrity_snapshot`)."""
-
-    is_free: np.ndarray
-    num_free_pages: int
-    run_starts: np.ndarray
-    run_lengths: np.ndarray
-
-
-def used_pages_of(free_map: np.ndarray) -> np.ndarray:
-    """Ids of the allocated pages of a free map (page 0, the padding page, excluded)."""
-    used = np.flatnonzero(~free_map)
-    return used[used != 0]
 
 
 def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -254,16 +269,11 @@ def _runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     """``(starts, lengths)`` of the runs of consecutive pages among distinct ``pages``."""
     if pages.size == 1:
         return [int(pages[0])], [1]
+    low, high = int(pages.min()), int(pages.max())
+    if high - low == pages.size - 1:  # distinct pages spanning no more than their count
+        return [low], [int(pages.size)]
     pages = np.sort(pages)
     breaks = np.flatnonzero(np.diff(pages) != 1) + 1
     starts = pages[np.concatenate(([0], breaks))]
     ends = pages[np.concatenate((breaks - 1, [pages.size - 1]))] + 1
     return starts.tolist(), (ends - starts).tolist()
-
-
-def _scan_runs(is_free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, lengths)`` of the runs of ``True`` in ``is_free``, by a pass over it."""
-    padded = np.concatenate(([False], is_free, [False]))
-    edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
-    starts, ends = edges[0::2], edges[1::2]
-    return starts, ends - starts

@@ -90,6 +90,8 @@ class BoundsGuard:
         """Raise :class:`BoundsError` for the oldest finished CUDA check that found an
         offending value (each such check is reported once). Reads pinned host memory only:
         checks the GPU has not run yet are left for a later call."""
+        if self._records is None and self._captured is None:
+            return  # no deferred check was ever made (every CPU pool): nothing to read
         self._raise_if_captured_tripped()
         if self._records is None or self._read == self._next:
             return

@@ -7,9 +7,11 @@ Storage is one tensor ``data`` of shape ``[components, layers, slots, row_elems]
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .base import (
@@ -22,6 +24,7 @@ from .base import (
     check_indices,
 )
 from .bounds import BoundsGuard
+from .row_records import layer_records
 
 LayerWaiter = Callable[[int], None]
 
@@ -43,17 +46,18 @@ class RowGeometry:
     latent_dim: int
     dtype: torch.dtype
 
-    @property
+    # cached: the transfer path reads them per op, and the fields never change
+    @functools.cached_property
     def num_components(self) -> int:
         return 2 if self.kind is AttentionKind.MHA else 1
 
-    @property
+    @functools.cached_property
     def row_elems(self) -> int:
         if self.kind is AttentionKind.MHA:
             return self.num_kv_heads * self.head_dim
         return self.latent_dim
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
         """Bytes of one component of one token in one layer."""
         return self.row_elems * self.dtype.itemsize
@@ -106,6 +110,7 @@ class DeviceKVPool:
         self._padding = [[rows[PADDING_SLOT] for rows in component] for component in self._rows]
         self.guard = BoundsGuard(name, self.device)
         self._layer_waiter: LayerWaiter | None = None
+        self._records: list[list[np.ndarray]] | None = None
 
     @property
     def size_bytes(self) -> int:
@@ -178,6 +183,13 @@ class DeviceKVPool:
     def layer_rows(self, component: int, layer: int) -> torch.Tensor:
         """Raw ``[num_slots, row_elems]`` view for the transfer engine (no layer wait)."""
         return self.data[component, layer]
+
+    def layer_records(self, component: int, layer: int) -> np.ndarray:
+        """:meth:`layer_rows` as ``[num_slots]`` numpy records (CPU pools only; see
+        :mod:`hicache.pools.row_records`), made once."""
+        if self._records is None:
+            self._records = layer_records(self._rows)
+        return self._records[component][layer]
 
     def key_buffer(self, layer: int) -> torch.Tensor:
         """``[num_slots, num_kv_heads, head_dim]`` K of ``layer`` (MHA); waits on loads."""

@@ -20,11 +20,13 @@ import math
 import mmap
 import weakref
 
+import numpy as np
 import torch
 
 from .allocator import PageAllocator
 from .base import HostLayout, IndexSpace, Indices, check_indices
 from .device import RowGeometry
+from .row_records import layer_records
 
 logger = logging.getLogger(__name__)
 CPU = torch.device("cpu")
@@ -70,6 +72,7 @@ class HostKVPool:
                               page_size, geometry.row_elems)
         self.is_pinned = False
         self._unpin: weakref.finalize | None = None
+        self._records: list[list[np.ndarray]] | None = None
         if pin if pin is not None else torch.cuda.is_available():
             self._data: torch.Tensor | None = _page_aligned_zeros(shape, geometry.dtype)
             self._pin()
@@ -137,6 +140,15 @@ class HostKVPool:
         else:
             self.layer_rows(component, layer).index_copy_(0, slots, rows)
 
+    def layer_records(self, component: int, layer: int) -> np.ndarray:
+        """:meth:`layer_rows` as ``[num_slots]`` numpy records (see
+        :mod:`hicache.pools.row_records`), made once; dropped by :meth:`close`."""
+        if self._records is None:
+            rows = [[self.layer_rows(c, layer) for layer in range(self.num_layers)]
+                    for c in range(self.geometry.num_components)]
+            self._records = layer_records(rows)
+        return self._records[component][layer]
+
     def check(self, indices: Indices, op: str, device: torch.device | None = CPU) -> torch.Tensor:
         """Validate host indices (space, dtype, device, debug bounds)."""
         return check_indices(
@@ -182,6 +194,7 @@ class HostKVPool:
             self._unpin = None
         self.is_pinned = False
         self._data = None
+        self._records = None
 
     def _pin(self) -> None:
         data = self.data

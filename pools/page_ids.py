@@ -2,11 +2,13 @@
 
 Slot indices name whole pages in order (``page * page_size + 0 .. page_size - 1``). Valid
 input, the common case on the scheduler thread, is recognised with a few numpy calls per
-call (:func:`_valid_pages`); anything else goes through every check in turn so that the
+call (:func:`valid_pages`); anything else goes through every check in turn so that the
 error names the first thing wrong.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
@@ -32,7 +34,7 @@ def page_ids(
             (:class:`~hicache.pools.BoundsError`); a partial or unordered page; page 0; a
             page twice.
     """
-    pages = _valid_pages(indices, space, page_size, num_pages)
+    pages = valid_pages(indices, space, page_size, num_pages)
     if pages is not None:
         return pages
     return _checked_page_ids(
@@ -74,7 +76,7 @@ def _checked_page_ids(
     return pages
 
 
-def _valid_pages(
+def valid_pages(
     indices: Indices, space: IndexSpace, page_size: int, num_pages: int
 ) -> np.ndarray | None:
     """The pages of ``indices`` when every check of :func:`page_ids` passes; ``None``
@@ -88,30 +90,49 @@ def _valid_pages(
     tensor = indices.tensor
     if tensor.dtype not in _INDEX_DTYPES or tensor.dim() != 1 or not tensor.is_cpu:
         return None
-    slots = tensor.numpy()
-    if slots.size == 0 or slots.size % page_size:
-        return None
-    if slots.size == page_size:  # one page, the common free and backup: no numpy calls
-        first = int(slots[0])
-        if first % page_size or slots.tolist() != list(range(first, first + page_size)):
+    size = tensor.numel()
+    if size == page_size:  # one page, the common free and backup: no numpy calls
+        values = tensor.tolist()
+        first = values[0]
+        if first % page_size or values != list(range(first, first + page_size)):
             return None
         page = first // page_size
-        return np.array([page], dtype=np.int64) if 1 <= page <= num_pages else None
+        return np.array((page,), dtype=np.int64) if 1 <= page <= num_pages else None
+    if size == 0 or size % page_size:
+        return None
+    slots = tensor.numpy()
+    first = int(slots[0])
+    if int(slots[-1]) - first == size - 1 and not first % page_size and np.array_equal(
+            slots, np.arange(first, first + size)):
+        # one ascending run of whole pages (what an allocation hands out): one comparison
+        page = first // page_size
+        last_page = page + size // page_size - 1
+        if page < 1 or last_page > num_pages:
+            return None
+        return np.arange(page, last_page + 1, dtype=np.int64)
+    # count_nonzero rather than .any()/.all(): a C call, where those go through Python
     if page_size == 1:
         pages = slots.astype(np.int64)  # a copy
     else:
         by_page = slots.reshape(-1, page_size)
         pages = by_page[:, 0].astype(np.int64)  # a copy
-        if (pages % page_size).any() or not (
-            by_page - by_page[:, :1] == np.arange(page_size)
-        ).all():
+        if np.count_nonzero(pages % page_size) or np.count_nonzero(
+                by_page - _offsets(page_size) - pages[:, None]):
             return None
         pages //= page_size
-    if pages.size == 1 or (pages[1:] > pages[:-1]).all():
+    if pages.size == 1 or not np.count_nonzero(pages[1:] <= pages[:-1]):
         low, high = pages[0], pages[-1]
     else:
         ordered = np.sort(pages)
-        if (ordered[1:] == ordered[:-1]).any():
+        if np.count_nonzero(ordered[1:] == ordered[:-1]):
             return None
         low, high = ordered[0], ordered[-1]
     return pages if low >= 1 and high <= num_pages else None
+
+
+@functools.lru_cache(maxsize=8)
+def _offsets(page_size: int) -> np.ndarray:
+    """``[page_size]`` offsets of a page's slots, made once per page size (read-only)."""
+    offsets = np.arange(page_size, dtype=np.int64)
+    offsets.flags.writeable = False
+    return offsets

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
-from hicache.pools.free_runs import SortedInts
 
 
 class ScanModel:
@@ -60,11 +61,9 @@ def _slots(pages: list[int], page_size: int) -> list[int]:
 @given(num_pages=st.integers(1, 64), page_size=st.integers(1, 4), data=st.data())
 def test_allocator_matches_the_scan_model(num_pages: int, page_size: int,
                                           data: st.DataObject) -> None:
-    """Random allocs and scattered, unordered frees give the model's pages, counts and runs,
-    with the run index over sortedcontainers or over its bisect-list stand-in."""
+    """Random allocs and scattered, unordered frees give the model's pages, counts and
+    runs."""
     allocator = PageAllocator(num_pages, page_size, IndexSpace.HOST_FULL, "host")
-    if data.draw(st.booleans(), label="bisect list"):
-        allocator._runs._by_size = _rebuilt(allocator._runs._by_size)
     model = ScanModel(num_pages)
     used: list[int] = []
     for _ in range(data.draw(st.integers(0, 40), label="steps")):
@@ -90,9 +89,30 @@ def test_allocator_matches_the_scan_model(num_pages: int, page_size: int,
         allocator.check_integrity()
 
 
-def _rebuilt(keys: object) -> SortedInts:
-    """The same keys in the stand-in used where sortedcontainers is not installed."""
-    out = SortedInts()
-    for key in keys:  # type: ignore[attr-defined]
-        out.add(key)
-    return out
+
+def test_long_churn_keeps_the_model_and_bounded_heaps() -> None:
+    """Thousands of small allocs and frees (many runs of equal length leaving and coming
+    back, so heaps hold stale entries): the model's answers, and no heap grows beyond twice
+    its live runs plus slack."""
+    rng = random.Random(7)
+    allocator = PageAllocator(300, 2, IndexSpace.DEVICE_FULL, "full")
+    model = ScanModel(300)
+    used: list[list[int]] = []
+    for step in range(3000):
+        if used and (rng.random() < 0.5 or allocator.num_free_tokens < 10):
+            pages = used.pop(rng.randrange(len(used)))
+            allocator.free(Indices(torch.tensor(_slots(pages, 2)), IndexSpace.DEVICE_FULL))
+            model.free(pages)
+        else:
+            want = rng.choice([1, 1, 1, 2, 3, 5])
+            got, expected = allocator.try_alloc(want * 2), model.alloc(want)
+            assert (got is None) == (expected is None)
+            if got is not None and expected is not None:
+                assert got.tensor.tolist() == _slots(expected, 2), step
+                used.append(expected)
+        runs = allocator._runs
+        for length, heap in runs._starts.items():
+            assert len(heap) <= 2 * runs._counts[length] + 17
+    starts, lengths = allocator.free_runs()
+    assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == model.runs()
+    allocator.check_integrity()

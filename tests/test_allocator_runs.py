@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from hicache.controller.stats import _breaks
 from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.pools.free_runs import FreeRuns
 
 
 def pages(allocator: PageAllocator, ids: list[int]) -> Indices:
@@ -114,3 +116,32 @@ def test_stats_report_mean_host_run_length() -> None:
     assert ctrl.stats.host_runs[("device_to_host", "full")] == 2
     assert ctrl.stats.mean_host_run_tokens("device_to_host", "full") == 2.5
     assert ctrl.stats.mean_host_run_tokens("host_to_device", "full") is None
+
+
+def test_free_run_heaps_drop_stale_entries() -> None:
+    """Runs that leave by merging stay in their length's heap only until stale entries
+    outnumber live ones; the next insert of that length compacts the heap."""
+    runs = FreeRuns(1000)
+    runs.take(1, 1000)
+    for page in range(1, 1000, 2):
+        runs.add(page, 1)  # 500 one-page runs
+    for page in range(998, 300, -2):
+        runs.add(page, 1)  # merges the one-page run below into the run above
+    live = runs._counts[1]
+    assert len(runs._starts[1]) == 500 > 2 * live + 16  # stale entries wait
+    runs.take(1, 1)
+    runs.add(1, 1)  # an insert of that length compacts
+    assert len(runs._starts[1]) == live
+    assert runs.best_fit(1) == 1 and runs.best_fit(2) == 301
+    runs.check_integrity("full")
+
+
+def test_host_runs_counted_per_page_match_the_slots() -> None:
+    """Breaks between host runs counted on page ids (repeats included) are those of the
+    sorted slots they stand for."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        page_size = int(rng.integers(1, 5))
+        pages = rng.integers(1, 15, int(rng.integers(1, 12)))
+        slots = np.sort((pages[:, None] * page_size + np.arange(page_size)).reshape(-1))
+        assert _breaks(pages, page_size) == np.count_nonzero(np.diff(slots) != 1), pages

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.pools import IndexSpace, Indices
-from hicache.pools.page_ids import _checked_page_ids, _valid_pages, page_ids
+from hicache.pools.page_ids import _checked_page_ids, page_ids, valid_pages
 
 PAGE, PAGES = 4, 12
 
@@ -49,7 +49,7 @@ def test_fast_path_accepts_only_what_the_checks_accept(
     slots: list[int], dtype: torch.dtype, space: IndexSpace
 ) -> None:
     indices = Indices(torch.tensor(slots, dtype=dtype), space)
-    fast = _valid_pages(indices, IndexSpace.DEVICE_FULL, PAGE, PAGES)
+    fast = valid_pages(indices, IndexSpace.DEVICE_FULL, PAGE, PAGES)
     long = checked_the_long_way(indices)
     if fast is not None:
         assert long is not None and np.array_equal(fast, long)
