@@ -142,7 +142,13 @@ class HostKVPool:
 
     def layer_records(self, component: int, layer: int) -> np.ndarray:
         """:meth:`layer_rows` as ``[num_slots]`` numpy records (see
-        :mod:`hicache.pools.row_records`), made once; dropped by :meth:`close`."""
+        :mod:`hicache.pools.row_records`), made once; dropped by :meth:`close`. Not for
+        ``page_first_direct``, whose layer is no flat view of slots (use
+        :meth:`read_layer_rows` / :meth:`write_layer_rows`)."""
+        if self.layout is HostLayout.PAGE_FIRST_DIRECT:
+            raise ValueError(f"layer_records: host pool '{self.name}' is page_first_direct, "
+                             f"whose layers have no [slots] view; use read_layer_rows / "
+                             f"write_layer_rows")
         if self._records is None:
             rows = [[self.layer_rows(c, layer) for layer in range(self.num_layers)]
                     for c in range(self.geometry.num_components)]

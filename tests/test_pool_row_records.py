@@ -21,7 +21,8 @@ from hicache.pools import (
 from hicache.pools.row_records import row_records
 
 
-@pytest.mark.parametrize("layout", list(HostLayout))
+# page_first_direct has no flat [slots] view of a layer: its CPU copies go through torch
+@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_records_copy_rows_between_pools(layout: HostLayout, dtype: torch.dtype) -> None:
     """Copying records moves exactly the indexed rows of one component and layer."""
