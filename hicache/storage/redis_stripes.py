@@ -4,7 +4,8 @@ A single-threaded Redis server writes to several clients per event-loop turn, an
 thread blocked in ``recv_into`` releases the GIL: with the pages of one call split into
 stripes (every ``n``-th page of a server's share) on ``n`` connections, the server and the
 client work at the same time instead of taking turns. Measured with 2 MiB pages on loopback
-(2 cores): 4 connections read 10-70% faster than one, writes are bound by the server.
+(2 cores): 4 connections read 0-70% faster than one (about 20% in most runs); writes gain
+little, the server's page faults on fresh memory bound them.
 
 :meth:`Stripes.run` returns only when no worker touches the call's buffers any more: a stripe
 still queued at the deadline (behind another call's) is cancelled, a running one stops at the
