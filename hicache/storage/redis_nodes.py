@@ -57,6 +57,7 @@ class RedisNodes:
         self._refreshed_at = -float("inf")
         self._local = threading.local()
         self._all: list[RespConnection] = []
+        self._generation: dict[Address, int] = {}  # bumped when a server fails
         self._lock = threading.Lock()
 
     # ---- routing ---------------------------------------------------------------------------
@@ -110,30 +111,49 @@ class RedisNodes:
     def connection(self, address: Address, deadline: Deadline) -> RespConnection | None:
         """This thread's connection to ``address``; ``None`` if its circuit is open or the
         connection attempt failed (counted)."""
-        connections: dict[Address, RespConnection] = self._local.__dict__.setdefault("c", {})
-        existing = connections.get(address)
-        if existing is not None and not existing.closed:
+        existing = self._current(address)
+        if existing is not None:
             return existing
-        circuit = self._circuit(address)
-        if not circuit.allow():
+        if not self.allow(address):
             return None
         try:
-            connection = RespConnection(*address, deadline, self.password)
+            return self.connect(address, deadline)
         except (OSError, RespError) as exc:
             self.failed(address, exc)
             return None
-        connections[address] = connection
+
+    def allow(self, address: Address) -> bool:
+        """True if a call may talk to ``address`` now (its circuit is closed, or this call is
+        the one trial after the backoff)."""
+        return self._circuit(address).allow()
+
+    def connect(self, address: Address, deadline: Deadline) -> RespConnection:
+        """This thread's connection to ``address``, made if needed, whatever its circuit says
+        (for a worker of a call that :meth:`allow` let through). Raises ``OSError`` or
+        :class:`RespError` if it cannot be made."""
+        existing = self._current(address)
+        if existing is not None:
+            return existing
+        generation = self._generation.get(address, 0)
+        connection = RespConnection(*address, deadline, self.password)
+        self._connections()[address] = (connection, generation)
         with self._lock:
             self._all = [c for c in self._all if not c.closed]
             self._all.append(connection)
         return connection
 
+    def drop(self, address: Address) -> None:
+        """Close this thread's connection to ``address`` (its state is unknown after a
+        failure or a timeout); the circuit is the caller's business (:meth:`failed`)."""
+        entry = self._connections().pop(address, None)
+        if entry is not None:
+            entry[0].close()
+
     def failed(self, address: Address, error: Exception) -> None:
         """Drop this thread's connection to ``address`` and open its circuit."""
-        connections: dict[Address, RespConnection] = self._local.__dict__.setdefault("c", {})
-        connection = connections.pop(address, None)
-        if connection is not None:
-            connection.close()
+        self.drop(address)
+        with self._lock:  # other threads' connections to it are stale too (a restarted
+            self._generation[address] = self._generation.get(address, 0) + 1  # server)
         if self._circuit(address).failed():
             logger.warning("redis %s:%d failed (%s); its pages are misses until it answers",
                            *address, error)
@@ -155,6 +175,24 @@ class RedisNodes:
             connections, self._all = self._all, []
         for connection in connections:
             connection.close()
+
+    def _connections(self) -> dict[Address, tuple[RespConnection, int]]:
+        """This thread's connections, each with the server's generation when it was made."""
+        connections: dict[Address, tuple[RespConnection, int]] = \
+            self._local.__dict__.setdefault("c", {})
+        return connections
+
+    def _current(self, address: Address) -> RespConnection | None:
+        """This thread's open connection to ``address`` made since the server last failed;
+        an older one is closed (it may lead to a server that was restarted since)."""
+        entry = self._connections().get(address)
+        if entry is None:
+            return None
+        connection, generation = entry
+        if not connection.closed and generation == self._generation.get(address, 0):
+            return connection
+        self.drop(address)
+        return None
 
     def _circuit(self, address: Address) -> Circuit:
         circuit = self._circuits.get(address)

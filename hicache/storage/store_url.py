@@ -41,7 +41,7 @@ class StoreLocation(NamedTuple):
 def open_store(location: str, namespace: Namespace, **options: Any) -> StorageBackend:
     """The backend ``location`` names, for ``namespace``; ``options`` go to its constructor
     (``timeout_s``, ``checksum``; ``capacity_bytes``, ``num_threads``, ``direct_io`` for
-    files; ``pipeline_pages`` for Redis). Opens no connection yet.
+    files; ``num_threads``, ``pipeline_pages`` for Redis). Opens no connection yet.
 
     Raises:
         ValueError: an unknown scheme, a malformed address, a path that is not a directory.
