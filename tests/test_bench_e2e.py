@@ -104,10 +104,18 @@ def test_command_prints_every_column_and_writes_json(
         row["recompute_ms"] / max(row["copy_ms"], row["resident_ms"]))
 
 
-def test_prefix_lengths_must_be_whole_pages(capsys: pytest.CaptureFixture[str]) -> None:
-    """--tokens 40 with pages of 16: exit 2 with one line naming the fix."""
-    assert main(["--device", "cpu", "--tiny", "--tokens", "40"]) == 2
-    assert "use multiples of 16" in capsys.readouterr().err
+@pytest.mark.parametrize(("argv", "fix"), [
+    (["--device", "cpu", "--tiny", "--tokens", "40"], "use multiples of 16"),
+    (["--device", "cpu"], "add --tiny"),
+    (["--device", "tpu", "--tiny"], "expected cuda, cuda:N or cpu"),
+])
+def test_usage_errors_name_the_fix(argv: list[str], fix: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Ragged prefix lengths, the 8B shapes on a CPU, an unknown device: exit 2, one line."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hicache bench e2e: error: ") and fix in err
+    assert err.count("\n") == 1
 
 
 @pytest.mark.gpu

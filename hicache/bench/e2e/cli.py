@@ -109,10 +109,13 @@ def options(args: argparse.Namespace) -> E2EOptions:
                          f"use multiples of {args.page_size}")
     try:
         device = torch.device(args.device)
-    except RuntimeError as exc:
-        raise UsageError(f"--device {args.device!r}: {exc}") from None
-    if device.type not in ("cuda", "cpu"):
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cuda", "cpu"):
         raise UsageError(f"--device {args.device!r}: expected cuda, cuda:N or cpu")
+    if device.type == "cpu" and not args.tiny:
+        raise UsageError("--device cpu runs only the --tiny shapes (an 8B model's prefill of "
+                         "32k tokens takes hours on a CPU); add --tiny")
     base = TINY if args.tiny else DecoderSpec()
     spec = DecoderSpec(
         num_layers=args.layers or base.num_layers, hidden=base.hidden,

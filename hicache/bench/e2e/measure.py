@@ -275,6 +275,12 @@ def run_e2e(opts: E2EOptions) -> list[E2ERow]:
     """
     if opts.device.type == "cuda" and not torch.cuda.is_available():
         raise BenchmarkError("no CUDA device; --device cpu --tiny runs the small CPU path")
+    # events, streams and synchronisations of the current device are those of opts.device
+    with torch.cuda.device(opts.device) if opts.device.type == "cuda" else nullcontext():
+        return _run(opts)
+
+
+def _run(opts: E2EOptions) -> list[E2ERow]:
     config = service_config(opts.spec, opts.device, opts.capacity_tokens, opts.page_size,
                             opts.backend, opts.layout)
     model = Decoder(opts.spec, opts.device, opts.seed)
