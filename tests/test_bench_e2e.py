@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from gpu_shapes import scaled
 
 from hicache.bench.e2e import measure
 from hicache.bench.e2e.cli import main
@@ -125,7 +126,8 @@ def test_host_hit_on_the_gpu(new_tokens: int) -> None:
     """Tiny shapes in bf16 on the GPU through the auto backend: the host hit overlapped with
     the forward computes the resident forward's output, close to the recompute's."""
     rows = run_e2e(tiny_options("cuda", torch.bfloat16, new_tokens, backend="auto",
-                                cached_tokens=(64, 256), repeats=2, warmup=1))
+                                cached_tokens=(64, 256), repeats=scaled(2, 1),
+                                warmup=scaled(1, 0)))
     for row in rows:
         assert row.outputs_equal, row
         assert row.recompute_rel_diff < 0.05, row
