@@ -91,12 +91,13 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     parser = subparsers.add_parser(
         "bench", help="transfer bandwidth against the ceiling (GPU); 'bench scheduler': the "
         "scheduler thread's costs (CPU); 'bench storage': the shared store; 'bench fleet': "
-        "a trace through several instances sharing it", description=DESCRIPTION)
+        "a trace through several instances sharing it; 'bench e2e': time to first token of "
+        "a host hit against recompute (GPU)", description=DESCRIPTION)
     add_bench_arguments(parser)
     parser.set_defaults(run=run_bench)
-    from . import fleet_cli, scheduler_cli, storage_cli
+    from . import e2e, fleet_cli, scheduler_cli, storage_cli
 
-    kinds = parser.add_subparsers(dest="bench_kind", metavar="scheduler|storage|fleet")
+    kinds = parser.add_subparsers(dest="bench_kind", metavar="scheduler|storage|fleet|e2e")
     scheduler = kinds.add_parser("scheduler", help=scheduler_cli.DESCRIPTION,
                                  description=scheduler_cli.DESCRIPTION)
     scheduler_cli.add_arguments(scheduler)
@@ -109,6 +110,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                              description=fleet_cli.DESCRIPTION)
     fleet_cli.add_arguments(fleet)
     fleet.set_defaults(run=fleet_cli.run)
+    end_to_end = kinds.add_parser("e2e", help=e2e.cli.DESCRIPTION,
+                                  description=e2e.cli.DESCRIPTION)
+    e2e.add_arguments(end_to_end)
+    end_to_end.set_defaults(run=e2e.run)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -1,0 +1,134 @@
+"""hicache bench e2e: the decoder's attention is the lower-right causal softmax, a host hit
+through the service computes the resident forward's output bit for bit (and the recompute's),
+wrong loaded bytes fail the run, and the command prints every column."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gpu_shapes import scaled
+
+from hicache.bench.e2e import measure
+from hicache.bench.e2e.cli import main
+from hicache.bench.e2e.measure import E2EOptions, run_e2e
+from hicache.bench.e2e.model import TINY, DecoderSpec, attend
+from hicache.bench.e2e.report import COLUMNS
+from hicache.bench.workload import BenchmarkError
+from hicache.cli import main as cli_main
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of ``T`` new tokens after ``S - T`` cached ones, head by head."""
+    tokens, length, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) / q.shape[-1] ** 0.5
+    allowed = torch.arange(length)[None, :] <= torch.arange(tokens)[:, None] + length - tokens
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.einsum("hts,shd->thd", weights, v).reshape(tokens, -1)
+
+
+@pytest.mark.parametrize(("tokens", "length"), [(5, 12), (1, 12), (7, 7)])
+def test_attention_is_lower_right_causal_over_grouped_heads(tokens: int, length: int) -> None:
+    """New token i attends to every cached row and new rows 0..i; 4 query heads share 2."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(tokens, 4, 8, generator=gen)
+    k, v = torch.randn(length, 2, 8, generator=gen), torch.randn(length, 2, 8, generator=gen)
+    torch.testing.assert_close(attend(q, k, v), naive_attention(q, k, v))
+
+
+def tiny_options(device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 new_tokens: int = 5, **changes: Any) -> E2EOptions:
+    spec = DecoderSpec(**{**TINY.__dict__, "dtype": dtype})
+    fields: dict[str, Any] = {"spec": spec, "device": torch.device(device),
+                              "cached_tokens": (32, 64), "new_tokens": new_tokens,
+                              "repeats": 1, "warmup": 0, "backend": "torch", **changes}
+    return E2EOptions(**fields)
+
+
+def test_host_hit_equals_resident_and_recompute_on_cpu() -> None:
+    """Every prefix length: the host hit's output is the resident forward's bit for bit and
+    the recompute's last rows (float32), read from one run of pool slots; times are set."""
+    rows = run_e2e(tiny_options())
+    assert [r.cached_tokens for r in rows] == [32, 64]
+    for row in rows:
+        assert row.outputs_equal and row.hit_max_diff == 0.0
+        assert row.recompute_rel_diff < 1e-5
+        assert row.gathered_layers == 0
+        assert min(row.recompute_prefix_ms, row.recompute_ms, row.copy_ms, row.resident_ms,
+                   row.bare_ms, row.hit_ms) > 0
+
+
+def test_page_first_direct_host_layout_loads_the_same_rows() -> None:
+    """The other host layout (pages of 16 side by side) gives the same output."""
+    rows = run_e2e(tiny_options(cached_tokens=(48,), new_tokens=1, layout="page_first_direct"))
+    assert rows[0].outputs_equal and rows[0].recompute_rel_diff < 1e-5
+
+
+def test_wrong_loaded_rows_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host copy changed after the backup makes the run fail naming the prefix."""
+    real = measure.put_prefix
+
+    def put_then_corrupt(service: Any, *args: Any) -> None:
+        real(service, *args)
+        service.controller.host_pool.data.add_(1.0)  # every host row, the prefix's too
+
+    monkeypatch.setattr(measure, "put_prefix", put_then_corrupt)
+    with pytest.raises(BenchmarkError, match="32 cached tokens: the rows loaded back differ"):
+        run_e2e(tiny_options(cached_tokens=(32,)))
+
+
+def test_command_prints_every_column_and_writes_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`hicache bench e2e --device cpu --tiny`: exit 0, a table with every column, the
+    rows and their speedups in the JSON file."""
+    out = tmp_path / "e2e.json"
+    argv = ["bench", "e2e", "--device", "cpu", "--tiny", "--tokens", "32", "--new-tokens", "3",
+            "--repeats", "1", "--warmup", "0", "--json", str(out)]
+    assert cli_main(argv) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("hicache bench e2e: cpu, torch")
+    assert printed[1].split() == " ".join(name for name, _ in COLUMNS).split()
+    assert printed[3].split()[0] == "32" and "bitwise" in printed[3]
+    saved = json.loads(out.read_text(encoding="utf-8"))
+    assert saved["meta"]["new_tokens"] == 3 and saved["meta"]["layers"] == 2
+    (row,) = saved["rows"]
+    for key in ("recompute_ms", "copy_ms", "resident_ms", "bare_ms", "hit_ms", "ideal_x",
+                "hit_x", "of_ideal_pct", "over_bare_pct", "anchor_x", "outputs_equal"):
+        assert key in row
+    assert row["ideal_x"] == pytest.approx(
+        row["recompute_ms"] / max(row["copy_ms"], row["resident_ms"]))
+
+
+@pytest.mark.parametrize(("argv", "fix"), [
+    (["--device", "cpu", "--tiny", "--tokens", "40"], "use multiples of 16"),
+    (["--device", "cpu"], "add --tiny"),
+    (["--device", "tpu", "--tiny"], "expected cuda, cuda:N or cpu"),
+])
+def test_usage_errors_name_the_fix(argv: list[str], fix: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Ragged prefix lengths, the 8B shapes on a CPU, an unknown device: exit 2, one line."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hicache bench e2e: error: ") and fix in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("new_tokens", [1, 5])
+def test_host_hit_on_the_gpu(new_tokens: int) -> None:
+    """Tiny shapes in bf16 on the GPU through the auto backend: the host hit overlapped with
+    the forward computes the resident forward's output, close to the recompute's."""
+    rows = run_e2e(tiny_options("cuda", torch.bfloat16, new_tokens, backend="auto",
+                                cached_tokens=(64, 256), repeats=scaled(2, 1),
+                                warmup=scaled(1, 0)))
+    for row in rows:
+        assert row.outputs_equal, row
+        assert row.recompute_rel_diff < 0.05, row
+        assert row.gathered_layers == 0
