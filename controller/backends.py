@@ -81,13 +81,13 @@ class TorchBackend(TransferBackend):
         to_host = direction is Direction.DEVICE_TO_HOST
         for c, layer in pairs:
             if host.layout is HostLayout.PAGE_FIRST_DIRECT:  # no flat [slots] view of a layer
-                device_rows = device.layer_rows(c, layer)
+                device_layer = device.layer_rows(c, layer)
                 if to_host:
                     host.write_layer_rows(c, layer, moved.host_index,
-                                          device_rows.index_select(0, moved.device_index))
+                                          device_layer.index_select(0, moved.device_index))
                 else:
-                    device_rows.index_copy_(0, moved.device_index,
-                                            host.read_layer_rows(c, layer, moved.host_index))
+                    device_layer.index_copy_(0, moved.device_index,
+                                             host.read_layer_rows(c, layer, moved.host_index))
                 continue
             host_rows, device_rows = host.layer_records(c, layer), device.layer_records(c, layer)
             if to_host:
