@@ -91,6 +91,10 @@ class HybridCacheController(TransferCore):
                                  f"{tuple(swa_skip.shape)}")
             mapped &= ~swa_skip
         swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
+        page = self.host_swa.page_size
+        if len(swa_part) % page:  # checked before anything is allocated
+            raise ValueError(f"write: swa_skip leaves {len(swa_part)} SWA rows to copy, not "
+                             f"whole pages of {page}; skip whole SWA pages")
         self._held.refuse_slot_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write",
                                          Direction.DEVICE_TO_HOST)
         host_full = self.host_pool.allocator.try_alloc(len(device_indices))

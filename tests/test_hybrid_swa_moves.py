@@ -116,6 +116,12 @@ def test_write_with_a_bad_swa_skip_is_refused_before_allocating() -> None:
         ctrl.write(full, swa_skip=torch.zeros(3, dtype=torch.bool))
     with pytest.raises(ValueError, match="swa_skip must be a bool tensor"):
         ctrl.write(full, swa_skip=torch.zeros(4, dtype=torch.int64))
+    page = ctrl.host_swa.page_size
+    if page > 1:  # a skip that splits an SWA page: refused before host_full is allocated
+        split = torch.zeros(4, dtype=torch.bool)
+        split[0] = True
+        with pytest.raises(ValueError, match="not whole pages"):
+            ctrl.write(full, swa_skip=split)
     assert (ctrl.host_pool.allocator.num_used_tokens,
             ctrl.host_swa.allocator.num_used_tokens) == used
     assert ctrl.num_in_flight == 0
