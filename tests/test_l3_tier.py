@@ -146,7 +146,9 @@ def test_a_miss_allocates_no_host_slots_and_counts_not_found(two) -> None:
     match = b.match(key)
     prefetch = b.prefetch(key, match)
     assert prefetch is not None
+    assert prefetch.num_tokens == 10
     assert b.wait_prefetch(prefetch, timeout_s=5.0)
+    assert prefetch.found_tokens == 0
     assert host.num_free_tokens == before
     assert b.finish_prefetch(prefetch) == 0
     assert b.storage is not None and b.storage.stats.prefetch_tokens["not_found"] == 10

@@ -59,7 +59,7 @@ class StorePageAudit:
         if tier is None:
             return
         page = service.tree.page_size
-        full, swa_digests = audit._digests["full"], audit._digests["swa"]
+        full, swa_digests = audit.digests("full"), audit.digests("swa")
 
         def observe(event: str, hashes: list[bytes], host: torch.Tensor,
                     swa: torch.Tensor | None) -> None:

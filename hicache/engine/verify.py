@@ -73,6 +73,12 @@ class TransferAudit:
         finally:
             self.request = "-"
 
+    def digests(self, pool: str) -> dict[int, bytes]:
+        """The expected row digest of every host slot of ``pool`` (``full``, ``swa``) whose
+        rows were backed up; a caller that puts rows into host slots by other means (the
+        shared store) records what they must be here."""
+        return self._digests[pool]
+
     def check_loads(self) -> int:
         """Compare every pending load with its backup; returns the pages checked. A page
         that differs is appended to :attr:`mismatches` as one line."""

@@ -83,15 +83,10 @@ class StoreBackups:
         if node.host_swa is not None:  # hybrid: only pages whose SWA rows are all on the host
             page = self.tree.page_size
             whole = (node.host_swa.tensor.view(-1, page) != 0).all(dim=1)
-            if not bool(whole.all()):
-                self.stats.backup_pages["no_swa_rows"] += int((~whole).sum())
-                keep = whole.tolist()
-                hashes = [h for h, kept in zip(hashes, keep, strict=True) if kept]
-                host = host.view(-1, page)[whole].reshape(-1)
-                swa_rows = node.host_swa.tensor.view(-1, page)[whole].reshape(-1)
-            else:
-                swa_rows = node.host_swa.tensor
-            swa = swa_rows.clone()
+            self.stats.backup_pages["no_swa_rows"] += int((~whole).sum())
+            hashes = [h for h, kept in zip(hashes, whole.tolist(), strict=True) if kept]
+            host = host.view(-1, page)[whole].reshape(-1)
+            swa = node.host_swa.tensor.view(-1, page)[whole].reshape(-1)
             if not hashes:
                 node.in_storage = True  # nothing of it can go to the store
                 return False

@@ -59,7 +59,8 @@ class PrefetchJob:
     swa: torch.Tensor | None = None  # their SWA slots (hybrid models; set with ``host``)
     arrived: int = 0  # leading pages loaded and verified, in ``host``
     statuses: list[PageStatus] = field(default_factory=list)  # per page loaded so far
-    error: str | None = None
+    error: str | None = None  # the store's first error message, for a log line
+    unread: str | None = None  # why found pages were never read: host_full, queue_full
     cancelled: bool = False  # set by the scheduler: stop after the current batch
     done: bool = False  # back from the worker (reset when submitted again)
     changed: threading.Event = field(default_factory=threading.Event)

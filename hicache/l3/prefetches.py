@@ -55,7 +55,6 @@ class Prefetch:
     key: bytes
     page_hashes: bytes
     job: PrefetchJob
-    started_at: float
     deadline: float | None
     finished: bool = False
 
@@ -103,7 +102,7 @@ class Prefetches:
         if node is not self.tree.root:
             self.tree.lock(node)
         now = time.monotonic()
-        prefetch = Prefetch(node, tail, hashes, job, now, self._deadline(now, num_tokens))
+        prefetch = Prefetch(node, tail, hashes, job, self._deadline(now, num_tokens))
         self._active[job] = prefetch
         self.stats.prefetches += 1
         self.stats.queried_tokens += num_tokens
@@ -124,13 +123,11 @@ class Prefetches:
             return
         if job.phase is not PrefetchPhase.ANSWERED or job not in self._active:
             return  # loaded (finish takes it), or finished early before the answer
-        prefetch = self._active[job]
         self.stats.found_tokens += job.found * self.page_size
         num_tokens = job.found * self.page_size
         slots = self._alloc(num_tokens)
         if slots is None:
-            job.phase = PrefetchPhase.DONE  # nothing read: finish counts the pages host_full
-            prefetch.job.error = "host_full"
+            job.phase, job.unread = PrefetchPhase.DONE, "host_full"  # nothing read
             return
         job.host, job.swa = slots
         job.phase, job.done = PrefetchPhase.LOAD, False
@@ -138,7 +135,7 @@ class Prefetches:
         if not self.worker.submit(job):
             self._free(*slots)
             job.host, job.swa, job.done, job.phase = None, None, True, PrefetchPhase.DONE
-            job.error = "queue_full"
+            job.unread = "queue_full"
 
     def _alloc(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Host slots (and SWA host slots, hybrid) of ``num_tokens``, evicting host leaves
@@ -192,6 +189,10 @@ class Prefetches:
             self.tree.unlock(prefetch.node)
         return attached
 
+    def open_prefetches(self) -> list[Prefetch]:
+        """Prefetches started and not finished yet."""
+        return list(self._active.values())
+
     def held_slots(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(full, SWA) host slots held outside the tree: prefetches being read, and what
         early finishes left to the worker."""
@@ -210,8 +211,7 @@ class Prefetches:
             counts[_STATUS_OUTCOME.get(status, "timeout")] += page
         unread = job.found - max(arrived, len(job.statuses))
         if unread > 0:
-            counts["host_full" if job.error == "host_full" else
-                   "queue_full" if job.error == "queue_full" else "timeout"] += unread * page
+            counts[job.unread or "timeout"] += unread * page
         counts["not_found"] += (total - job.found) * page
 
     def _deadline(self, now: float, num_tokens: int) -> float | None:

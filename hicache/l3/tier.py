@@ -113,12 +113,12 @@ class StorageTier:
         if self._closed:
             return
         self._closed = True
-        for prefetch in list(self.prefetches._active.values()):
+        for prefetch in self.prefetches.open_prefetches():
             prefetch.job.cancelled = True
         self.prefetch_worker.close()
         self.backup_worker.close()
         self.poll()
-        for prefetch in list(self.prefetches._active.values()):
+        for prefetch in self.prefetches.open_prefetches():
             self.prefetches.finish(prefetch)
         self.tree.storage = None
         self.store.close()

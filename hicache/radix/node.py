@@ -88,7 +88,9 @@ class TreeNode:
     # the shared store (L3), when the service has one (hicache.l3):
     page_hashes: bytes | None = None  # the chained hash of each page, 32 bytes each
     store_op: PendingStore | None = None  # a put reading this node's host slots
-    in_storage: bool = False  # every page was stored (it may have been evicted since)
+    # nothing more of it to store: every page it could send was stored (a store may evict
+    # it since); a hybrid page without all its SWA rows on the host is never sent
+    in_storage: bool = False
 
     @property
     def num_tokens(self) -> int:
