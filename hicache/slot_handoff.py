@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from hicache.pools import HybridSWAPool, IndexSpace, Indices
 
@@ -76,12 +77,15 @@ def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices:
     tree, with the host SWA copies made of them; tokens already cached."""
     tree = service.tree
     key = tree.key(tokens, "insert")  # checked once, reused below
-    num_tokens = len(key.pages)
+    num_tokens = key.num_page_tokens
     if len(device_indices) < num_tokens:
         raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
     pages = service._engine.insertable(tree, key, device_indices, num_tokens)
     finish_window_backups(service, device_indices)
-    cached = tree.insert(key, device_indices)
+    # Every page is the engine's (so allocated) or the tree's own: what take_slots checks
+    slots = Indices(device_indices.tensor[:num_tokens].to(torch.int64, copy=True),
+                    IndexSpace.DEVICE_FULL)
+    cached = tree.insert_checked(key.data, slots)
     if tree.io.is_hybrid:  # copies of duplicate pages, which the tree freed
         head = Indices(device_indices.tensor[:num_tokens], IndexSpace.DEVICE_FULL)
         tree.io.free_host_swa(tree.window_backups.take(head))

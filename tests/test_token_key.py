@@ -44,7 +44,12 @@ def test_key_owns_its_tokens() -> None:
 @pytest.mark.parametrize("tokens,error,message", [
     ([1, 2.5], TypeError, r"^key: token ids must be ints, got tokens\[1\] = 2.5"),
     ([1, True], TypeError, r"tokens\[1\] = True \(bool\)"),
+    ([5, 9, False, 7], TypeError, r"tokens\[2\] = False \(bool\)"),
+    ([5, 1, 0, True], TypeError, r"tokens\[3\] = True \(bool\)"),
+    ([5, "7"], TypeError, r"tokens\[1\] = '7' \(str\)"),
+    ([5, None], TypeError, r"tokens\[1\] = None"),
     ([3, -1], ValueError, r"^key: token ids must be >= 0, got tokens\[1\] = -1$"),
+    ([3, 4, -(2**70)], ValueError, r"tokens\[2\] = -1180591620717411303424$"),
     (None, TypeError, r"^key: tokens must be a list or tuple of ints"),
     (torch.tensor([1.0]), TypeError, r"integer dtype"),
 ])
@@ -103,5 +108,22 @@ def test_a_token_id_of_2_to_the_63_is_refused_by_name() -> None:
         with pytest.raises(ValueError, match=r"match: token ids must be < 2\*\*63"):
             service.match([1, 2, 3, 2**64])
         service.check_integrity()
+    finally:
+        service.stop()
+
+
+def test_numpy_integers_in_a_list_give_the_key_of_the_same_ints() -> None:
+    """The packing fast path takes anything with ``__index__`` above 1 (numpy integers);
+    the key and its unpacked tokens are those of the plain ints."""
+    import numpy as np
+
+    service = make_service(capacity_tokens=256, page_size=4)
+    try:
+        ints = [0, 1, 5, 2**40, 9, 3]
+        mixed = [np.int64(0), 1, np.int32(5), np.uint64(2**40), 9, np.int16(3)]
+        key, other = service.key(ints), service.key(mixed)
+        assert key.data == other.data and other.tokens == tuple(ints)
+        assert all(type(token) is int for token in other.tokens)
+        assert (len(other), other.num_page_tokens, other.pages) == (6, 4, tuple(ints[:4]))
     finally:
         service.stop()

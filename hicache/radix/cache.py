@@ -133,8 +133,15 @@ class HiRadixCache(TieredRadixTree):
         does not look for that caller bug (``HiCacheService.insert`` refuses it).
         """
         key = self.key_data(tokens, "insert")
+        return self.insert_checked(key, self.io.take_slots(device_indices,
+                                                           len(key) // TOKEN_BYTES))
+
+    def insert_checked(self, key: bytes, slots: Indices) -> int:
+        """:meth:`insert` of key bytes (``TokenKey.data``) and ``slots`` that the caller
+        checked as :meth:`NodeIO.take_slots` does (``DEVICE_FULL`` CPU int64, exactly the
+        key's length, allocated pages) and owns no more (the tree keeps the tensor): the
+        service, whose engine-slot check of the same pages implies all of that."""
         num_tokens = len(key) // TOKEN_BYTES
-        slots = self.io.take_slots(device_indices, num_tokens)
         path, taken, duplicates, cached = self._insert_walk(key, slots)
         duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
         if len(duplicate):

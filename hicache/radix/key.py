@@ -30,42 +30,65 @@ class TokenKey:
     """A request's token ids, checked, with the whole-page prefix the tree works on.
 
     Build it with ``HiCacheService.key`` (or :meth:`RadixTree.key`); the fields are
-    read-only.
+    read-only. The key holds every token packed (``TOKEN_BYTES`` each), not a tuple of Python
+    ints: ``tokens`` and ``pages`` unpack on demand (for debugging; the cache reads ``data``).
 
     Attributes:
         tokens: every token id, as a tuple of Python ints.
         pages: ``tokens`` cut to whole pages of ``page_size``.
         page_size: tokens per page of the tree it was made for.
+        data: ``pages`` as the tree holds them (:func:`key_bytes`).
     """
 
-    __slots__ = ("data", "page_size", "pages", "tokens")
+    __slots__ = ("_packed", "data", "num_tokens", "page_size")
 
     def __init__(self, tokens: tuple[int, ...], page_size: int, op: str = "key",
                  packed: bytes | None = None) -> None:
-        num_pages_tokens = len(tokens) // page_size * page_size
-        pages = tokens[:num_pages_tokens]
-        object.__setattr__(self, "tokens", tokens)
-        object.__setattr__(self, "page_size", page_size)
-        object.__setattr__(self, "pages", pages)
         # ``packed``: every token as key bytes, when the caller already has them
-        data = (key_bytes(pages, op) if packed is None
-                else packed[:num_pages_tokens * TOKEN_BYTES])
-        object.__setattr__(self, "data", data)
+        everything = key_bytes(tokens, op) if packed is None else packed
+        self._init(everything, len(tokens), page_size)
 
-    tokens: tuple[int, ...]
-    pages: tuple[int, ...]
+    @classmethod
+    def from_packed(cls, packed: bytes, page_size: int) -> TokenKey:
+        """A key of token ids already packed and checked (:func:`make_key`)."""
+        key = cls.__new__(cls)
+        key._init(packed, len(packed) // TOKEN_BYTES, page_size)
+        return key
+
+    def _init(self, packed: bytes, num_tokens: int, page_size: int) -> None:
+        whole = num_tokens // page_size * page_size
+        object.__setattr__(self, "_packed", packed)
+        object.__setattr__(self, "num_tokens", num_tokens)
+        object.__setattr__(self, "page_size", page_size)
+        object.__setattr__(self, "data", packed[:whole * TOKEN_BYTES])
+
+    _packed: bytes
+    num_tokens: int
     page_size: int
-    data: bytes  # ``pages`` as the tree holds them (:func:`key_bytes`)
+    data: bytes
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return key_tokens(self._packed)
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        return key_tokens(self.data)
+
+    @property
+    def num_page_tokens(self) -> int:
+        """Tokens in whole pages (``len(pages)``, without unpacking them)."""
+        return len(self.data) // TOKEN_BYTES
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"TokenKey is read-only: make a new key for other tokens "
                              f"(tried to set {name})")
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self.num_tokens
 
     def __repr__(self) -> str:
-        return f"TokenKey({len(self.tokens)} tokens, {len(self.pages)} in whole pages)"
+        return f"TokenKey({self.num_tokens} tokens, {self.num_page_tokens} in whole pages)"
 
 
 def key_bytes(ids: Sequence[int], op: str) -> bytes:
@@ -89,15 +112,35 @@ def key_tokens(data: bytes) -> tuple[int, ...]:
 
 def make_key(tokens: TokenIds, page_size: int, op: str) -> TokenKey:
     """A checked :class:`TokenKey` of ``tokens`` (as :func:`token_ids` checks them). A list
-    or tuple of Python ints, the common case, is packed once and sign-checked on the
-    packed copy (numpy), not by a Python-level ``min``."""
-    if isinstance(tokens, (list, tuple)) and not set(map(type, tokens)) - {int}:
-        ids = tuple(tokens)
-        packed = key_bytes(ids, op)
-        if ids and np.frombuffer(packed, dtype=np.int64).min() < 0:
-            _refuse_negative(np.frombuffer(packed, dtype=np.int64), op)
-        return TokenKey(ids, page_size, op, packed)
+    or tuple of Python ints, the common case, is packed and checked in C
+    (:func:`_packed_ids`); anything else, or a list that fails there, goes through
+    :func:`token_ids`, which names what is wrong."""
+    if isinstance(tokens, (list, tuple)):
+        packed = _packed_ids(tokens)
+        if packed is not None:
+            return TokenKey.from_packed(packed, page_size)
     return TokenKey(token_ids(tokens, op), page_size, op)
+
+
+def _packed_ids(tokens: Sequence[object]) -> bytes | None:
+    """Key bytes of a list of valid token ids, or ``None`` when one is not (the caller then
+    checks element by element for the error message).
+
+    ``array("Q")`` packs in C and refuses what is not an integer (``TypeError``) and a
+    negative id or one of ``2**64`` or more (``OverflowError``); ids of ``2**63`` or more
+    pack but read back negative as int64. A bool is an int to it (True packs as 1), so the
+    elements whose value is 0 or 1, and only those, have their type looked at."""
+    try:
+        packed = array("Q", tokens)  # type: ignore[arg-type]
+    except (TypeError, OverflowError):
+        return None
+    values = np.frombuffer(packed, dtype=np.int64)
+    if values.size and values.min() < 0:
+        return None
+    low = np.flatnonzero(values <= 1)
+    if low.size and any(type(tokens[i]) is not int for i in low.tolist()):
+        return None
+    return packed.tobytes()
 
 
 def token_ids(tokens: TokenIds, op: str) -> tuple[int, ...]:
