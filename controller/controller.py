@@ -36,6 +36,8 @@ Thread ownership: one thread (the engine's scheduler) calls everything here, exc
 
 from __future__ import annotations
 
+import numpy as np
+
 from hicache.pools import Indices
 
 from .base import Direction
@@ -49,12 +51,15 @@ __all__ = ["CacheController", "TransferObserver"]
 class CacheController(TransferCore):
     """Moves pages of one full-attention pool pair (constructor: :class:`TransferCore`)."""
 
-    def write(self, device_indices: Indices, tag: object = None) -> Indices | None:
+    def write(self, device_indices: Indices, tag: object = None, *,
+              pages: np.ndarray | None = None) -> Indices | None:
         """Allocate host slots for ``device_indices`` and queue a device-to-host op.
 
         Args:
             device_indices: ``[n]`` CPU ``DEVICE_FULL`` slots (whole pages) to back up.
             tag: returned in the op's :class:`Ack` (e.g. a tree node id).
+            pages: the page ids of ``device_indices`` from a caller holding slots already
+                checked as whole pages (the radix tree); as for :meth:`evict_device`.
         Returns:
             ``[n]`` CPU int64 ``HOST_FULL`` slots aligned with ``device_indices``, or
             ``None`` when the host pool is full (nothing queued). Empty in, empty out.
@@ -63,7 +68,8 @@ class CacheController(TransferCore):
                 device pool, or a queued or in-flight op touches one of them (nothing is
                 allocated or queued then).
         """
-        device_pages = self._checks.writable(device_indices, self.device_allocator, "write")
+        device_pages = self._checks.writable(device_indices, self.device_allocator, "write",
+                                             pages)
         num_tokens = device_pages.size * self.device_allocator.page_size
         allocated = self.host_pool.allocator.try_alloc_pages(num_tokens)
         if allocated is None:

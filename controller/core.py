@@ -19,13 +19,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices, PageAll
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import LayerEventRing
 from .index_moves import move_checked
-from .op_queue import (
-    OpQueue,
-    TransferObserver,
-    TransferPages,
-    acknowledgement,
-    move_op_indices,
-)
+from .op_queue import OpQueue, TransferObserver, TransferPages, acknowledgement, move_op_indices
 from .side_streams import SideStreams
 from .slot_checks import SlotChecks
 from .stats import TransferStats
@@ -214,16 +208,22 @@ class TransferCore:
 
     # ---- eviction -----------------------------------------------------------------------
 
-    def evict_device(self, device_indices: Indices) -> None:
+    def evict_device(self, device_indices: Indices, *, pages: np.ndarray | None = None
+                     ) -> None:
         """Free device slots. Raises ``ValueError`` if any is read or written by an op in
-        flight (wait for its ack)."""
+        flight (wait for its ack). ``pages``: their page ids, from a caller holding slots
+        checked as whole pages (the radix tree's nodes): their form is not checked again;
+        the allocation and in-flight checks always run."""
         allocator = self.device_allocator
-        allocator.free_pages(self._checks.freeable(device_indices, allocator, "evict_device"))
+        allocator.free_pages(self._checks.freeable(device_indices, allocator, "evict_device",
+                                                   pages))
 
-    def evict_host(self, host_indices: Indices) -> None:
-        """Free host slots. Raises ``ValueError`` if any belongs to an op in flight."""
+    def evict_host(self, host_indices: Indices, *, pages: np.ndarray | None = None) -> None:
+        """Free host slots. Raises ``ValueError`` if any belongs to an op in flight.
+        ``pages``: as for :meth:`evict_device`."""
         allocator = self.host_pool.allocator
-        allocator.free_pages(self._checks.freeable(host_indices, allocator, "evict_host"))
+        allocator.free_pages(self._checks.freeable(host_indices, allocator, "evict_host",
+                                                   pages))
 
     def is_in_flight(self, indices: Indices) -> bool:
         """True when any of ``indices`` (CPU, any space this controller has a pool in, values

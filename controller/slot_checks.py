@@ -56,12 +56,12 @@ class SlotChecks:
                              f"indices")
         return host_pool, device_pool, host, device
 
-    def writable(self, device_indices: Indices, allocator: PageAllocator, op: str
-                 ) -> np.ndarray:
+    def writable(self, device_indices: Indices, allocator: PageAllocator, op: str,
+                 pages: np.ndarray | None = None) -> np.ndarray:
         """Pages of device slots to back up: whole, distinct, allocated pages that no op
-        holds."""
+        holds (``pages``: their ids, when the caller already has them checked)."""
         pages = owned_pages(device_indices, allocator, op,
-                            "back up only device slots that are allocated and hold rows")
+                            "back up only device slots that are allocated and hold rows", pages)
         self.held.refuse_conflicts(device_indices.space, pages, op, Direction.DEVICE_TO_HOST)
         return pages
 
@@ -80,10 +80,13 @@ class SlotChecks:
         if busy.size:
             raise_busy(int(busy[0]), self.held.pool(indices.space, op).name, op)
 
-    def freeable(self, indices: Indices, allocator: PageAllocator, op: str) -> np.ndarray:
+    def freeable(self, indices: Indices, allocator: PageAllocator, op: str,
+                 pages: np.ndarray | None = None) -> np.ndarray:
         """Pages of slots to free to ``allocator``: whole, distinct pages of its pool (the
-        checks of ``PageAllocator.pages_of``) that no op in flight holds."""
-        pages = allocator.pages_of(indices, op=op)
+        checks of ``PageAllocator.pages_of``, unless the caller gives their checked
+        ``pages``) that no op in flight holds."""
+        if pages is None:
+            pages = allocator.pages_of(indices, op=op)
         busy = self.held.first_busy_page(indices.space, pages)
         if busy is not None:
             raise_busy(busy * allocator.page_size, allocator.name, op)
@@ -97,10 +100,13 @@ def raise_busy(slot: int, pool_name: str, op: str) -> None:
     )
 
 
-def owned_pages(indices: Indices, allocator: PageAllocator, op: str, fix: str) -> np.ndarray:
+def owned_pages(indices: Indices, allocator: PageAllocator, op: str, fix: str,
+                pages: np.ndarray | None = None) -> np.ndarray:
     """Page ids of ``indices`` once they are whole, distinct pages of ``allocator``'s pool
-    (space, range, page 0: ``PageAllocator.pages_of``) and every page is allocated."""
-    pages = allocator.pages_of(indices, op=op)
+    (space, range, page 0: ``PageAllocator.pages_of``, unless the caller gives their checked
+    ``pages``) and every page is allocated."""
+    if pages is None:
+        pages = allocator.pages_of(indices, op=op)
     slot = allocator.first_unallocated_page(pages)
     if slot is not None:
         raise ValueError(

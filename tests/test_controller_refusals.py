@@ -532,3 +532,32 @@ def test_first_unallocated_names_the_first_free_page() -> None:
     assert allocator.first_unallocated(full(4, 5, 8, 9, 6, 7), op="t") == 8
     assert allocator.first_unallocated(full(), op="t") is None
     assert np.array_equal(allocator.used_pages(), [1, 2])
+
+
+def test_given_page_ids_skip_only_the_form_check_of_a_tree_caller() -> None:
+    """``write``/``evict_*`` with ``pages`` (the radix tree's path for its own slots) still
+    refuse a page that is free or in flight, with every count unchanged."""
+    ctrl = make_controller(TorchBackend(), page_size=PAGE)
+    device = ctrl.device_allocator.try_alloc(2 * PAGE)
+    assert device is not None
+    pages = device.tensor.numpy()[::PAGE] // PAGE
+    slots = ctrl.write(device, pages=pages)
+    assert slots is not None
+    before = state(ctrl)
+    with pytest.raises(ValueError, match="is already being backed up"):
+        ctrl.write(device, pages=pages)
+    with pytest.raises(ValueError, match="belongs to a transfer in flight"):
+        ctrl.evict_device(device, pages=pages)
+    with pytest.raises(ValueError, match="belongs to a transfer in flight"):
+        ctrl.evict_host(slots, pages=slots.tensor.numpy()[::PAGE] // PAGE)
+    assert state(ctrl) == before
+    ctrl.start_writing()
+    ctrl.drain()
+    ctrl.evict_device(device, pages=pages)
+    after = state(ctrl)
+    for call in (lambda: ctrl.evict_device(device, pages=pages),
+                 lambda: ctrl.write(device, pages=pages)):
+        with pytest.raises(ValueError, match="not allocated"):
+            call()
+        assert state(ctrl) == after
+    assert_sound(ctrl)

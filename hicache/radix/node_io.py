@@ -12,6 +12,7 @@ tree); frees go through the controller, which refuses slots that are still in fl
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hicache.controller import CacheController, HybridCacheController, HybridSlots, TransferCore
@@ -44,7 +45,7 @@ class NodeIO:
         """Queue a device-to-host copy of ``device``; the host slots, or ``None`` if full.
         ``host_swa``: the SWA host copies the tokens already have (hybrid; kept, merged
         into the returned SWA slots)."""
-        host = self.plain.write(device, tag)
+        host = self.plain.write(device, tag, pages=self._pages(device))
         return None if host is None else (host, None)
 
     def load(self, host: Indices, host_swa: Indices | None, tag: object,
@@ -106,11 +107,18 @@ class NodeIO:
 
     def free_device(self, device: Indices) -> None:
         """Free device slots (and their SWA slots); raises if any is in flight."""
-        self.controller.evict_device(device)
+        self.plain.evict_device(device, pages=self._pages(device))
 
     def free_host(self, host: Indices, host_swa: Indices | None) -> None:
         """Free host slots (and aligned SWA host slots); raises if any is in flight."""
-        self.controller.evict_host(host)
+        self.plain.evict_host(host, pages=self._pages(host))
+
+    def _pages(self, slots: Indices) -> np.ndarray:
+        """Page ids of slots the tree holds: whole pages, checked when they entered it (an
+        allocation, or the engine's slots at ``insert``) and sliced only at page
+        boundaries since, so the first slot of each page names it (one strided read; the
+        controller still checks that every page is allocated and not in flight)."""
+        return slots.tensor.numpy()[::self.page_size] // self.page_size
 
     def swa_of(self, device: Indices) -> Indices | None:
         """Aligned ``DEVICE_SWA`` slots of ``device`` (``None`` without SWA)."""
@@ -209,6 +217,9 @@ class HybridNodeIO(NodeIO):
         swa = host_swa.tensor[host_swa.tensor != 0]
         if swa.numel():
             self.hybrid.host_swa_evict(Indices(swa.to(torch.int64), IndexSpace.HOST_SWA))
+
+    def free_device(self, device: Indices) -> None:
+        self.hybrid.evict_device(device)
 
     def free_host(self, host: Indices, host_swa: Indices | None) -> None:
         self.hybrid.evict_host(host, host_swa)
