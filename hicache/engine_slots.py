@@ -66,7 +66,7 @@ class EngineSlots:
         own page at the same position."""
         head = Indices(device_indices.tensor[:num_tokens], device_indices.space)
         pages = self.pages_of(head, "insert")
-        own = self._trusted_pages(tree.device_prefix(key))  # the tree's own slots
+        own = tree.device_prefix_pages(key)  # the tree's own pages
         at_own_place = np.zeros(pages.size, dtype=bool)
         at_own_place[:own.size] = pages[:own.size] == own
         bad = np.flatnonzero(~(self._held[pages] | at_own_place))

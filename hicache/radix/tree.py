@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 
+import numpy as np
+
 from hicache.pools import IndexSpace, Indices
 from hicache.storage.keys import PAGE_HASH_BYTES
 
@@ -103,6 +105,16 @@ class RadixTree:
                 break
             parts.append(slice_indices(node.device, 0, used))
         return cat_indices(parts, IndexSpace.DEVICE_FULL)
+
+    def device_prefix_pages(self, tokens: TokenIds | TokenKey) -> np.ndarray:
+        """Page ids of :meth:`device_prefix` (int64), read off the nodes without copying
+        their slots."""
+        page, parts = self.page_size, []
+        for node, used in self._descend(self.key_data(tokens, "device_prefix"), split=False):
+            if node.device is None:
+                break
+            parts.append(node.device.tensor.numpy()[:used:page])
+        return np.concatenate(parts) // page if parts else np.empty(0, dtype=np.int64)
 
     # ---- locks --------------------------------------------------------------------------
 
