@@ -42,7 +42,7 @@ from hicache.pools import DeviceKVPool, HostKVPool
 
 from .base import Direction, MovedTransfer, TransferBackend
 from .events import Event
-from .staged_chunk import StagedChunk, host_runs, move_chunk
+from .staged_chunk import ChunkSlots, StagedChunk, host_runs, move_chunk
 
 __all__ = ["StagedBackend", "host_runs"]
 
@@ -109,7 +109,8 @@ class StagedBackend(TransferBackend):
         for start in range(0, slots.size, chunk_tokens):
             end = min(start + chunk_tokens, slots.size)
             number = lane.take()
-            chunk = StagedChunk(moved, layers, start, end, lane.buffers[number])
+            chunk = StagedChunk(moved, layers, ChunkSlots.of(moved, start, end),
+                                lane.buffers[number])
             lane.free[number] = move_chunk(chunk, direction, side, lane.aux, lane.free[number])
         keep_alive.extend(lane.buffers)
 

@@ -9,7 +9,13 @@ import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
 from test_controller import round_trip
 
-from hicache.controller import CacheController, TorchBackend, TransferBackend, direct_staging
+from hicache.controller import (
+    CacheController,
+    TorchBackend,
+    TransferBackend,
+    direct_staging,
+    staged_chunk,
+)
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
 from hicache.controller.copy2d import RowPlan, plan_rows
 from hicache.controller.staged import StagedBackend, host_runs
@@ -228,3 +234,28 @@ def test_page_first_direct_partial_pages_copy_only_their_slots() -> None:
     rows = host_rows(ctrl.host_pool)
     assert torch.equal(rows[host.tensor], device_rows(ctrl.device_pool)[device.tensor])
     assert (untouched(rows, host.tensor) == SENTINEL).all()
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
+                                               layout: HostLayout) -> None:
+    """A 6-layer load copied layer by layer (two chunks per layer) derives each chunk's host
+    runs or pages once for the op, not once per layer."""
+    made: list[tuple[int, int]] = []
+    init = staged_chunk.ChunkSlots.__init__
+
+    def counted(self: staged_chunk.ChunkSlots, moved: MovedTransfer, start: int,
+                end: int) -> None:
+        made.append((start, end))
+        init(self, moved, start, end)
+
+    ctrl = make_controller(StagedBackend(CHUNK), page_size=2, layout=layout, num_layers=6)
+    device = ctrl.device_allocator.try_alloc(CHUNK * 6 + 4)  # chunks of 6 * CHUNK tokens
+    assert device is not None
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.drain()
+    monkeypatch.setattr(staged_chunk.ChunkSlots, "__init__", counted)
+    assert ctrl.load(host) is not None  # 6 layers: one group per layer
+    ctrl.drain()
+    assert made == [(0, 6 * CHUNK), (6 * CHUNK, 6 * CHUNK + 4)]
