@@ -111,8 +111,11 @@ class StagedBackend(TransferBackend):
             number = lane.take()
             chunk = StagedChunk(moved, layers, ChunkSlots.of(moved, start, end),
                                 lane.buffers[number])
-            lane.free[number] = move_chunk(chunk, direction, side, lane.aux, lane.free[number])
-        keep_alive.extend(lane.buffers)
+            move_chunk(chunk, direction, side, lane.aux, lane.free[number],
+                       lane.staged[number])
+        held = keep_alive[-2:]  # once per op and lane, not once per layer group
+        if len(held) < 2 or held[0] is not lane.buffers[0] or held[1] is not lane.buffers[1]:
+            keep_alive.extend(lane.buffers)
 
     def chunk_tokens(self, pool_layers: int, moved_layers: int) -> int:
         """Pairs per chunk: the staging budget is ``staging_tokens`` tokens of every layer of
@@ -135,20 +138,23 @@ class StagedBackend(TransferBackend):
             flat = torch.empty(2 * half, dtype=geometry.dtype, device=device_pool.device)
             aux = lane.aux if lane is not None else (
                 torch.cuda.Stream(side.device) if side is not None else None)
-            lane = _Lane([flat[:half], flat[half:]], aux)
+            lane = _Lane([flat[:half], flat[half:]], aux, device_pool.device)
             self._lanes[key] = lane
         return lane
 
 
 class _Lane:
-    """Double-buffered staging of one side stream: the buffers, the event after which each
-    may be overwritten (``None``: free), which one the next chunk takes, and the auxiliary
-    stream. Chunks alternate buffers across calls, so consecutive layers of a layer-wise load
-    overlap (the copy of layer i+1 runs while layer i is scattered)."""
+    """Double-buffered staging of one side stream: the buffers, each buffer's two events
+    (``free``: after which it may be overwritten; ``staged``: after which the auxiliary
+    stream has filled or drained it; see :func:`move_chunk`), which one the next chunk takes,
+    and the auxiliary stream. Chunks alternate buffers across calls, so consecutive layers of
+    a layer-wise load overlap (the copy of layer i+1 runs while layer i is scattered)."""
 
-    def __init__(self, buffers: list[torch.Tensor], aux: torch.cuda.Stream | None) -> None:
+    def __init__(self, buffers: list[torch.Tensor], aux: torch.cuda.Stream | None,
+                 device: torch.device) -> None:
         self.buffers, self.aux = buffers, aux
-        self.free: list[Event | None] = [None, None]
+        self.free = [Event(device), Event(device)]
+        self.staged = [Event(device), Event(device)]
         self.next = 0
 
     def take(self) -> int:

@@ -29,31 +29,33 @@ def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
 
 
 def move_chunk(chunk: StagedChunk, direction: Direction, side: torch.cuda.Stream | None,
-               aux: torch.cuda.Stream | None, buffer_free: Event | None) -> Event | None:
-    """Move one chunk; returns the event (on ``side``) after which its buffer may be reused.
+               aux: torch.cuda.Stream | None, free: Event, staged: Event) -> None:
+    """Move one chunk through its staging buffer, whose two events are reused chunk after
+    chunk: ``free`` (recorded on ``side`` once the buffer may be overwritten; this chunk
+    waits on its previous record, a no-op before the first) and ``staged`` (recorded on
+    ``aux`` once the buffer is filled or drained there; ``side`` waits on it at once). A
+    wait takes the record made before it, so recording an event again after the wait was
+    issued is safe, and no event is created per chunk.
 
     Write: gather on ``aux``, copy-engine copy on ``side``. Load: copy-engine copy on ``aux``,
     scatter on ``side``, so the side stream (whose events say "layer ready") never holds
     back the next layer's copy, and the copies follow one another without a gap.
     """
-    device = chunk.moved.source.device_pool.device
     to_host = direction is Direction.DEVICE_TO_HOST
     with _stream(aux):
-        if buffer_free is not None:
-            buffer_free.wait()
+        free.wait()
         if to_host:
             chunk.gather()
         else:
             chunk.copy_runs(to_host=False)
-        staged = _record(device, aux)
+        staged.record(aux)
     with _stream(side):
-        if staged is not None:
-            staged.wait()
+        staged.wait()
         if to_host:
             chunk.copy_runs(to_host=True)
         else:
             chunk.scatter()
-        return _record(device, side)
+        free.record(side)
 
 
 class ChunkSlots:
@@ -197,14 +199,6 @@ def _layer_blocks(layers: list[int]) -> list[tuple[int, tuple[int, int]]]:
         else:
             blocks.append((offset, (layer, layer + 1)))
     return blocks
-
-
-def _record(device: torch.device, stream: torch.cuda.Stream | None) -> Event | None:
-    if stream is None:
-        return None
-    event = Event(device)
-    event.record(stream)
-    return event
 
 
 class _stream:

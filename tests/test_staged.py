@@ -259,3 +259,22 @@ def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
     assert ctrl.load(host) is not None  # 6 layers: one group per layer
     ctrl.drain()
     assert made == [(0, 6 * CHUNK), (6 * CHUNK, 6 * CHUNK + 4)]
+
+
+def test_op_holds_the_staging_buffers_once() -> None:
+    """Per-layer copies of one op add the lane's two staging buffers to its tensors once,
+    not once per layer (each is recorded on the side stream when the op is issued)."""
+    backend = StagedBackend(CHUNK)
+    ctrl = make_controller(backend, num_layers=4)
+    device = ctrl.device_allocator.try_alloc(3 * CHUNK)
+    host = ctrl.host_pool.allocator.try_alloc(3 * CHUNK)
+    assert device is not None and host is not None
+    transfer = PoolTransfer(name="full", host_pool=ctrl.host_pool, device_pool=ctrl.device_pool,
+                            host_indices=host, device_indices=device, layers=(0, 1, 2, 3))
+    moved = MovedTransfer(transfer, *ctrl.move_indices(host, device))
+    keep_alive: list[torch.Tensor] = []
+    for layer in range(4):
+        backend.copy(moved, [layer], Direction.HOST_TO_DEVICE, keep_alive)
+    assert len(keep_alive) == 2
+    assert {t.data_ptr() for t in keep_alive} == {b.data_ptr() for b in
+                                                  next(iter(backend._lanes.values())).buffers}
