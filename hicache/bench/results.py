@@ -83,8 +83,9 @@ class BenchResult:
     """Everything one benchmark run measured.
 
     ``meta``: device name, software versions, date, geometry and options. ``staging_bytes``:
-    the staged backend's staging memory, ``{"write": ..., "load": ...}`` (all-layer writes,
-    per-layer loads). ``matmul_alone_s``: one bf16 matmul of the reference loop on its own.
+    the staged backend's staging memory, ``{"write": ..., "load": ...}`` (the write and the
+    load stream's lanes, each two chunks of every layer). ``matmul_alone_s``: one bf16
+    matmul of the reference loop on its own.
     ``auto_table``: the table written by ``--auto-table`` (rows, measured_on, measurements).
     """
 

@@ -88,8 +88,10 @@ def run_benchmark(args: argparse.Namespace) -> BenchResult:
                                               "staging_tokens", "programs")}
     return BenchResult(
         meta=meta, ceiling=ceiling, matmul_alone_s=alone_s,
+        # One lane per side stream, each two chunks of every layer (a layer-wise load's
+        # chunk holds more tokens of fewer layers in the same memory).
         staging_bytes={"write": staging.staging_bytes(shape.token_bytes),
-                       "load": staging.staging_bytes(shape.geometry.token_bytes(1))},
+                       "load": staging.staging_bytes(shape.token_bytes)},
         measurements=measurements,
         auto_table=auto_table(measurements, measured_on, args.max_slowdown_pct,
                               args.min_share_of_best),
