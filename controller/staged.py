@@ -12,7 +12,8 @@ budget (``staging_tokens`` tokens of every layer; a one-layer move takes that ma
 worth of tokens). Each side stream has a lane of two staging buffers and an auxiliary
 stream: a write gathers chunk i+1 on the auxiliary stream while the side stream copies chunk
 i to the host; a load copies on the auxiliary stream and scatters on the side stream, so the
-copy of layer i+1 runs while layer i is scattered and its "layer ready" event recorded.
+copy of the next layer group runs while one is scattered and its "layer ready" events
+recorded.
 Buffers alternate across calls and each waits only for the event that freed it. Staging
 memory is bounded: ``2 * staging_tokens * token_bytes`` per side stream (write and load:
 twice that).
@@ -147,8 +148,8 @@ class _Lane:
     """Double-buffered staging of one side stream: the buffers, each buffer's two events
     (``free``: after which it may be overwritten; ``staged``: after which the auxiliary
     stream has filled or drained it; see :func:`move_chunk`), which one the next chunk takes,
-    and the auxiliary stream. Chunks alternate buffers across calls, so consecutive layers of
-    a layer-wise load overlap (the copy of layer i+1 runs while layer i is scattered)."""
+    and the auxiliary stream. Chunks alternate buffers across calls, so consecutive layer
+    groups of a load overlap (the next group's copy runs while one is scattered)."""
 
     def __init__(self, buffers: list[torch.Tensor], aux: torch.cuda.Stream | None,
                  device: torch.device) -> None:

@@ -24,7 +24,7 @@ class Measurement:
     """One timed configuration.
 
     ``kind``: ``write`` (device to host, all layers in one op), ``load`` (host to device,
-    issued layer by layer as the controller does) or ``both`` (a write and a load issued
+    issued in layer groups as the controller does) or ``both`` (a write and a load issued
     together). ``seconds``: median op time from its start event to its finish event (for
     ``both``: from a common reference event to the later finish). ``pct_of_ceiling``: of the
     one-way ceiling of the direction, or of the both-ways ceiling for ``both``.
