@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool
@@ -84,9 +85,14 @@ class StagedBackend(TransferBackend):
     def order_pairs(
         self, host_index: torch.Tensor, device_index: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sort pairs by host slot (device slots permuted alike) so host runs are contiguous."""
-        order = torch.argsort(host_index, stable=True)
-        return host_index[order], device_index[order]
+        """Sort pairs by host slot (device slots permuted alike) so host runs are contiguous.
+        Pairs already in order (the host allocator's runs) are returned as they are. numpy,
+        not torch: torch's stable argsort took 0.8 ms of the issue for 32768 pairs."""
+        slots = host_index.numpy()
+        if bool((slots[1:] >= slots[:-1]).all()):
+            return host_index, device_index
+        order = np.argsort(slots, kind="stable")
+        return torch.from_numpy(slots[order]), torch.from_numpy(device_index.numpy()[order])
 
     def copy(
         self,

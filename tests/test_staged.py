@@ -135,6 +135,19 @@ def test_pairs_sorted_by_host_slot() -> None:
     assert host.tolist() == [3, 5, 9] and device.tolist() == [2, 3, 1]
 
 
+def test_pair_order_is_stable_and_sorted_pairs_stay() -> None:
+    """A host slot named twice (a merged load) keeps its pairs in order; pairs already sorted
+    (the allocator's runs, a repeat included) come back as they are."""
+    backend = StagedBackend()
+    host, device = backend.order_pairs(torch.tensor([7, 2, 7, 2]), torch.tensor([1, 2, 3, 4]))
+    assert host.tolist() == [2, 2, 7, 7] and device.tolist() == [2, 4, 1, 3]
+    sorted_host, sorted_device = torch.tensor([2, 3, 3, 8]), torch.tensor([5, 6, 7, 8])
+    same = backend.order_pairs(sorted_host, sorted_device)
+    assert same[0] is sorted_host and same[1] is sorted_device
+    empty = torch.empty(0, dtype=torch.int64)
+    assert backend.order_pairs(empty, empty)[0].numel() == 0
+
+
 def test_host_runs() -> None:
     """Consecutive host slots form one run; gaps start new runs."""
     assert host_runs(np.array([4, 5, 6, 9, 10, 20])) == [(0, 3), (3, 2), (5, 1)]
