@@ -89,7 +89,7 @@ def test_groups_cover_every_layer_once_in_order(num_layers: int, layer_mib: floa
     assert [layer for group in groups for layer in group] == list(range(num_layers))
     share = max(1, int(num_layers * load_groups.MAX_GROUP_SHARE))
     for group in groups[1:]:
-        assert 1 <= len(group) <= min(group.start, share)
+        assert 1 <= len(group) <= min(load_groups.RAMP_FACTOR * group.start, share)
         assert len(group) == 1 or len(group) * layer_bytes <= GROUP_BYTES
 
 
@@ -102,6 +102,13 @@ def test_groups_stop_growing_at_the_byte_bound() -> None:
     """4 MiB layers: groups grow to 4 layers (16 MiB) and stay there."""
     sizes = [len(g) for g in plan_load_groups(NUM_LAYERS, 4 * MIB)]
     assert sizes == [1, 1, 2] + [4] * 7
+
+
+def test_a_larger_ramp_factor_reaches_the_bound_in_fewer_copies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ramp factor 3: groups of up to three times the layers before them, 6 copies."""
+    monkeypatch.setattr(load_groups, "RAMP_FACTOR", 3)
+    assert [len(g) for g in plan_load_groups(NUM_LAYERS, MIB)] == [1, 3, 8, 8, 8, 4]
 
 
 def test_big_layers_load_layer_by_layer() -> None:
