@@ -113,7 +113,7 @@ def load_sizes_table(result: BenchResult) -> list[str]:
     width = layout_width([m.layout for m in loads])
     order = {name: i for i, name in enumerate(BACKEND_ORDER)}
     head = (f"{'backend':<8}{'page':>4} {'layout':<{width}}{'tokens':>7}{'load':>8}{'%h2d':>6}"
-            f"{'op ms':>8}{'issue ms':>9}{'issue/op':>9}{'L0 ms':>7}")
+            f"{'op ms':>9}{'issue ms':>10}{'issue/op':>9}{'L0 ms':>7}")
     lines = ["layer-wise loads by size (issue ms: CPU time to issue one op; issue/op: that "
              "over the op's time on the GPU)", head, "-" * len(head)]
     for m in sorted(loads, key=lambda m: (m.page_size, m.layout, order.get(m.backend, 99),
@@ -121,8 +121,8 @@ def load_sizes_table(result: BenchResult) -> list[str]:
         ratio = None if m.issue_s is None else m.issue_s / m.seconds
         lines.append(
             f"{m.backend:<8}{m.page_size:>4} {m.layout:<{width}}{m.tokens:>7}"
-            f"{m.gb_per_s:>8.1f}{m.pct_of_ceiling:>6.1f}{m.seconds * 1e3:>8.3f}"
-            f"{_num(_get(m, 'issue_s', 1e3), 9, 3)}{_num(ratio, 9, 2)}"
+            f"{m.gb_per_s:>8.1f}{m.pct_of_ceiling:>6.1f}{m.seconds * 1e3:>9.3f}"
+            f"{_num(_get(m, 'issue_s', 1e3), 10, 3)}{_num(ratio, 9, 2)}"
             f"{_num(_get(m, 'layer0_s', 1e3), 7, 2)}")
     return lines
 
