@@ -74,7 +74,7 @@ class TorchBackend(TransferBackend):
         """Rows by index through the pools' numpy record views: a torch index op costs
         microseconds of dispatch per call, a record copy is a memcpy per row."""
         host, device = moved.source.host_pool, moved.source.device_pool
-        if moved.row_selectors is None:  # once per op, not per layer of a load
+        if moved.row_selectors is None:  # once per op, not per layer group of a load
             moved.row_selectors = (_block_or_index(moved.host_index.numpy()),
                                    _block_or_index(moved.device_index.numpy()))
         host_index, device_index = moved.row_selectors

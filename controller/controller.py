@@ -5,7 +5,7 @@ Protocol (names in call order)::
     write(device_indices)  -> host indices or None   queue a device-to-host op
     start_writing()                                   merge queued writes, issue on the write stream
     load(host_indices)     -> device indices or None  queue a host-to-device op
-    start_loading()        -> event set id or None    issue layer by layer on the load stream
+    start_loading()        -> event set id or None    issue in layer groups on the load stream
     wait_until(layer)                                 current stream waits for that layer (GPU-side)
     poll()                 -> [Ack]                   pools' bounds errors, then finished ops (FIFO)
     evict_device / evict_host                         free slots that are not in flight

@@ -112,7 +112,7 @@ class TransferCore:
         self._submitted(op)
 
     def start_loading(self) -> int | None:
-        """Issue queued loads layer by layer on the load stream.
+        """Issue queued loads on the load stream in layer groups (:mod:`.load_groups`).
 
         Returns:
             the event set id now consumed by :meth:`wait_until`, or ``None`` when nothing

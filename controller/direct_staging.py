@@ -42,26 +42,38 @@ class Segment(NamedTuple):
     length: int
 
 
+class PagePlan:
+    """How a chunk's host slots (sorted; int64 numpy, repeats allowed) split into pieces of
+    one page each and segments of whole pages, with slots of ``page_size`` per page. It does
+    not depend on the layers moved: a layer-wise load makes it once per chunk of the op and
+    every layer group's :class:`DirectStaging` reuses it."""
+
+    def __init__(self, host_slots: np.ndarray, page_size: int) -> None:
+        self.page_size = page_size
+        self.num_pairs = int(host_slots.size)
+        self.starts, self.lengths = _pieces(host_slots, page_size)
+        self.whole_pages = bool((self.lengths == page_size).all())
+        self.segments = _segments(host_slots, self.starts, self.lengths, page_size)
+
+
 class DirectStaging:
     """The staging plan of one chunk (see the module docstring).
 
     Args:
-        host_slots: the chunk's host slots, sorted (int64 numpy array; repeats allowed).
-        page_size: slots per host page.
+        pages: the chunk's :class:`PagePlan`.
         num_components: K and V (2) or one latent row (1).
         num_layers: layers the chunk moves (the staging holds only those).
         row_elems: elements per row.
     """
 
-    def __init__(self, host_slots: np.ndarray, page_size: int, num_components: int,
-                 num_layers: int, row_elems: int) -> None:
-        self.page_size, self.row_elems = page_size, row_elems
+    def __init__(self, pages: PagePlan, num_components: int, num_layers: int,
+                 row_elems: int) -> None:
+        self.page_size, self.row_elems = pages.page_size, row_elems
         self.shape = (num_components, num_layers)
-        self.num_pairs = int(host_slots.size)
-        starts, lengths = _pieces(host_slots, page_size)
-        self.starts, self.lengths = starts, lengths
-        self.whole_pages = bool((lengths == page_size).all())
-        self.segments = _segments(host_slots, starts, lengths, page_size)
+        self.num_pairs = pages.num_pairs
+        self.starts, self.lengths = pages.starts, pages.lengths
+        self.whole_pages = pages.whole_pages
+        self.segments = pages.segments
 
     def stage(self, gathered: torch.Tensor, rows: torch.Tensor) -> None:
         """Place ``gathered`` ``[components, layers, pairs, row]`` into the staging ``rows``

@@ -16,14 +16,15 @@ and one store of ``tokens_per_tile * row_bytes`` (16 KiB for 8 tokens of 2 KiB r
 every program keeps in flight.
 
 The kernel body and its compilation are in :mod:`hicache.controller.copy_rows_kernel`; this
-module checks the arguments and plans the launch (grid, tile, warps, strides). Importing it
-never needs Triton.
+module checks the arguments and plans the launch (grid, tile, warps, strides). What depends
+only on the pool buffers (their checks and strides) is found once per buffer geometry, so a
+launch, one per layer group of a load, costs little Python. Importing it never needs Triton.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -31,13 +32,8 @@ from hicache.pools import HostLayout
 
 from .copy_rows_kernel import INTERPRET_ENV, compiled_kernel, kernel_available
 
-__all__ = [
-    "INDEX_DTYPES",
-    "INTERPRET_ENV",
-    "MAX_TOKENS_PER_TILE",
-    "kernel_available",
-    "transfer_rows",
-]
+__all__ = ["INDEX_DTYPES", "INTERPRET_ENV", "MAX_TOKENS_PER_TILE", "kernel_available",
+           "transfer_rows"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_TOKENS_PER_TILE = 1024
@@ -95,43 +91,40 @@ def transfer_rows(
         ValueError: a malformed argument (the message says what was expected).
         RuntimeError: Triton is missing, or a CPU launch without ``TRITON_INTERPRET=1``.
     """
-    _check_buffers(device_data, host_data, host_layout)
+    plan = _buffer_plan(device_data, host_data, host_layout)
     num_pairs = _check_indices(device_data, host_indices, device_indices)
-    _check_launch(device_data, layer_begin, layer_end, num_programs, tokens_per_tile)
-    num_components = device_data.shape[0]
+    _check_launch(plan.num_layers, layer_begin, layer_end, num_programs, tokens_per_tile)
     num_layers = layer_end - layer_begin
     if num_pairs == 0 or num_layers == 0:
         return
     num_tiles = -(-num_pairs // tokens_per_tile)
-    num_items = num_tiles * num_layers * num_components
+    num_items = num_tiles * num_layers * plan.num_components
     if num_items > _INT32_LIMIT:
         raise ValueError(
             f"transfer_rows: {num_items} work items exceed the int32 loop bound; split the "
             f"transfer or raise tokens_per_tile (got {tokens_per_tile})"
         )
     kernel = compiled_kernel()
-    if device_data.is_cuda:
+    if plan.on_cuda:
         stream = torch.cuda.current_stream(device_data.device)
         host_indices.record_stream(stream)
         device_indices.record_stream(stream)
-    device_side = (device_data, device_indices, *_strides(device_data, HostLayout.LAYER_FIRST))
-    host_side = (host_data, host_indices, *_strides(host_data, host_layout))
+    device_side = (device_data, device_indices, *plan.device_strides)
+    host_side = (host_data, host_indices, *plan.host_strides)
     src, dst = (device_side, host_side) if to_host else (host_side, device_side)
-    row_elems = device_data.shape[3]
-    block_row = _next_power_of_two(row_elems)
     grid = (min(num_programs, num_items),)
     on_device: contextlib.AbstractContextManager[Any] = (
-        torch.cuda.device(device_data.device) if device_data.is_cuda else contextlib.nullcontext()
+        torch.cuda.device(device_data.device) if plan.on_cuda else contextlib.nullcontext()
     )
     try:
         with on_device:
             kernel[grid](
                 src[0], dst[0], src[1], dst[1],
                 num_pairs, src[2], dst[2],
-                layer_begin, num_layers, num_components,
+                layer_begin, num_layers, plan.num_components,
                 *src[3:], *dst[3:],
-                ROW=row_elems, BLOCK_ROW=block_row, TILE=tokens_per_tile,
-                num_warps=_num_warps(tokens_per_tile * block_row * device_data.element_size()),
+                ROW=plan.row_elems, BLOCK_ROW=plan.block_row, TILE=tokens_per_tile,
+                num_warps=_num_warps(tokens_per_tile * plan.block_row_bytes),
             )
     except ValueError as exc:
         if "cannot be accessed" not in str(exc):
@@ -141,6 +134,49 @@ def transfer_rows(
             f"{tuple(host_data.shape)}): it must be pinned, e.g. a HostKVPool with pin=True "
             f"(cudaHostRegister), and stay registered while transfers run"
         ) from exc
+
+
+class _BufferPlan(NamedTuple):
+    """What a launch needs of two pool buffers: found once per buffer geometry."""
+
+    num_components: int
+    num_layers: int
+    row_elems: int
+    block_row: int
+    block_row_bytes: int
+    on_cuda: bool
+    device_strides: tuple[int, ...]
+    host_strides: tuple[int, ...]
+
+
+# Checked buffer geometries and their plans. The key holds everything the checks and strides
+# read (shapes, strides, dtypes, devices, layout; never an object's identity), so a hit skips
+# the checks safely; a pool's buffers keep one geometry for life.
+_PLANS: dict[tuple[object, ...], _BufferPlan] = {}
+_MAX_PLANS = 64
+
+
+def _buffer_plan(device_data: torch.Tensor, host_data: torch.Tensor,
+                 layout: HostLayout) -> _BufferPlan:
+    """The launch plan of two checked pool buffers (``ValueError`` as :func:`_check_buffers`)."""
+    if not (isinstance(layout, HostLayout) and isinstance(device_data, torch.Tensor)
+            and isinstance(host_data, torch.Tensor)):
+        _check_buffers(device_data, host_data, layout)  # raises, naming what is wrong
+    key = (layout, device_data.shape, device_data.stride(), device_data.dtype,
+           device_data.device, host_data.shape, host_data.stride(), host_data.dtype,
+           host_data.device)
+    plan = _PLANS.get(key)
+    if plan is None:
+        _check_buffers(device_data, host_data, layout)
+        c, n, _, r = device_data.shape
+        block_row = _next_power_of_two(r)
+        plan = _BufferPlan(c, n, r, block_row, block_row * device_data.element_size(),
+                           device_data.is_cuda, _strides(device_data, HostLayout.LAYER_FIRST),
+                           _strides(host_data, layout))
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def _check_buffers(device_data: torch.Tensor, host_data: torch.Tensor, layout: HostLayout) -> None:
@@ -219,13 +255,12 @@ def _check_indices(
 
 
 def _check_launch(
-    device_data: torch.Tensor,
+    num_layers: int,
     layer_begin: int,
     layer_end: int,
     num_programs: int,
     tokens_per_tile: int,
 ) -> None:
-    num_layers = device_data.shape[1]
     if not 0 <= layer_begin <= layer_end <= num_layers:
         raise ValueError(
             f"transfer_rows: layer range [{layer_begin}, {layer_end}) must lie in "

@@ -6,6 +6,9 @@ stream does the same, so loads into reused slots never race the forward pass. Ev
 a side stream reads (moved indices and temporaries) is recorded on that stream and held by
 its op until the op is acknowledged. On a CPU device there are no streams: copies run at
 once, in order.
+
+A layer-wise load is issued in groups of consecutive layers (:mod:`.load_groups`): one copy
+per group and pool transfer, every layer's event recorded after its group.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 from .base import TransferBackend, TransferOp
 from .events import Event
 from .index_moves import record_on_stream
+from .load_groups import local_groups, plan_load_groups
 
 
 class SideStreams:
@@ -67,17 +71,22 @@ class SideStreams:
         self._finish(op, stream)
 
     def issue_load(self, op: TransferOp, events: Sequence[Event]) -> None:
-        """Copy ``op`` model layer by model layer on the load stream, recording
-        ``events[layer]`` after each layer (one event per model layer)."""
+        """Copy ``op`` on the load stream in groups of consecutive model layers
+        (:mod:`.load_groups`): one copy per group and pool, then ``events[layer]`` recorded
+        for every layer of the group (one event per model layer; the layers of a group
+        become ready together)."""
+        groups = plan_load_groups(len(events), sum(op.bytes_by_pool.values()) // len(events))
+        parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
+        executor = _executor(op)
         stream = self.load_stream
         self._begin(op, stream)
         with _on_stream(stream):
-            for layer, event in enumerate(events):
-                for moved in op.moved:
-                    local = moved.local_layers_of(layer)
-                    if local:
-                        _executor(op).copy(moved, local, op.direction, op.keep_alive)
-                event.record(stream)
+            for number, group in enumerate(groups):
+                for moved, local in parts:
+                    if local[number]:
+                        executor.copy(moved, local[number], op.direction, op.keep_alive)
+                for layer in group:
+                    events[layer].record(stream)
         op.finish_event = events[-1]
         self._finish(op, stream)
 

@@ -12,7 +12,8 @@ budget (``staging_tokens`` tokens of every layer; a one-layer move takes that ma
 worth of tokens). Each side stream has a lane of two staging buffers and an auxiliary
 stream: a write gathers chunk i+1 on the auxiliary stream while the side stream copies chunk
 i to the host; a load copies on the auxiliary stream and scatters on the side stream, so the
-copy of layer i+1 runs while layer i is scattered and its "layer ready" event recorded.
+copy of the next layer group runs while one is scattered and its "layer ready" events
+recorded.
 Buffers alternate across calls and each waits only for the event that freed it. Staging
 memory is bounded: ``2 * staging_tokens * token_bytes`` per side stream (write and load:
 twice that).
@@ -36,13 +37,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool
 
 from .base import Direction, MovedTransfer, TransferBackend
 from .events import Event
-from .staged_chunk import StagedChunk, host_runs, move_chunk
+from .staged_chunk import ChunkSlots, StagedChunk, host_runs, move_chunk
 
 __all__ = ["StagedBackend", "host_runs"]
 
@@ -83,9 +85,14 @@ class StagedBackend(TransferBackend):
     def order_pairs(
         self, host_index: torch.Tensor, device_index: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sort pairs by host slot (device slots permuted alike) so host runs are contiguous."""
-        order = torch.argsort(host_index, stable=True)
-        return host_index[order], device_index[order]
+        """Sort pairs by host slot (device slots permuted alike) so host runs are contiguous.
+        Pairs already in order (the host allocator's runs) are returned as they are. numpy,
+        not torch: torch's stable argsort took 0.8 ms of the issue for 32768 pairs."""
+        slots = host_index.numpy()
+        if bool((slots[1:] >= slots[:-1]).all()):
+            return host_index, device_index
+        order = np.argsort(slots, kind="stable")
+        return torch.from_numpy(slots[order]), torch.from_numpy(device_index.numpy()[order])
 
     def copy(
         self,
@@ -109,9 +116,13 @@ class StagedBackend(TransferBackend):
         for start in range(0, slots.size, chunk_tokens):
             end = min(start + chunk_tokens, slots.size)
             number = lane.take()
-            chunk = StagedChunk(moved, layers, start, end, lane.buffers[number])
-            lane.free[number] = move_chunk(chunk, direction, side, lane.aux, lane.free[number])
-        keep_alive.extend(lane.buffers)
+            chunk = StagedChunk(moved, layers, ChunkSlots.of(moved, start, end),
+                                lane.buffers[number])
+            move_chunk(chunk, direction, side, lane.aux, lane.free[number],
+                       lane.staged[number])
+        held = keep_alive[-2:]  # once per op and lane, not once per layer group
+        if len(held) < 2 or held[0] is not lane.buffers[0] or held[1] is not lane.buffers[1]:
+            keep_alive.extend(lane.buffers)
 
     def chunk_tokens(self, pool_layers: int, moved_layers: int) -> int:
         """Pairs per chunk: the staging budget is ``staging_tokens`` tokens of every layer of
@@ -134,20 +145,23 @@ class StagedBackend(TransferBackend):
             flat = torch.empty(2 * half, dtype=geometry.dtype, device=device_pool.device)
             aux = lane.aux if lane is not None else (
                 torch.cuda.Stream(side.device) if side is not None else None)
-            lane = _Lane([flat[:half], flat[half:]], aux)
+            lane = _Lane([flat[:half], flat[half:]], aux, device_pool.device)
             self._lanes[key] = lane
         return lane
 
 
 class _Lane:
-    """Double-buffered staging of one side stream: the buffers, the event after which each
-    may be overwritten (``None``: free), which one the next chunk takes, and the auxiliary
-    stream. Chunks alternate buffers across calls, so consecutive layers of a layer-wise load
-    overlap (the copy of layer i+1 runs while layer i is scattered)."""
+    """Double-buffered staging of one side stream: the buffers, each buffer's two events
+    (``free``: after which it may be overwritten; ``staged``: after which the auxiliary
+    stream has filled or drained it; see :func:`move_chunk`), which one the next chunk takes,
+    and the auxiliary stream. Chunks alternate buffers across calls, so consecutive layer
+    groups of a load overlap (the next group's copy runs while one is scattered)."""
 
-    def __init__(self, buffers: list[torch.Tensor], aux: torch.cuda.Stream | None) -> None:
+    def __init__(self, buffers: list[torch.Tensor], aux: torch.cuda.Stream | None,
+                 device: torch.device) -> None:
         self.buffers, self.aux = buffers, aux
-        self.free: list[Event | None] = [None, None]
+        self.free = [Event(device), Event(device)]
+        self.staged = [Event(device), Event(device)]
         self.next = 0
 
     def take(self) -> int:

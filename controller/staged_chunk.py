@@ -14,7 +14,7 @@ from hicache.pools import HostLayout
 
 from .base import Direction, MovedTransfer
 from .copy2d import copy_block
-from .direct_staging import DirectStaging
+from .direct_staging import DirectStaging, PagePlan
 from .events import Event
 
 
@@ -29,35 +29,64 @@ def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
 
 
 def move_chunk(chunk: StagedChunk, direction: Direction, side: torch.cuda.Stream | None,
-               aux: torch.cuda.Stream | None, buffer_free: Event | None) -> Event | None:
-    """Move one chunk; returns the event (on ``side``) after which its buffer may be reused.
+               aux: torch.cuda.Stream | None, free: Event, staged: Event) -> None:
+    """Move one chunk through its staging buffer, whose two events are reused chunk after
+    chunk: ``free`` (recorded on ``side`` once the buffer may be overwritten; this chunk
+    waits on its previous record, a no-op before the first) and ``staged`` (recorded on
+    ``aux`` once the buffer is filled or drained there; ``side`` waits on it at once). A
+    wait takes the record made before it, so recording an event again after the wait was
+    issued is safe, and no event is created per chunk.
 
     Write: gather on ``aux``, copy-engine copy on ``side``. Load: copy-engine copy on ``aux``,
     scatter on ``side``, so the side stream (whose events say "layer ready") never holds
     back the next layer's copy, and the copies follow one another without a gap.
     """
-    device = chunk.moved.source.device_pool.device
     to_host = direction is Direction.DEVICE_TO_HOST
     with _stream(aux):
-        if buffer_free is not None:
-            buffer_free.wait()
+        free.wait()
         if to_host:
             chunk.gather()
         else:
             chunk.copy_runs(to_host=False)
-        staged = _record(device, aux)
+        staged.record(aux)
     with _stream(side):
-        if staged is not None:
-            staged.wait()
+        staged.wait()
         if to_host:
             chunk.copy_runs(to_host=True)
         else:
             chunk.scatter()
-        return _record(device, side)
+        free.record(side)
+
+
+class ChunkSlots:
+    """Pairs ``[start, end)`` of ``moved``: their device index, host slots and what the copies
+    derive from the host slots (runs of consecutive slots, or the pages of a
+    ``page_first_direct`` host). None of it depends on the layers moved, so a layer-wise load
+    makes it once per chunk of the op (:meth:`of`), not once per layer group."""
+
+    def __init__(self, moved: MovedTransfer, start: int, end: int) -> None:
+        self.device_index = moved.device_index[start:end]
+        self.host_slots = moved.host_index.numpy()[start:end]
+        host = moved.source.host_pool
+        self.pages: PagePlan | None = None
+        self.runs: list[tuple[int, int]] = []
+        if host.layout is HostLayout.PAGE_FIRST_DIRECT:
+            self.pages = PagePlan(self.host_slots, host.page_size)
+        else:
+            self.runs = host_runs(self.host_slots)
+
+    @staticmethod
+    def of(moved: MovedTransfer, start: int, end: int) -> ChunkSlots:
+        """The slots of pairs ``[start, end)`` of ``moved``, made on first use and kept
+        with it (``moved.chunk_slots``) until its op is acknowledged."""
+        slots = moved.chunk_slots.get((start, end))
+        if slots is None:
+            slots = moved.chunk_slots[(start, end)] = ChunkSlots(moved, start, end)
+        return slots
 
 
 class StagedChunk:
-    """One chunk of a staged move: pairs ``[start, end)`` of ``moved``.
+    """One chunk of a staged move: the pairs of ``slots`` of ``moved``, for ``layers``.
 
     Staging follows the host layout so that every host run is one block copy
     (:func:`copy_block`, a single 2D copy-engine operation): token-major
@@ -70,19 +99,19 @@ class StagedChunk:
     pages and block of layers, with rows of ``page_size`` tokens.
     """
 
-    def __init__(self, moved: MovedTransfer, layers: list[int], start: int, end: int,
+    def __init__(self, moved: MovedTransfer, layers: list[int], slots: ChunkSlots,
                  flat: torch.Tensor) -> None:
-        self.moved, self.layers = moved, layers
+        self.moved, self.layers, self.slots = moved, layers, slots
         self.blocks = _layer_blocks(layers)
-        self.device_index = moved.device_index[start:end]
-        self.host_slots = moved.host_index.numpy()[start:end]
+        self.device_index = slots.device_index
+        self.host_slots = slots.host_slots
         host = moved.source.host_pool
         geometry = moved.source.device_pool.geometry
-        n, c, r = end - start, geometry.num_components, geometry.row_elems
+        n, c, r = len(self.host_slots), geometry.num_components, geometry.row_elems
         self.token_major = host.layout is HostLayout.PAGE_FIRST
         self.direct: DirectStaging | None = None
-        if host.layout is HostLayout.PAGE_FIRST_DIRECT:
-            self.direct = DirectStaging(self.host_slots, host.page_size, c, len(layers), r)
+        if slots.pages is not None:
+            self.direct = DirectStaging(slots.pages, c, len(layers), r)
             shape: tuple[int, ...] = (n * c * len(layers), r)
         else:
             shape = (n, c, len(layers), r) if self.token_major else (c, len(layers), n, r)
@@ -133,7 +162,7 @@ class StagedChunk:
         if self.direct is not None:
             self.direct.copy_segments(host, self.buf, self.blocks, to_host)
             return
-        for offset, length in host_runs(self.host_slots):
+        for offset, length in self.slots.runs:
             first = int(self.host_slots[offset])
             for block_offset, (begin, end) in self.blocks:
                 count = end - begin
@@ -170,14 +199,6 @@ def _layer_blocks(layers: list[int]) -> list[tuple[int, tuple[int, int]]]:
         else:
             blocks.append((offset, (layer, layer + 1)))
     return blocks
-
-
-def _record(device: torch.device, stream: torch.cuda.Stream | None) -> Event | None:
-    if stream is None:
-        return None
-    event = Event(device)
-    event.record(stream)
-    return event
 
 
 class _stream:

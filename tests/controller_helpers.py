@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from hicache.controller import CacheController, HybridCacheController, TransferBackend
@@ -68,17 +70,21 @@ def make_hybrid(
     swa_pages: int = 10,
     host_pages: int = 40,
     layout: HostLayout = HostLayout.LAYER_FIRST,
+    num_layers: int = 4,
+    swa_layers: Sequence[int] = (1, 3),
 ) -> HybridCacheController:
-    """4 model layers, layers 1 and 3 sliding-window."""
+    """``num_layers`` model layers (4), ``swa_layers`` sliding-window (1 and 3)."""
     geo = geometry()
     pool = HybridSWAPool(
-        num_layers=4, swa_layers=[1, 3], full_pages=full_pages, swa_pages=swa_pages,
-        page_size=page_size, geometry=geo, device=device,
+        num_layers=num_layers, swa_layers=list(swa_layers), full_pages=full_pages,
+        swa_pages=swa_pages, page_size=page_size, geometry=geo, device=device,
     )
     hosts = [
-        HostKVPool(name=name, space=space, num_layers=2, num_pages=host_pages,
+        HostKVPool(name=name, space=space, num_layers=layers, num_pages=host_pages,
                    page_size=page_size, geometry=geo, layout=layout)
-        for name, space in (("full", IndexSpace.HOST_FULL), ("swa", IndexSpace.HOST_SWA))
+        for name, space, layers in (
+            ("full", IndexSpace.HOST_FULL, num_layers - len(swa_layers)),
+            ("swa", IndexSpace.HOST_SWA, len(swa_layers)))
     ]
     fill_unique(pool.full.data)
     fill_unique(pool.swa.data, offset=0.5)

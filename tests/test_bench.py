@@ -88,6 +88,25 @@ def test_table_has_a_line_per_configuration() -> None:
     assert len({len(line) for line in body}) == 1
 
 
+def test_loads_by_size_show_issue_time() -> None:
+    """Every layer-wise load measured, every size, has a line with its issue ms and the
+    issue's share of the op; a result without issue times prints '-'."""
+    result = synthetic_result()
+    for m in result.measurements:
+        m.issue_s = m.seconds / 4 if m.tokens == 256 else None
+    lines = render(result).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("layer-wise loads by"))
+    assert lines[start + 1].split()[3:] == ["tokens", "load", "%h2d", "op", "ms", "issue", "ms",
+                                            "issue/op", "L0", "ms"]
+    body = lines[start + 3: start + 3 + 32]
+    assert len({len(line) for line in body}) == 1
+    small = [line.split() for line in body if line.split()[3] == "256"]
+    assert [(cells[0], cells[7], cells[8]) for cells in small[:2]] == [
+        ("kernel", "0.280", "0.25"), ("staged", "0.323", "0.25")]
+    assert len(small) == 8 and all(cells[8] == "0.25" for cells in small)
+    assert all(line.split()[7:9] == ["-", "-"] for line in body if " 32768 " in line)
+
+
 def test_targets_name_what_is_missed() -> None:
     """A staged page-1 load under 90% of the ceiling is marked MISS and listed."""
     result = synthetic_result()

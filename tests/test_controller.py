@@ -162,7 +162,8 @@ def test_writes_merge_into_one_op() -> None:
 
 
 def test_load_issues_one_copy_per_layer() -> None:
-    """Loads go layer by layer: one backend call per model layer."""
+    """A 5-layer load goes layer by layer (a layer group is at most a quarter of the
+    layers, controller/load_groups.py): one backend call per model layer."""
     spy = SpyBackend()
     ctrl = make_controller(spy, num_layers=5)
     device = ctrl.device_allocator.try_alloc(4)

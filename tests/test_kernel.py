@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from hicache.controller import kernel
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available, transfer_rows
 from hicache.pools import HostLayout, as_layer_first
 
@@ -350,6 +351,10 @@ BAD_ARGUMENTS: list[tuple[str, Callable[[], dict[str, Any]], str]] = [
     ("direct-layers", lambda: _args(host_data=torch.zeros(5, 2, 2, 4, 8),
                                     host_layout=HostLayout.PAGE_FIRST_DIRECT),
      r"\(page_first_direct\) must match device_data: expected \(2, 3, 8\), got \(2, 2, 8\)"),
+    ("not-a-tensor", lambda: _args(host_data=[[0.0] * 8]),
+     r"host_data must be a 4-D tensor \(layer_first\), got list"),
+    ("layout-name", lambda: _args(host_layout="layer_first"),
+     r"host_layout must be a HostLayout, got 'layer_first'"),
 ]
 
 
@@ -361,6 +366,36 @@ def test_bad_arguments_raise_value_error(
     """Each malformed argument raises ValueError saying what was expected and what came."""
     with pytest.raises(ValueError, match=message):
         transfer_rows(**make())
+
+
+def test_bad_arguments_raise_after_a_good_launch() -> None:
+    """The buffer checks, done once per buffer geometry, still refuse every malformed
+    argument after a launch has passed them for well-formed buffers."""
+    no_pairs = torch.empty(0, dtype=torch.int64)
+    transfer_rows(**_args(host_indices=no_pairs, device_indices=no_pairs))
+    for _, make, message in BAD_ARGUMENTS:
+        with pytest.raises(ValueError, match=message):
+            transfer_rows(**make())
+
+
+def test_buffer_checks_run_once_per_geometry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Launches over buffers of one geometry check them once; another geometry (or a strided
+    view of the same shape) is checked again."""
+    checked: list[tuple[int, ...]] = []
+    check = kernel._check_buffers
+
+    def counted(device: torch.Tensor, host: torch.Tensor, layout: HostLayout) -> None:
+        checked.append(tuple(host.shape))
+        check(device, host, layout)
+
+    monkeypatch.setattr(kernel, "_check_buffers", counted)
+    monkeypatch.setattr(kernel, "_PLANS", {})
+    no_pairs = torch.empty(0, dtype=torch.int64)
+    for host in (torch.zeros(2, 3, 20, 8), torch.zeros(2, 3, 20, 8), torch.zeros(2, 3, 24, 8)):
+        transfer_rows(**_args(host_data=host, host_indices=no_pairs, device_indices=no_pairs))
+    assert checked == [(2, 3, 20, 8), (2, 3, 24, 8)]
+    with pytest.raises(ValueError, match="host_data must be contiguous"):
+        transfer_rows(**_args(host_data=torch.zeros(2, 20, 3, 8).transpose(1, 2)))
 
 
 @needs_kernel

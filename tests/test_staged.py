@@ -9,7 +9,13 @@ import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
 from test_controller import round_trip
 
-from hicache.controller import CacheController, TorchBackend, TransferBackend, direct_staging
+from hicache.controller import (
+    CacheController,
+    TorchBackend,
+    TransferBackend,
+    direct_staging,
+    staged_chunk,
+)
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
 from hicache.controller.copy2d import RowPlan, plan_rows
 from hicache.controller.staged import StagedBackend, host_runs
@@ -129,6 +135,19 @@ def test_pairs_sorted_by_host_slot() -> None:
     assert host.tolist() == [3, 5, 9] and device.tolist() == [2, 3, 1]
 
 
+def test_pair_order_is_stable_and_sorted_pairs_stay() -> None:
+    """A host slot named twice (a merged load) keeps its pairs in order; pairs already sorted
+    (the allocator's runs, a repeat included) come back as they are."""
+    backend = StagedBackend()
+    host, device = backend.order_pairs(torch.tensor([7, 2, 7, 2]), torch.tensor([1, 2, 3, 4]))
+    assert host.tolist() == [2, 2, 7, 7] and device.tolist() == [2, 4, 1, 3]
+    sorted_host, sorted_device = torch.tensor([2, 3, 3, 8]), torch.tensor([5, 6, 7, 8])
+    same = backend.order_pairs(sorted_host, sorted_device)
+    assert same[0] is sorted_host and same[1] is sorted_device
+    empty = torch.empty(0, dtype=torch.int64)
+    assert backend.order_pairs(empty, empty)[0].numel() == 0
+
+
 def test_host_runs() -> None:
     """Consecutive host slots form one run; gaps start new runs."""
     assert host_runs(np.array([4, 5, 6, 9, 10, 20])) == [(0, 3), (3, 2), (5, 1)]
@@ -228,3 +247,47 @@ def test_page_first_direct_partial_pages_copy_only_their_slots() -> None:
     rows = host_rows(ctrl.host_pool)
     assert torch.equal(rows[host.tensor], device_rows(ctrl.device_pool)[device.tensor])
     assert (untouched(rows, host.tensor) == SENTINEL).all()
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
+                                               layout: HostLayout) -> None:
+    """A 6-layer load copied layer by layer (two chunks per layer) derives each chunk's host
+    runs or pages once for the op, not once per layer."""
+    made: list[tuple[int, int]] = []
+    init = staged_chunk.ChunkSlots.__init__
+
+    def counted(self: staged_chunk.ChunkSlots, moved: MovedTransfer, start: int,
+                end: int) -> None:
+        made.append((start, end))
+        init(self, moved, start, end)
+
+    ctrl = make_controller(StagedBackend(CHUNK), page_size=2, layout=layout, num_layers=6)
+    device = ctrl.device_allocator.try_alloc(CHUNK * 6 + 4)  # chunks of 6 * CHUNK tokens
+    assert device is not None
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.drain()
+    monkeypatch.setattr(staged_chunk.ChunkSlots, "__init__", counted)
+    assert ctrl.load(host) is not None  # 6 layers: one group per layer
+    ctrl.drain()
+    assert made == [(0, 6 * CHUNK), (6 * CHUNK, 6 * CHUNK + 4)]
+
+
+def test_op_holds_the_staging_buffers_once() -> None:
+    """Per-layer copies of one op add the lane's two staging buffers to its tensors once,
+    not once per layer (each is recorded on the side stream when the op is issued)."""
+    backend = StagedBackend(CHUNK)
+    ctrl = make_controller(backend, num_layers=4)
+    device = ctrl.device_allocator.try_alloc(3 * CHUNK)
+    host = ctrl.host_pool.allocator.try_alloc(3 * CHUNK)
+    assert device is not None and host is not None
+    transfer = PoolTransfer(name="full", host_pool=ctrl.host_pool, device_pool=ctrl.device_pool,
+                            host_indices=host, device_indices=device, layers=(0, 1, 2, 3))
+    moved = MovedTransfer(transfer, *ctrl.move_indices(host, device))
+    keep_alive: list[torch.Tensor] = []
+    for layer in range(4):
+        backend.copy(moved, [layer], Direction.HOST_TO_DEVICE, keep_alive)
+    assert len(keep_alive) == 2
+    assert {t.data_ptr() for t in keep_alive} == {b.data_ptr() for b in
+                                                  next(iter(backend._lanes.values())).buffers}

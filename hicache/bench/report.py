@@ -51,8 +51,8 @@ def header_lines(result: BenchResult) -> list[str]:
         f"{_num(ceiling.d2h_slowdown_pct, 0)}%, h2d {_num(ceiling.h2d_slowdown_pct, 0)}%",
         f"matmul loop: bf16 {meta['matmul_size']}^3, {result.matmul_alone_s * 1e3:.2f} ms "
         f"alone; staged backend staging memory: {result.staging_bytes['write'] / 2**20:.1f} MiB "
-        f"(writes, all layers) + {result.staging_bytes['load'] / 2**20:.1f} MiB (layer-wise "
-        f"loads), {meta['staging_tokens']} tokens per chunk",
+        f"(write stream) + {result.staging_bytes['load'] / 2**20:.1f} MiB (load stream), "
+        f"{meta['staging_tokens']} tokens of every layer per chunk",
     ]
 
 
@@ -101,6 +101,29 @@ def main_table(result: BenchResult) -> list[str]:
             f"{_num(_get(both, 'gb_per_s'), 8)}{_num(_get(both, 'pct_of_ceiling'), 7)}  "
             f"{ran}".rstrip()
         )
+    return lines
+
+
+def load_sizes_table(result: BenchResult) -> list[str]:
+    """One line per layer-wise load measured (every size), with the CPU time its issue took:
+    an issue longer than the op means the CPU, not the link, sets the pace."""
+    loads = [m for m in result.measurements if m.kind == LOAD]
+    if not loads:
+        return ["layer-wise loads by size: none measured"]
+    width = layout_width([m.layout for m in loads])
+    order = {name: i for i, name in enumerate(BACKEND_ORDER)}
+    head = (f"{'backend':<8}{'page':>4} {'layout':<{width}}{'tokens':>7}{'load':>8}{'%h2d':>6}"
+            f"{'op ms':>9}{'issue ms':>10}{'issue/op':>9}{'L0 ms':>7}")
+    lines = ["layer-wise loads by size (issue ms: CPU time to issue one op; issue/op: that "
+             "over the op's time on the GPU)", head, "-" * len(head)]
+    for m in sorted(loads, key=lambda m: (m.page_size, m.layout, order.get(m.backend, 99),
+                                          m.backend, m.tokens)):
+        ratio = None if m.issue_s is None else m.issue_s / m.seconds
+        lines.append(
+            f"{m.backend:<8}{m.page_size:>4} {m.layout:<{width}}{m.tokens:>7}"
+            f"{m.gb_per_s:>8.1f}{m.pct_of_ceiling:>6.1f}{m.seconds * 1e3:>9.3f}"
+            f"{_num(_get(m, 'issue_s', 1e3), 10, 3)}{_num(ratio, 9, 2)}"
+            f"{_num(_get(m, 'layer0_s', 1e3), 7, 2)}")
     return lines
 
 
@@ -215,6 +238,6 @@ def auto_lines(table: dict[str, Any]) -> list[str]:
 
 def render(result: BenchResult) -> str:
     """The whole printed report."""
-    parts = [header_lines(result), main_table(result), LEGEND, target_table(result),
-             auto_lines(result.auto_table)]
+    parts = [header_lines(result), main_table(result), LEGEND, load_sizes_table(result),
+             target_table(result), auto_lines(result.auto_table)]
     return "\n\n".join("\n".join(part) for part in parts)

@@ -24,7 +24,7 @@ class Measurement:
     """One timed configuration.
 
     ``kind``: ``write`` (device to host, all layers in one op), ``load`` (host to device,
-    issued layer by layer as the controller does) or ``both`` (a write and a load issued
+    issued in layer groups as the controller does) or ``both`` (a write and a load issued
     together). ``seconds``: median op time from its start event to its finish event (for
     ``both``: from a common reference event to the later finish). ``pct_of_ceiling``: of the
     one-way ceiling of the direction, or of the both-ways ceiling for ``both``.
@@ -83,8 +83,9 @@ class BenchResult:
     """Everything one benchmark run measured.
 
     ``meta``: device name, software versions, date, geometry and options. ``staging_bytes``:
-    the staged backend's staging memory, ``{"write": ..., "load": ...}`` (all-layer writes,
-    per-layer loads). ``matmul_alone_s``: one bf16 matmul of the reference loop on its own.
+    the staged backend's staging memory, ``{"write": ..., "load": ...}`` (the write and the
+    load stream's lanes, each two chunks of every layer). ``matmul_alone_s``: one bf16
+    matmul of the reference loop on its own.
     ``auto_table``: the table written by ``--auto-table`` (rows, measured_on, measurements).
     """
 

@@ -275,7 +275,7 @@ def both_ways(session: Session, repeats: int) -> tuple[float, set[str]]:
     (write stream and load stream), from a reference event before both to the later
     finish; and the backends that ran them. The write is issued first: the controller issues
     an op entirely on the calling thread, so the second op starts only once the first is
-    issued, and a load (one copy per layer) takes longer to issue than a write."""
+    issued, and a load (one copy per layer group) takes longer to issue than a write."""
     times: list[float] = []
     ran: set[str] = set()
     for _ in range(repeats):

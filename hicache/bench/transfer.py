@@ -7,7 +7,7 @@ One run on one GPU measures, for an MHA model's KV rows at random page-granular 
 2. per backend (``torch``, ``kernel``, ``staged``, ``auto``), page size and host layout
    (host pools have the largest page size, except ``page_first_direct``, whose host pages
    are each case's page size: that is what arranges its bytes):
-   writes (device to host, all layers in one op) and loads (host to device, layer by layer
+   writes (device to host, all layers in one op) and loads (host to device, in layer groups
    as the controller issues them) in GB/s and percent of the ceiling; for loads also when
    layer 0 and when all layers are ready (op start event to ``layer_events[0]`` and to the
    finish event);
@@ -88,8 +88,10 @@ def run_benchmark(args: argparse.Namespace) -> BenchResult:
                                               "staging_tokens", "programs")}
     return BenchResult(
         meta=meta, ceiling=ceiling, matmul_alone_s=alone_s,
+        # One lane per side stream, each two chunks of every layer (a layer-wise load's
+        # chunk holds more tokens of fewer layers in the same memory).
         staging_bytes={"write": staging.staging_bytes(shape.token_bytes),
-                       "load": staging.staging_bytes(shape.geometry.token_bytes(1))},
+                       "load": staging.staging_bytes(shape.token_bytes)},
         measurements=measurements,
         auto_table=auto_table(measurements, measured_on, args.max_slowdown_pct,
                               args.min_share_of_best),

@@ -1,0 +1,245 @@
+"""Layer groups of layer-wise loads: the planner, and grouped loads through the controller
+(bit-exact rows, every layer's event recorded after its group's copy, hybrid pools)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import pytest
+import torch
+from controller_helpers import (
+    SENTINEL,
+    device_rows,
+    host_rows,
+    make_controller,
+    make_hybrid,
+    untouched,
+)
+
+from hicache.controller import (
+    CacheController,
+    Direction,
+    Event,
+    KernelBackend,
+    MovedTransfer,
+    TorchBackend,
+    TransferBackend,
+    load_groups,
+)
+from hicache.controller.kernel import INTERPRET_ENV, kernel_available
+from hicache.controller.load_groups import GROUP_BYTES, local_groups, plan_load_groups
+from hicache.controller.staged import StagedBackend
+from hicache.pools import HostLayout, IndexSpace, Indices
+
+MIB = 2**20
+NUM_LAYERS = 32
+SMALL_LOAD = [range(0, 1), range(1, 2), range(2, 4), range(4, 8), range(8, 16),
+              range(16, 24), range(24, 32)]
+HYBRID_SWA_LAYERS = (1, 3, 4, 5, 6, 10, 13)
+
+
+def backends() -> list[TransferBackend]:
+    """Every backend that serves CPU pools here; staged with chunks smaller than a group."""
+    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=1)]
+    if kernel_available() and os.environ.get(INTERPRET_ENV) == "1":
+        found.append(KernelBackend(num_programs=4))
+    return found
+
+
+class SpyBackend(TorchBackend):
+    """Torch backend that logs each call's local layers into a shared log."""
+
+    def __init__(self, log: list[tuple[str, int]]) -> None:
+        self.log = log
+
+    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
+             keep_alive: list[torch.Tensor]) -> None:
+        if direction is Direction.HOST_TO_DEVICE:
+            self.log.extend(("copy", layer) for layer in local_layers)
+            self.log.append(("call", len(local_layers)))
+        super().copy(moved, local_layers, direction, keep_alive)
+
+
+def written_and_wiped(ctrl: CacheController, num_tokens: int) -> tuple[Indices, torch.Tensor]:
+    """Write ``num_tokens`` device rows, evict them and wipe the device pool; return the host
+    slots and the rows (``[n, components, layers, row]``) a load must bring back."""
+    ctrl.device_allocator.try_alloc(3 * ctrl.device_allocator.page_size)  # ids differ
+    device = ctrl.device_allocator.try_alloc(num_tokens)
+    assert device is not None
+    rows = device_rows(ctrl.device_pool)[device.tensor]
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(device)
+    ctrl.device_pool.data.fill_(SENTINEL)
+    return host, rows
+
+
+# ---- the planner -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3, 5, 8, 31, 32, 61, 80, 128])
+@pytest.mark.parametrize("layer_mib", [0, 0.01, 1, 3, 8, 9, 128])
+def test_groups_cover_every_layer_once_in_order(num_layers: int, layer_mib: float) -> None:
+    """Layer 0 alone first, then consecutive groups no larger than the layers before them,
+    within the byte and share bounds (one layer may exceed the byte bound on its own)."""
+    layer_bytes = int(layer_mib * MIB)
+    groups = plan_load_groups(num_layers, layer_bytes)
+    assert groups[0] == range(0, 1)
+    assert [layer for group in groups for layer in group] == list(range(num_layers))
+    share = max(1, int(num_layers * load_groups.MAX_GROUP_SHARE))
+    for group in groups[1:]:
+        assert 1 <= len(group) <= min(load_groups.RAMP_FACTOR * group.start, share)
+        assert len(group) == 1 or len(group) * layer_bytes <= GROUP_BYTES
+
+
+def test_small_load_of_32_layers_is_seven_copies() -> None:
+    """256 tokens of 32 layers (1 MiB a layer): groups of 1, 1, 2, 4, 8, 8, 8 layers."""
+    assert list(plan_load_groups(NUM_LAYERS, MIB)) == SMALL_LOAD
+
+
+def test_groups_stop_growing_at_the_byte_bound() -> None:
+    """4 MiB layers: groups grow to 4 layers (16 MiB) and stay there."""
+    sizes = [len(g) for g in plan_load_groups(NUM_LAYERS, 4 * MIB)]
+    assert sizes == [1, 1, 2] + [4] * 7
+
+
+def test_a_larger_ramp_factor_reaches_the_bound_in_fewer_copies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ramp factor 3: groups of up to three times the layers before them, 6 copies."""
+    monkeypatch.setattr(load_groups, "RAMP_FACTOR", 3)
+    assert [len(g) for g in plan_load_groups(NUM_LAYERS, MIB)] == [1, 3, 8, 8, 8, 4]
+
+
+def test_big_layers_load_layer_by_layer() -> None:
+    """Layers of more than half the byte bound: every layer is its own copy."""
+    for layer_bytes in (GROUP_BYTES // 2 + 1, GROUP_BYTES, 128 * MIB):
+        assert list(plan_load_groups(NUM_LAYERS, layer_bytes)) == [
+            range(i, i + 1) for i in range(NUM_LAYERS)]
+
+
+def test_one_and_two_layer_models() -> None:
+    """One layer: one group; two layers: one group each, whatever the bytes."""
+    for layer_bytes in (0, 1, 64 * MIB):
+        assert plan_load_groups(1, layer_bytes) == (range(0, 1),)
+        assert plan_load_groups(2, layer_bytes) == (range(0, 1), range(1, 2))
+
+
+def test_planner_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="num_layers must be >= 1, got 0"):
+        plan_load_groups(0, MIB)
+    with pytest.raises(ValueError, match="layer_bytes must be >= 0, got -1"):
+        plan_load_groups(4, -1)
+
+
+def test_local_groups_of_a_pool_holding_some_layers() -> None:
+    """A pool of model layers 0, 2, 5 and 9: local ids per group, empty where it holds none."""
+    groups = plan_load_groups(12, 1)  # 1, 1, 2, 3, 3, 2 layers
+    assert [len(g) for g in groups] == [1, 1, 2, 3, 3, 2]
+    assert local_groups((0, 2, 5, 9), groups) == ((0,), (), (1,), (2,), (3,), ())
+    assert local_groups(tuple(range(12)), groups) == tuple(tuple(g) for g in groups)
+
+
+# ---- through the controller --------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_grouped_load_is_bit_exact(backend: TransferBackend, layout: HostLayout) -> None:
+    """A grouped 32-layer load brings back every row bit for bit and nothing else."""
+    ctrl = make_controller(backend, page_size=2, num_layers=NUM_LAYERS, layout=layout,
+                           device_pages=16, host_pages=16)
+    host, rows = written_and_wiped(ctrl, 10)
+    loaded = ctrl.load(host)
+    assert loaded is not None
+    ctrl.start_loading()
+    ctrl.drain()
+    after = device_rows(ctrl.device_pool)
+    assert torch.equal(after[loaded.tensor], rows)
+    assert (untouched(after, loaded.tensor) == SENTINEL).all()
+
+
+def test_every_event_recorded_after_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One copy per group; each layer's event is recorded after the copy of its group and
+    before the next group's copy."""
+    log: list[tuple[str, int]] = []
+    ctrl = make_controller(SpyBackend(log), num_layers=NUM_LAYERS)
+    host, _ = written_and_wiped(ctrl, 4)
+    events = ctrl.layer_events._sets[0]
+    position = {id(event): layer for layer, event in enumerate(events)}
+    record = Event.record
+
+    def logged(self: Event, stream: torch.cuda.Stream | None = None) -> None:
+        if id(self) in position:
+            log.append(("event", position[id(self)]))
+        record(self, stream)
+
+    monkeypatch.setattr(Event, "record", logged)
+    assert ctrl.load(host) is not None
+    assert ctrl.start_loading() == 0
+    expected: list[tuple[str, int]] = []
+    for group in SMALL_LOAD:
+        expected += [("copy", layer) for layer in group] + [("call", len(group))]
+        expected += [("event", layer) for layer in group]
+    assert log == expected
+    assert all(event.is_recorded for event in events)
+
+
+def test_big_layers_are_copied_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the byte bound below one layer's bytes, the controller issues one copy per
+    layer, as before groups."""
+    log: list[tuple[str, int]] = []
+    ctrl = make_controller(SpyBackend(log), num_layers=NUM_LAYERS)
+    host, _ = written_and_wiped(ctrl, 4)
+    monkeypatch.setattr(load_groups, "GROUP_BYTES", 1)
+    assert ctrl.load(host) is not None
+    ctrl.start_loading()
+    assert [entry for entry in log if entry[0] == "call"] == [("call", 1)] * NUM_LAYERS
+
+
+def test_wait_until_every_layer_after_a_grouped_load() -> None:
+    """wait_until accepts every model layer of a grouped load; the rows are all there."""
+    ctrl = make_controller(TorchBackend(), num_layers=NUM_LAYERS)
+    host, rows = written_and_wiped(ctrl, 6)
+    loaded = ctrl.load(host)
+    assert loaded is not None
+    ctrl.start_loading()
+    for layer in range(NUM_LAYERS):
+        ctrl.wait_until(layer)
+    assert torch.equal(device_rows(ctrl.device_pool)[loaded.tensor], rows)
+    assert len(ctrl.poll()) == 1
+
+
+@pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout) -> None:
+    """16 model layers in groups of 1, 1, 2, 4, 4, 4; SWA layers 1, 3-6, 10 and 13, so groups
+    hold layers of one pool, of both, and three of either: full rows of every token and SWA
+    rows of the tail come back bit for bit, nothing else changes."""
+    ctrl = make_hybrid(backend, layout=layout, num_layers=16, swa_layers=HYBRID_SWA_LAYERS)
+    pool = ctrl.hybrid_pool
+    assert pool.try_alloc(4) is not None
+    full = pool.try_alloc(10)
+    assert full is not None
+    pool.free_swa(Indices(full.tensor[:6], IndexSpace.DEVICE_FULL))
+    swa_before = pool.swa_slots_of(full).tensor
+    full_rows, swa_rows = device_rows(pool.full)[full.tensor], device_rows(pool.swa)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    pool.full.data.fill_(SENTINEL)
+    pool.swa.data.fill_(SENTINEL)
+    back = ctrl.load(host.full, host.swa, swa_tail_tokens=4)
+    assert back is not None
+    ctrl.start_loading()
+    for layer in range(16):
+        ctrl.wait_until(layer)
+    ctrl.drain()
+    tail = back.swa.tensor != 0
+    after_full, after_swa = device_rows(pool.full), device_rows(pool.swa)
+    assert torch.equal(after_full[back.full.tensor], full_rows)
+    assert (untouched(after_full, back.full.tensor) == SENTINEL).all()
+    assert torch.equal(after_swa[back.swa.tensor[tail]], swa_rows[swa_before[tail]])
+    assert (untouched(after_swa, back.swa.tensor[tail]) == SENTINEL).all()
+    assert (host_rows(ctrl.host_swa)[host.swa.tensor[tail]] == swa_rows[swa_before[tail]]).all()
+    pool.check_integrity()

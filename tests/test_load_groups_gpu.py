@@ -1,0 +1,149 @@
+"""Grouped layer-wise loads on a real GPU: every layer's event orders a reader on another
+stream after that layer's rows, and the rows arrive bit for bit (kernel and staged backends,
+every host layout, full and hybrid pools). Run under compute-sanitizer by
+``scripts/gpu_check.sh`` at small shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from controller_helpers import SENTINEL, device_rows, make_controller, make_hybrid, untouched
+from gpu_shapes import scaled
+
+from hicache.controller import (
+    CacheController,
+    KernelBackend,
+    TransferBackend,
+    TransferCore,
+    load_groups,
+)
+from hicache.controller.kernel import kernel_available
+from hicache.controller.staged import StagedBackend
+from hicache.pools import DeviceKVPool, HostLayout, IndexSpace, Indices
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SLEEP_CYCLES = 20_000_000  # ~10 ms on a current GPU: holds the load back behind a producer
+NUM_LAYERS = 32
+NUM_TOKENS = scaled(1024, 96)
+HYBRID_SWA_LAYERS = (1, 3, 4, 5, 6, 10, 13)
+
+
+def gpu_backends() -> list[TransferBackend]:
+    """Staged with chunks smaller than a group (several chunks per copy), and the kernel."""
+    found: list[TransferBackend] = [StagedBackend(staging_tokens=16)]
+    if kernel_available():
+        found.append(KernelBackend(num_programs=16))
+    return found
+
+
+def read_layer_by_layer(ctrl: TransferCore,
+                        reads: list[tuple[DeviceKVPool, int, torch.Tensor]]) -> list[torch.Tensor]:
+    """On a fresh stream, for each model layer in turn, wait for it and copy its rows as an
+    engine's forward reads them: ``reads[layer]`` is (the pool holding it, its local layer
+    there, CPU slots). Returns ``[components, n, row]`` per model layer."""
+    indices = [slots.cuda() for _, _, slots in reads]
+    forward = torch.cuda.Stream()
+    forward.wait_stream(torch.cuda.current_stream())  # the index copies were issued there
+    seen = []
+    with torch.cuda.stream(forward):
+        for layer, ((pool, local, _), index) in enumerate(zip(reads, indices, strict=True)):
+            ctrl.wait_until(layer)
+            seen.append(pool.data[:, local].index_select(1, index))
+    forward.synchronize()
+    return seen
+
+
+def held_back(ctrl: TransferCore) -> None:
+    """Keep the load stream busy behind a sleeping producer, so a reader that does not wait
+    for a layer's event reads the sentinel."""
+    producer = torch.cuda.Stream()
+    ctrl.register_producer_stream(producer)
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(SLEEP_CYCLES)
+
+
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+@pytest.mark.parametrize("grouping", ["grouped", "per_layer"])
+def test_grouped_load_events_and_rows(backend: TransferBackend, layout: HostLayout,
+                                      grouping: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 32-layer load (groups of 1, 1, 2, 4, 8, 8, 8 layers, or one per layer): a reader
+    waiting on each layer's event sees exactly that layer's rows; afterwards every loaded row
+    is bit-exact and every other row keeps the sentinel."""
+    if grouping == "per_layer":
+        monkeypatch.setattr(load_groups, "GROUP_BYTES", 1)
+    ctrl: CacheController = make_controller(
+        backend, device="cuda", page_size=4, device_pages=NUM_TOKENS // 4 + 8,
+        host_pages=NUM_TOKENS // 4 + 8, num_layers=NUM_LAYERS, layout=layout,
+        dtype=torch.bfloat16)
+    pool = ctrl.device_pool
+    pool.data.copy_(torch.randn(pool.data.shape, device="cuda").to(torch.bfloat16))
+    assert ctrl.device_allocator.try_alloc(8) is not None  # device and host slot ids differ
+    device = ctrl.device_allocator.try_alloc(NUM_TOKENS)
+    assert device is not None
+    rows = device_rows(pool)[device.tensor]
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(device)
+    pool.data.fill_(SENTINEL)
+    torch.cuda.synchronize()
+    held_back(ctrl)
+    loaded = ctrl.load(host)
+    assert loaded is not None
+    ctrl.start_loading()
+    seen = read_layer_by_layer(ctrl, [(pool, layer, loaded.tensor)
+                                      for layer in range(NUM_LAYERS)])
+    ctrl.drain()
+    for layer, got in enumerate(seen):
+        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    after = device_rows(pool)
+    assert torch.equal(after[loaded.tensor], rows)
+    assert (untouched(after, loaded.tensor) == SENTINEL).all()
+
+
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout) -> None:
+    """16 layers in groups of 1, 1, 2, 4, 4, 4 with SWA layers spread over them: a reader
+    waiting on each layer sees its full rows (every token) and SWA rows (the tail)."""
+    ctrl = make_hybrid(backend, device="cuda", layout=layout, num_layers=16,
+                       swa_layers=HYBRID_SWA_LAYERS, full_pages=24, swa_pages=16,
+                       host_pages=48)
+    pool = ctrl.hybrid_pool
+    assert pool.try_alloc(4) is not None
+    full = pool.try_alloc(20)
+    assert full is not None
+    pool.free_swa(Indices(full.tensor[:12], IndexSpace.DEVICE_FULL))
+    swa_before = pool.swa_slots_of(full).tensor
+    full_rows, swa_rows = device_rows(pool.full)[full.tensor], device_rows(pool.swa)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    pool.full.data.fill_(SENTINEL)
+    pool.swa.data.fill_(SENTINEL)
+    torch.cuda.synchronize()
+    held_back(ctrl)
+    back = ctrl.load(host.full, host.swa, swa_tail_tokens=8)
+    assert back is not None
+    ctrl.start_loading()
+    tail = back.swa.tensor != 0
+    full_layers = [layer for layer in range(16) if layer not in HYBRID_SWA_LAYERS]
+    reads = [(pool.swa, HYBRID_SWA_LAYERS.index(layer), back.swa.tensor[tail])
+             if layer in HYBRID_SWA_LAYERS else (pool.full, full_layers.index(layer),
+                                                  back.full.tensor)
+             for layer in range(16)]
+    seen = read_layer_by_layer(ctrl, reads)
+    ctrl.drain()
+    for layer, ((data, local, _), got) in enumerate(zip(reads, seen, strict=True)):
+        want = (swa_rows[swa_before[tail]] if data is pool.swa else full_rows)[:, :, local]
+        assert torch.equal(got.cpu(), want.permute(1, 0, 2)), f"layer {layer}"
+    after_full, after_swa = device_rows(pool.full), device_rows(pool.swa)
+    assert torch.equal(after_full[back.full.tensor], full_rows)
+    assert (untouched(after_full, back.full.tensor) == SENTINEL).all()
+    assert (untouched(after_swa, back.swa.tensor[tail]) == SENTINEL).all()
