@@ -415,7 +415,7 @@ def test_integrity_counts_engine_slots_and_catches_leaks() -> None:
 def test_device_prefix_pages_are_the_pages_of_device_prefix() -> None:
     rig = Rig()
     _, slots = rig.put(A)
-    rig.put(A[:4] + [50, 51, 52, 53])  # a split: the prefix of A spans two nodes
+    rig.put([*A[:4], 50, 51, 52, 53])  # a split: the prefix of A spans two nodes
     pages = rig.tree.device_prefix_pages(A)
     page = rig.tree.page_size
     prefix = rig.tree.device_prefix(A).tensor.numpy()
