@@ -164,22 +164,21 @@ class KernelBackend(TransferBackend):
         direction: Direction,
         keep_alive: list[torch.Tensor],
     ) -> None:
-        from .kernel import transfer_rows
+        from .row_copy import RowCopy
 
         if moved.host_index.numel() == 0:
             return
-        for begin, end in _contiguous_ranges(local_layers):
-            transfer_rows(
-                device_data=moved.source.device_pool.data,
-                host_data=moved.source.host_pool.data,
-                host_layout=moved.source.host_pool.layout,
-                host_indices=moved.host_index,
+        row_copy = moved.row_copy
+        if row_copy is None:  # once per op: every layer group launches the same copy
+            source = moved.source
+            row_copy = moved.row_copy = RowCopy(
+                device_data=source.device_pool.data, host_data=source.host_pool.data,
+                host_layout=source.host_pool.layout, host_indices=moved.host_index,
                 device_indices=moved.device_index,
-                layer_begin=begin,
-                layer_end=end,
-                to_host=direction is Direction.DEVICE_TO_HOST,
-                num_programs=self.num_programs,
-            )
+                to_host=direction is Direction.DEVICE_TO_HOST, num_programs=self.num_programs)
+        # the op records moved.host_index / device_index on its side stream and holds them
+        for begin, end in _contiguous_ranges(local_layers):
+            row_copy.launch(begin, end)
 
 
 def _block_or_index(index: np.ndarray) -> slice | np.ndarray:

@@ -23,6 +23,7 @@ from .events import Event
 
 if TYPE_CHECKING:
     from .inflight import HeldCall
+    from .row_copy import RowCopy
     from .staged_chunk import ChunkSlots
 
 
@@ -74,9 +75,10 @@ class MovedTransfer:
 
     ``host_index`` / ``device_index`` are raw int64 tensors on the devices the backend asked
     for, with padding pairs removed. They are recorded on the stream that reads them.
-    ``row_selectors`` and ``chunk_slots``: what a backend derived from them once and reuses
-    for every layer group of a load (the CPU copy's numpy selectors; the staged backend's
-    host runs and pages per chunk ``(start, end)``), made at its first use.
+    ``row_selectors``, ``chunk_slots`` and ``row_copy``: what a backend derived from them
+    once and reuses for every layer group of a load (the CPU copy's numpy selectors; the
+    staged backend's host runs and pages per chunk ``(start, end)``; the kernel's checked
+    launch), made at its first use.
     """
 
     source: PoolTransfer
@@ -84,6 +86,7 @@ class MovedTransfer:
     device_index: torch.Tensor
     row_selectors: tuple[slice | np.ndarray, slice | np.ndarray] | None = None
     chunk_slots: dict[tuple[int, int], ChunkSlots] = field(default_factory=dict)
+    row_copy: RowCopy | None = None  # the kernel backend's prepared launch
 
     def local_layers_of(self, model_layer: int) -> list[int]:
         """Local layer ids of this pool that hold ``model_layer`` (empty when none)."""

@@ -11,32 +11,54 @@ import torch
 
 
 class Event:
-    """A completion marker on a stream; ``query()`` never blocks."""
+    """A completion marker on a stream; ``query()`` never blocks.
+
+    An event can also stand for another one (:meth:`follow`): the layers of one load group
+    are ready when the group's copy is, so their events follow the group's last event
+    instead of each being recorded (a record costs microseconds of CPU; a follow, an
+    attribute).
+    """
 
     def __init__(self, device: torch.device, timing: bool = False) -> None:
         self._cuda = (
             torch.cuda.Event(enable_timing=timing) if device.type == "cuda" else None
         )
         self.is_recorded = False
+        self._leader: Event | None = None
 
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
         """Mark the current point of ``stream`` (the current stream if ``None``)."""
+        self._leader = None
         if self._cuda is not None:
             self._cuda.record(stream)
         self.is_recorded = True
 
+    def follow(self, leader: Event) -> None:
+        """Fire with ``leader`` (a recorded event, not itself following one) until this
+        event is recorded or follows another: ``query``, ``wait`` and ``synchronize`` are
+        the leader's. Timing (``elapsed_s``) reads this event's own record."""
+        assert leader._leader is None and leader is not self, "follow a recorded event"
+        self._leader = leader
+        self.is_recorded = True
+
     def query(self) -> bool:
         """True once all work before the record point has finished (or never recorded)."""
+        if self._leader is not None:
+            return self._leader.query()
         return self._cuda.query() if self._cuda is not None else True
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: current) wait for this event on the GPU; no CPU block."""
-        if self._cuda is not None and self.is_recorded:
+        if self._leader is not None:
+            self._leader.wait(stream)
+        elif self._cuda is not None and self.is_recorded:
             self._cuda.wait(stream)
 
     def synchronize(self) -> None:
         """Block the CPU until the event fires. Shutdown and tests only."""
-        if self._cuda is not None and self.is_recorded:
+        if self._leader is not None:
+            self._leader.synchronize()
+        elif self._cuda is not None and self.is_recorded:
             self._cuda.synchronize()
 
     def elapsed_s(self, end: Event) -> float | None:

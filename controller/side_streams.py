@@ -72,9 +72,9 @@ class SideStreams:
 
     def issue_load(self, op: TransferOp, events: Sequence[Event]) -> None:
         """Copy ``op`` on the load stream in groups of consecutive model layers
-        (:mod:`.load_groups`): one copy per group and pool, then ``events[layer]`` recorded
-        for every layer of the group (one event per model layer; the layers of a group
-        become ready together)."""
+        (:mod:`.load_groups`): one copy per group and pool, then the event of the group's last
+        layer recorded and the others' set to follow it (one event per model layer; the
+        layers of a group become ready together)."""
         groups = plan_load_groups(len(events), sum(op.bytes_by_pool.values()) // len(events))
         parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         executor = _executor(op)
@@ -85,8 +85,10 @@ class SideStreams:
                 for moved, local in parts:
                     if local[number]:
                         executor.copy(moved, local[number], op.direction, op.keep_alive)
-                for layer in group:
-                    events[layer].record(stream)
+                last = events[group[-1]]
+                last.record(stream)
+                for layer in group[:-1]:
+                    events[layer].follow(last)  # ready with the group: one record a group
         op.finish_event = events[-1]
         self._finish(op, stream)
 

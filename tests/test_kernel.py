@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from hicache.controller import kernel
+from hicache.controller import row_copy
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available, transfer_rows
 from hicache.pools import HostLayout, as_layer_first
 
@@ -382,14 +382,14 @@ def test_buffer_checks_run_once_per_geometry(monkeypatch: pytest.MonkeyPatch) ->
     """Launches over buffers of one geometry check them once; another geometry (or a strided
     view of the same shape) is checked again."""
     checked: list[tuple[int, ...]] = []
-    check = kernel._check_buffers
+    check = row_copy._check_buffers
 
     def counted(device: torch.Tensor, host: torch.Tensor, layout: HostLayout) -> None:
         checked.append(tuple(host.shape))
         check(device, host, layout)
 
-    monkeypatch.setattr(kernel, "_check_buffers", counted)
-    monkeypatch.setattr(kernel, "_PLANS", {})
+    monkeypatch.setattr(row_copy, "_check_buffers", counted)
+    monkeypatch.setattr(row_copy, "_PLANS", {})
     no_pairs = torch.empty(0, dtype=torch.int64)
     for host in (torch.zeros(2, 3, 20, 8), torch.zeros(2, 3, 20, 8), torch.zeros(2, 3, 24, 8)):
         transfer_rows(**_args(host_data=host, host_indices=no_pairs, device_indices=no_pairs))

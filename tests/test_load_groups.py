@@ -159,8 +159,8 @@ def test_grouped_load_is_bit_exact(backend: TransferBackend, layout: HostLayout)
 
 
 def test_every_event_recorded_after_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One copy per group; each layer's event is recorded after the copy of its group and
-    before the next group's copy."""
+    """One copy per group; after it, the event of the group's last layer is recorded and
+    every other layer's event follows it (fires with it), before the next group's copy."""
     log: list[tuple[str, int]] = []
     ctrl = make_controller(SpyBackend(log), num_layers=NUM_LAYERS)
     host, _ = written_and_wiped(ctrl, 4)
@@ -173,15 +173,32 @@ def test_every_event_recorded_after_its_group(monkeypatch: pytest.MonkeyPatch) -
             log.append(("event", position[id(self)]))
         record(self, stream)
 
+    follow = Event.follow
+
+    def followed(self: Event, leader: Event) -> None:
+        log.append(("follow", position[id(self)]))
+        assert leader is events[max(i for i, e in enumerate(events) if e is leader)]
+        follow(self, leader)
+
     monkeypatch.setattr(Event, "record", logged)
+    monkeypatch.setattr(Event, "follow", followed)
     assert ctrl.load(host) is not None
     assert ctrl.start_loading() == 0
     expected: list[tuple[str, int]] = []
     for group in SMALL_LOAD:
         expected += [("copy", layer) for layer in group] + [("call", len(group))]
-        expected += [("event", layer) for layer in group]
+        expected += [("event", group[-1])] + [("follow", layer) for layer in group[:-1]]
     assert log == expected
     assert all(event.is_recorded for event in events)
+
+
+def test_a_following_event_fires_with_its_leader_until_recorded_again() -> None:
+    leader, member = Event(torch.device("cpu")), Event(torch.device("cpu"))
+    leader.record()
+    member.follow(leader)
+    assert member.is_recorded and member.query()
+    member.record()  # its own record point again: no longer a follower
+    assert member._leader is None
 
 
 def test_big_layers_are_copied_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
