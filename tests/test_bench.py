@@ -419,3 +419,23 @@ def test_quick_run_on_gpu(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
     assert main(["--quick", "--json", str(path)]) == 0
     assert load_json(path).auto_table["rows"]
+
+
+def test_auto_ranks_layer_wise_loads_over_issue_plus_gpu_time() -> None:
+    """A load backend a little faster on the GPU but slow to issue loses to one that issues
+    quickly (the forward waits for both); writes are ranked by GPU time alone."""
+    def timed(backend: str, kind: str, gbps: float, issue_ms: float) -> Measurement:
+        m = measurement(backend, kind, 16, "layer_first", gbps, tokens=8192)
+        m.issue_s = issue_ms / 1e3
+        return m
+
+    # 8192 tokens x 128 KiB = 1 GiB: 21.9 ms at 49 GB/s, 20.8 ms at 51.5 GB/s
+    loads = [timed("kernel", "load", 49.0, 3.0), timed("staged", "load", 51.5, 12.0)]
+    writes = [timed("kernel", "write", 51.5, 3.0), timed("staged", "write", 49.0, 12.0)]
+    table = auto_table(loads + writes, {"device": "Test GPU"}, max_slowdown_pct=5.0)
+    chosen = {r["direction"]: r["backend"] for r in table["rows"]}
+    assert chosen == {"host_to_device": "kernel", "device_to_host": "kernel"}
+    writes_only = auto_table([timed("kernel", "write", 49.0, 3.0),
+                              timed("staged", "write", 51.5, 12.0)], {"device": "Test GPU"})
+    assert [r["backend"] for r in writes_only["rows"]] == ["staged"]
+    assert "issue plus GPU time" in table["rule"]
