@@ -77,11 +77,9 @@ class TransferCore:
         self._ops = OpQueue(self._paged_pools())
         self._held = self._ops.held
         self._checks = SlotChecks(self._held)
-        # poll() reads every CUDA device pool's bounds records (a CPU pool checks at the
-        # call, so it never has one): the list is fixed, find it once
+        # poll() reads every device pool's bounds records: the list is fixed, find it once
         self._bounds_checks = tuple(pool.raise_if_tripped for pool in self._pools()
-                                    if isinstance(pool, DeviceKVPool)
-                                    and pool.device.type == "cuda")
+                                    if isinstance(pool, DeviceKVPool))
 
     # ---- configuration ------------------------------------------------------------------
 
