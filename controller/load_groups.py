@@ -26,8 +26,15 @@ The rule (:func:`plan_load_groups`):
   Once groups reach that size the CPU issues the next copy before the link has finished the
   current one, so larger groups would only delay readiness. The same bound keeps big ops
   per layer: when two layers together exceed it (more than 8 MiB per layer: above 2048
-  tokens of K and V rows of 2 KiB), every layer is its own copy, with the finest overlap,
-  and the copy's CPU cost is small beside its transfer.
+  tokens of K and V rows of 2 KiB), every layer is its own copy, with the finest overlap
+  (down to the copy count bound below).
+- **At most about** :data:`MAX_COPIES` **copies per op**: groups may always grow (by the
+  ramp) to ``ceil((num_layers - 1) / (MAX_COPIES - 1))`` layers, whatever the byte bound
+  says (the ramp adds a few copies: 13 for a big load of 32 layers). Each
+  copy costs about 100 us of CPU on an H100 host (a kernel launch through Triton's launcher),
+  so 32 per-layer copies of a 32k-token load took 3.7-5.7 ms to issue; 16 keep a load's issue
+  near 2 ms. A big op's groups of 2-3 layers each take milliseconds on the link, so the
+  forward's wait grows by a layer or two at most, while the CPU issues the op sooner.
 - **At most** :data:`MAX_GROUP_SHARE` **of the layers per group.** The last group's layers
   become ready together at the end of the op; a forward that has caught up with the load
   computes them after it. A quarter of the model bounds that tail; at 32 layers a
@@ -46,6 +53,7 @@ import bisect
 import functools
 
 GROUP_BYTES = 16 * 2**20
+MAX_COPIES = 16
 MAX_GROUP_SHARE = 0.25
 RAMP_FACTOR = 1
 
@@ -68,7 +76,14 @@ def plan_load_groups(num_layers: int, layer_bytes: int) -> tuple[range, ...]:
         raise ValueError(f"plan_load_groups: layer_bytes must be >= 0, got {layer_bytes}")
     by_bytes = GROUP_BYTES // layer_bytes if layer_bytes else num_layers
     by_share = int(num_layers * MAX_GROUP_SHARE)
-    return _groups(num_layers, max(1, min(by_bytes, by_share)), RAMP_FACTOR)
+    for_copies = copy_bound_layers(num_layers)
+    return _groups(num_layers, max(1, for_copies, min(by_bytes, by_share)), RAMP_FACTOR)
+
+
+def copy_bound_layers(num_layers: int) -> int:
+    """The group size the copy-count bound allows at least: ``(num_layers - 1)`` layers
+    after layer 0 in ``MAX_COPIES - 1`` groups."""
+    return -(-(num_layers - 1) // max(1, MAX_COPIES - 1))
 
 
 @functools.lru_cache(maxsize=256)

@@ -82,15 +82,20 @@ def written_and_wiped(ctrl: CacheController, num_tokens: int) -> tuple[Indices, 
 @pytest.mark.parametrize("layer_mib", [0, 0.01, 1, 3, 8, 9, 128])
 def test_groups_cover_every_layer_once_in_order(num_layers: int, layer_mib: float) -> None:
     """Layer 0 alone first, then consecutive groups no larger than the layers before them,
-    within the byte and share bounds (one layer may exceed the byte bound on its own)."""
+    within the byte and share bounds (one layer may exceed the byte bound on its own, and
+    every group may hold the copy-count bound's layers); about MAX_COPIES copies at most."""
     layer_bytes = int(layer_mib * MIB)
     groups = plan_load_groups(num_layers, layer_bytes)
     assert groups[0] == range(0, 1)
     assert [layer for group in groups for layer in group] == list(range(num_layers))
     share = max(1, int(num_layers * load_groups.MAX_GROUP_SHARE))
+    for_copies = load_groups.copy_bound_layers(num_layers)
     for group in groups[1:]:
-        assert 1 <= len(group) <= min(load_groups.RAMP_FACTOR * group.start, share)
-        assert len(group) == 1 or len(group) * layer_bytes <= GROUP_BYTES
+        assert 1 <= len(group) <= min(load_groups.RAMP_FACTOR * group.start,
+                                      max(share, for_copies))
+        assert len(group) <= for_copies or len(group) * layer_bytes <= GROUP_BYTES
+    ramp = (max(1, for_copies) - 1).bit_length() + 1  # copies before groups reach the bound
+    assert len(groups) <= load_groups.MAX_COPIES + ramp
 
 
 def test_small_load_of_32_layers_is_seven_copies() -> None:
@@ -111,11 +116,19 @@ def test_a_larger_ramp_factor_reaches_the_bound_in_fewer_copies(
     assert [len(g) for g in plan_load_groups(NUM_LAYERS, MIB)] == [1, 3, 8, 8, 8, 4]
 
 
-def test_big_layers_load_layer_by_layer() -> None:
-    """Layers of more than half the byte bound: every layer is its own copy."""
+def test_big_layers_load_in_groups_of_the_copy_bound() -> None:
+    """Layers of more than half the byte bound: groups ramp up to the copy-count bound's
+    size (3 layers of 32: 1, 1, 2, then 3s), 13 copies instead of 32."""
     for layer_bytes in (GROUP_BYTES // 2 + 1, GROUP_BYTES, 128 * MIB):
-        assert list(plan_load_groups(NUM_LAYERS, layer_bytes)) == [
-            range(i, i + 1) for i in range(NUM_LAYERS)]
+        assert [len(g) for g in plan_load_groups(NUM_LAYERS, layer_bytes)] == [
+            1, 1, 2] + [3] * 9 + [1]
+
+
+def test_without_the_copy_bound_big_layers_load_layer_by_layer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(load_groups, "MAX_COPIES", NUM_LAYERS)
+    assert list(plan_load_groups(NUM_LAYERS, 128 * MIB)) == [
+        range(i, i + 1) for i in range(NUM_LAYERS)]
 
 
 def test_one_and_two_layer_models() -> None:
@@ -202,12 +215,13 @@ def test_a_following_event_fires_with_its_leader_until_recorded_again() -> None:
 
 
 def test_big_layers_are_copied_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the byte bound below one layer's bytes, the controller issues one copy per
-    layer, as before groups."""
+    """With the byte bound below one layer's bytes and no copy-count bound, the controller
+    issues one copy per layer, as before groups."""
     log: list[tuple[str, int]] = []
     ctrl = make_controller(SpyBackend(log), num_layers=NUM_LAYERS)
     host, _ = written_and_wiped(ctrl, 4)
     monkeypatch.setattr(load_groups, "GROUP_BYTES", 1)
+    monkeypatch.setattr(load_groups, "MAX_COPIES", NUM_LAYERS)
     assert ctrl.load(host) is not None
     ctrl.start_loading()
     assert [entry for entry in log if entry[0] == "call"] == [("call", 1)] * NUM_LAYERS

@@ -68,14 +68,17 @@ def held_back(ctrl: TransferCore) -> None:
 
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
-@pytest.mark.parametrize("grouping", ["grouped", "per_layer"])
+@pytest.mark.parametrize("grouping", ["grouped", "copy_bound", "per_layer"])
 def test_grouped_load_events_and_rows(backend: TransferBackend, layout: HostLayout,
                                       grouping: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 32-layer load (groups of 1, 1, 2, 4, 8, 8, 8 layers, or one per layer): a reader
-    waiting on each layer's event sees exactly that layer's rows; afterwards every loaded row
-    is bit-exact and every other row keeps the sentinel."""
-    if grouping == "per_layer":
+    """A 32-layer load (groups of 1, 1, 2, 4, 8, 8, 8 layers; of the copy-count bound's 3
+    layers, as big ops; or one per layer): a reader waiting on each layer's event sees
+    exactly that layer's rows; afterwards every loaded row is bit-exact and every other row
+    keeps the sentinel."""
+    if grouping != "grouped":
         monkeypatch.setattr(load_groups, "GROUP_BYTES", 1)
+    if grouping == "per_layer":
+        monkeypatch.setattr(load_groups, "MAX_COPIES", NUM_LAYERS)
     ctrl: CacheController = make_controller(
         backend, device="cuda", page_size=4, device_pages=NUM_TOKENS // 4 + 8,
         host_pages=NUM_TOKENS // 4 + 8, num_layers=NUM_LAYERS, layout=layout,
