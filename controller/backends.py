@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
+from hicache.pools.page_ids import is_run
 
 from .auto import AutoBackend, load_table
 from .base import Direction, MovedTransfer, TransferBackend
@@ -188,10 +189,9 @@ def _block_or_index(index: np.ndarray) -> slice | np.ndarray:
     size = index.size
     if size < _BLOCK_MIN_ROWS:
         return index
-    first = int(index[0])
-    if int(index[-1]) - first != size - 1 or not np.array_equal(
-            index, np.arange(first, first + size)):
+    if not is_run(index):
         return index
+    first = int(index[0])
     return slice(first, first + size)
 
 

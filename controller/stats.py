@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.pools.page_ids import is_run
+
 from .base import Direction
 from .inflight import host_pages_of
 
@@ -83,9 +85,7 @@ def _breaks(pages: np.ndarray, page_size: int) -> int:
     page named twice interleave, ``page_size`` per repeat."""
     if pages.size == 1:
         return 0
-    first = int(pages[0])
-    if int(pages[-1]) - first == pages.size - 1 and np.array_equal(
-            pages, np.arange(first, first + pages.size)):
+    if is_run(pages):
         return 0  # one ascending run (an allocation's)
     steps = np.diff(pages)
     if np.count_nonzero(steps < 0):

@@ -102,8 +102,7 @@ def valid_pages(
         return None
     slots = tensor.numpy()
     first = int(slots[0])
-    if int(slots[-1]) - first == size - 1 and not first % page_size and np.array_equal(
-            slots, np.arange(first, first + size)):
+    if not first % page_size and is_run(slots):
         # one ascending run of whole pages (what an allocation hands out): one comparison
         page = first // page_size
         last_page = page + size // page_size - 1
@@ -136,3 +135,24 @@ def _offsets(page_size: int) -> np.ndarray:
     offsets = np.arange(page_size, dtype=np.int64)
     offsets.flags.writeable = False
     return offsets
+
+
+# 0, 1, 2, ...: what a run minus its first value equals, shared read-only (512 KiB)
+_RUN = np.arange(1 << 16, dtype=np.int64)
+_RUN.flags.writeable = False
+
+
+def is_run(values: np.ndarray) -> bool:
+    """True when 1-D integer ``values`` are ``first, first + 1, ..., first + n - 1`` (an
+    allocation's slots or pages; empty counts). One subtraction and one comparison against
+    a shared ramp: ``np.array_equal`` costs more in Python than the arithmetic at these
+    sizes."""
+    size = values.size
+    if size == 0:
+        return True
+    first = int(values[0])
+    if int(values[-1]) - first != size - 1:
+        return False
+    if size <= _RUN.size:
+        return not np.count_nonzero((values - first) != _RUN[:size])
+    return bool(np.array_equal(values, np.arange(first, first + size)))

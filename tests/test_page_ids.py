@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.pools import IndexSpace, Indices
-from hicache.pools.page_ids import _checked_page_ids, page_ids, valid_pages
+from hicache.pools.page_ids import _checked_page_ids, is_run, page_ids, valid_pages
 
 PAGE, PAGES = 4, 12
 
@@ -92,3 +92,13 @@ def test_errors_name_what_is_wrong(slots: list[int], message: str) -> None:
             num_pages=PAGES,
             op="test",
         )
+
+
+@pytest.mark.parametrize("values,expected", [
+    ([], True), ([7], True), ([3, 4, 5], True), ([3, 5, 4, 6], False), ([3, 4, 4, 6], False),
+    ([5, 4, 3], False), (list(range(100, 100 + (1 << 16) + 5)), True),
+    ([*range(10, 20), 21], False),
+])
+def test_is_run(values: list[int], expected: bool) -> None:
+    for dtype in (np.int32, np.int64):
+        assert is_run(np.array(values, dtype=dtype)) is expected
