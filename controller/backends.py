@@ -169,14 +169,17 @@ class KernelBackend(TransferBackend):
 
         if moved.host_index.numel() == 0:
             return
+        to_host = direction is Direction.DEVICE_TO_HOST
         row_copy = moved.row_copy
-        if row_copy is None:  # once per op: every layer group launches the same copy
+        if row_copy is None or row_copy.to_host is not to_host:
+            # once per op (every layer group launches the same copy); a transfer moved both
+            # ways (tests) gets one per direction
             source = moved.source
             row_copy = moved.row_copy = RowCopy(
                 device_data=source.device_pool.data, host_data=source.host_pool.data,
                 host_layout=source.host_pool.layout, host_indices=moved.host_index,
-                device_indices=moved.device_index,
-                to_host=direction is Direction.DEVICE_TO_HOST, num_programs=self.num_programs)
+                device_indices=moved.device_index, to_host=to_host,
+                num_programs=self.num_programs)
         # the op records moved.host_index / device_index on its side stream and holds them
         for begin, end in _contiguous_ranges(local_layers):
             row_copy.launch(begin, end)

@@ -42,6 +42,7 @@ class RowCopy:
                  host_layout: HostLayout, host_indices: torch.Tensor,
                  device_indices: torch.Tensor, to_host: bool, num_programs: int = 16,
                  tokens_per_tile: int = 8) -> None:
+        self.to_host = to_host
         self._plan = plan = _buffer_plan(device_data, host_data, host_layout)
         self.num_pairs = _check_indices(device_data, host_indices, device_indices)
         self.num_layers = plan.num_layers
