@@ -107,3 +107,20 @@ class CacheController(TransferCore):
             self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)],
                         owned=True)
         return device
+
+    def evict_device(self, device_indices: Indices, *, pages: np.ndarray | None = None
+                     ) -> None:
+        """Free device slots. Raises ``ValueError`` if any is read or written by an op in
+        flight (wait for its ack). ``pages``: their page ids, from a caller holding slots
+        checked as whole pages (the radix tree's nodes): their form is not checked again;
+        the allocation and in-flight checks always run."""
+        allocator = self.device_allocator
+        allocator.free_pages(self._checks.freeable(device_indices, allocator, "evict_device",
+                                                   pages))
+
+    def evict_host(self, host_indices: Indices, *, pages: np.ndarray | None = None) -> None:
+        """Free host slots. Raises ``ValueError`` if any belongs to an op in flight.
+        ``pages``: as for :meth:`evict_device`."""
+        allocator = self.host_pool.allocator
+        allocator.free_pages(self._checks.freeable(host_indices, allocator, "evict_host",
+                                                   pages))

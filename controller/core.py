@@ -208,22 +208,16 @@ class TransferCore:
 
     # ---- eviction -----------------------------------------------------------------------
 
-    def evict_device(self, device_indices: Indices, *, pages: np.ndarray | None = None
-                     ) -> None:
+    def evict_device(self, device_indices: Indices) -> None:
         """Free device slots. Raises ``ValueError`` if any is read or written by an op in
-        flight (wait for its ack). ``pages``: their page ids, from a caller holding slots
-        checked as whole pages (the radix tree's nodes): their form is not checked again;
-        the allocation and in-flight checks always run."""
+        flight (wait for its ack)."""
         allocator = self.device_allocator
-        allocator.free_pages(self._checks.freeable(device_indices, allocator, "evict_device",
-                                                   pages))
+        allocator.free_pages(self._checks.freeable(device_indices, allocator, "evict_device"))
 
-    def evict_host(self, host_indices: Indices, *, pages: np.ndarray | None = None) -> None:
-        """Free host slots. Raises ``ValueError`` if any belongs to an op in flight.
-        ``pages``: as for :meth:`evict_device`."""
+    def evict_host(self, host_indices: Indices) -> None:
+        """Free host slots. Raises ``ValueError`` if any belongs to an op in flight."""
         allocator = self.host_pool.allocator
-        allocator.free_pages(self._checks.freeable(host_indices, allocator, "evict_host",
-                                                   pages))
+        allocator.free_pages(self._checks.freeable(host_indices, allocator, "evict_host"))
 
     def is_in_flight(self, indices: Indices) -> bool:
         """True when any of ``indices`` (CPU, any space this controller has a pool in, values

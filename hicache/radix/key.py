@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -131,7 +132,7 @@ def _packed_ids(tokens: Sequence[object]) -> bytes | None:
     pack but read back negative as int64. A bool is an int to it (True packs as 1), so the
     elements whose value is 0 or 1, and only those, have their type looked at."""
     try:
-        packed = array("Q", tokens)  # type: ignore[arg-type]
+        packed = array("Q", cast("Sequence[int]", tokens))  # refuses what is not an int
     except (TypeError, OverflowError):
         return None
     values = np.frombuffer(packed, dtype=np.int64)
