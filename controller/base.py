@@ -24,7 +24,7 @@ from .events import Event
 if TYPE_CHECKING:
     from .inflight import HeldCall
     from .row_copy import RowCopy
-    from .staged_chunk import ChunkSlots
+    from .staged_chunk import StagedMove
 
 
 class Direction(enum.Enum):
@@ -75,9 +75,9 @@ class MovedTransfer:
 
     ``host_index`` / ``device_index`` are raw int64 tensors on the devices the backend asked
     for, with padding pairs removed. They are recorded on the stream that reads them.
-    ``row_selectors``, ``chunk_slots`` and ``row_copy``: what a backend derived from them
+    ``row_selectors``, ``staged_move`` and ``row_copy``: what a backend derived from them
     once and reuses for every layer group of a load (the CPU copy's numpy selectors; the
-    staged backend's host runs and pages per chunk ``(start, end)``; the kernel's checked
+    staged backend's chunks with their host runs and planned copies; the kernel's checked
     launch), made at its first use.
     """
 
@@ -85,7 +85,7 @@ class MovedTransfer:
     host_index: torch.Tensor
     device_index: torch.Tensor
     row_selectors: tuple[slice | np.ndarray, slice | np.ndarray] | None = None
-    chunk_slots: dict[tuple[int, int], ChunkSlots] = field(default_factory=dict)
+    staged_move: StagedMove | None = None  # the staged backend's plans of this move
     row_copy: RowCopy | None = None  # the kernel backend's prepared launch
 
     def local_layers_of(self, model_layer: int) -> list[int]:

@@ -56,24 +56,25 @@ def plan_rows(dst: torch.Tensor, src: torch.Tensor) -> tuple[RowPlan, RowPlan] |
 
 
 def _plan(dst: torch.Tensor, src: torch.Tensor) -> tuple[RowPlan, RowPlan] | None:
-    dims = [d for d in range(dst.dim()) if dst.shape[d] != 1]
+    shape, dst_strides, src_strides = dst.shape, dst.stride(), src.stride()
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
     width, split = 1, len(dims)
     while split > 0:
         d = dims[split - 1]
-        if dst.stride(d) != width or src.stride(d) != width:
+        if dst_strides[d] != width or src_strides[d] != width:
             break
-        width *= dst.shape[d]
+        width *= shape[d]
         split -= 1
     leading = dims[:split]
     pitches = []
-    for view in (dst, src):
+    for strides in (dst_strides, src_strides):
         for outer, inner in itertools.pairwise(leading):
-            if view.stride(outer) != view.stride(inner) * view.shape[inner]:
+            if strides[outer] != strides[inner] * shape[inner]:
                 return None
-        pitches.append(view.stride(leading[-1]) if leading else width)
+        pitches.append(strides[leading[-1]] if leading else width)
     height = 1
     for d in leading:
-        height *= dst.shape[d]
+        height *= shape[d]
     size = dst.element_size()
     return (
         RowPlan(dst.data_ptr(), pitches[0] * size, width * size, height),
@@ -96,28 +97,138 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
     if not dst.is_cuda and not src.is_cuda:
         dst.copy_(src)
         return
-    library = _cudart()
-    plan = _plan(dst, src)
-    if plan is None or library is None or not _fits(plan):
-        if dst.dim() == 0 or (plan is not None and plan[0].height == 1):
-            dst.copy_(src, non_blocking=True)
-            return
-        for part_dst, part_src in zip(dst.unbind(0), src.unbind(0), strict=True):
-            copy_block(part_dst, part_src)
+    if _cudart() is None:
+        _copy_rows(dst, src)
         return
-    target, source = plan
-    stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device)
-    status = library.cudaMemcpy2DAsync(
-        ctypes.c_void_p(target.ptr), ctypes.c_size_t(target.pitch_bytes),
-        ctypes.c_void_p(source.ptr), ctypes.c_size_t(source.pitch_bytes),
-        ctypes.c_size_t(target.width_bytes), ctypes.c_size_t(target.height),
-        ctypes.c_int(CUDA_MEMCPY_DEFAULT), ctypes.c_void_p(stream.cuda_stream),
-    )
-    if status != 0:
-        raise RuntimeError(
-            f"cudaMemcpy2DAsync failed with error {status} ({_error_name(library, status)}) "
-            f"copying {target.height} rows of {target.width_bytes} bytes; the host pool must be "
-            f"pinned (HostKVPool with pin=True)")
+    stream = torch.cuda.current_stream(dst.device if dst.is_cuda else src.device).cuda_stream
+    # ``dst`` in the host's place and ``to_host``: each copy runs from ``src`` to ``dst``.
+    issue_copies(plan_copies(dst, src, 0, 0), 0, 0, True, stream)
+
+
+def plan_block(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[RowPlan, RowPlan]]:
+    """The 2D copies (destination plan first) that together move ``src`` into ``dst``: one
+    where the views collapse to equal rows (:func:`plan_rows`), else one per part along the
+    first dimension, recursively; every pitch is one a 2D copy takes.
+
+    Raises:
+        ValueError: the views differ in shape or dtype, or a last dimension is strided.
+    """
+    _check_views(dst, src)
+    return _plan_parts(dst, src)
+
+
+# One planned copy relative to two base pointers: (host offset, host pitch, staged offset,
+# staged pitch, width, height), all in bytes but the height.
+Copy2D = tuple[int, int, int, int, int, int]
+
+
+def plan_copies(host: torch.Tensor, staged: torch.Tensor, host_base: int,
+                staged_base: int) -> list[Copy2D]:
+    """:func:`plan_block` of two views of one shape, as offsets from the pointers
+    ``host_base`` and ``staged_base``: the same copies move any other pair of views that sit
+    at the same offsets from other bases (another layer of the host, the other staging
+    buffer), so a staged move plans a chunk once and issues it for every layer group."""
+    return [(h.ptr - host_base, h.pitch_bytes, s.ptr - staged_base, s.pitch_bytes,
+             h.width_bytes, h.height) for h, s in plan_block(host, staged)]
+
+
+class CopyPlanner:
+    """:func:`plan_copies` from fixed bases, planning each pair of view shapes and strides
+    once: the runs of a chunk are views of the same two tensors that mostly differ only in
+    where they start, and their copies differ by as much."""
+
+    def __init__(self, host_base: int, staged_base: int) -> None:
+        self.host_base, self.staged_base = host_base, staged_base
+        self._known: dict[tuple[object, ...], list[Copy2D]] = {}
+
+    def plan(self, host: torch.Tensor, staged: torch.Tensor) -> list[Copy2D]:
+        """The copies between ``host`` and ``staged`` (views of one shape and dtype)."""
+        host_ptr, staged_ptr = host.data_ptr(), staged.data_ptr()
+        key = (host.shape, host.stride(), host.dtype, staged.shape, staged.stride(),
+               staged.dtype)
+        known = self._known.get(key)
+        if known is None:
+            known = self._known[key] = plan_copies(host, staged, host_ptr, staged_ptr)
+        host_start, staged_start = host_ptr - self.host_base, staged_ptr - self.staged_base
+        return [(h + host_start, hp, s + staged_start, sp, width, height)
+                for h, hp, s, sp, width, height in known]
+
+
+def issue_copies(copies: list[Copy2D], host_ptr: int, staged_ptr: int, to_host: bool,
+                 stream: int) -> None:
+    """Issue ``copies`` (:func:`plan_copies`) between pinned host memory at ``host_ptr`` and
+    device memory at ``staged_ptr`` on the CUDA stream handle ``stream``, asynchronously.
+    The caller keeps both memories alive until the stream has passed the copies.
+
+    Raises:
+        RuntimeError: no CUDA runtime library, or the runtime refused a copy.
+    """
+    library = _cudart()
+    if library is None:
+        raise RuntimeError("issue_copies: no CUDA runtime library for 2D copies; check "
+                           "have_2d_copies() and copy views with copy_block instead")
+    memcpy = library.cudaMemcpy2DAsync  # plain ints: its argtypes convert them
+    for host, host_pitch, staged, staged_pitch, width, height in copies:
+        if to_host:
+            status = memcpy(host_ptr + host, host_pitch, staged_ptr + staged, staged_pitch,
+                            width, height, CUDA_MEMCPY_DEFAULT, stream)
+        else:
+            status = memcpy(staged_ptr + staged, staged_pitch, host_ptr + host, host_pitch,
+                            width, height, CUDA_MEMCPY_DEFAULT, stream)
+        if status != 0:
+            _refused(library, status, height, width)
+
+
+def emulate_copies(copies: list[Copy2D], host_bytes: torch.Tensor, host_offset: int,
+                   staged_bytes: torch.Tensor, to_host: bool) -> None:
+    """:func:`issue_copies` on a CPU, for tests of the plans: ``host_bytes`` and
+    ``staged_bytes`` are flat ``uint8`` views of the two buffers (:func:`as_bytes`), the
+    host's offsets counted from ``host_offset``."""
+    host_start = host_bytes.storage_offset() + host_offset
+    staged_start = staged_bytes.storage_offset()
+    for offset, host_pitch, staged_offset, staged_pitch, width, height in copies:
+        host_rows = host_bytes.as_strided((height, width), (host_pitch, 1),
+                                          host_start + offset)
+        staged_rows = staged_bytes.as_strided((height, width), (staged_pitch, 1),
+                                              staged_start + staged_offset)
+        if to_host:
+            host_rows.copy_(staged_rows)
+        else:
+            staged_rows.copy_(host_rows)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous ``tensor`` as a flat ``uint8`` view (for :func:`emulate_copies`)."""
+    assert tensor.is_contiguous(), "emulated 2D copies index contiguous tensors"
+    return tensor.view(-1).view(torch.uint8)
+
+
+def _plan_parts(dst: torch.Tensor, src: torch.Tensor) -> list[tuple[RowPlan, RowPlan]]:
+    plan = _plan(dst, src)
+    if plan is not None and plan[0].height == 1:  # one row: its pitch is never used
+        return [(plan[0]._replace(pitch_bytes=plan[0].width_bytes),
+                 plan[1]._replace(pitch_bytes=plan[1].width_bytes))]
+    if plan is not None and _fits(plan):
+        return [plan]
+    return [part for part_dst, part_src in zip(dst.unbind(0), src.unbind(0), strict=True)
+            for part in _plan_parts(part_dst, part_src)]
+
+
+def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Without a runtime library: ``copy_`` of the largest parts that are single rows."""
+    plan = _plan(dst, src)
+    if dst.dim() == 0 or (plan is not None and plan[0].height == 1):
+        dst.copy_(src, non_blocking=True)
+        return
+    for part_dst, part_src in zip(dst.unbind(0), src.unbind(0), strict=True):
+        _copy_rows(part_dst, part_src)
+
+
+def _refused(library: ctypes.CDLL, status: int, height: int, width: int) -> None:
+    raise RuntimeError(
+        f"cudaMemcpy2DAsync failed with error {status} ({_error_name(library, status)}) "
+        f"copying {height} rows of {width} bytes; the host pool must be "
+        f"pinned (HostKVPool with pin=True)")
 
 
 def have_2d_copies() -> bool:

@@ -9,7 +9,7 @@ is staged exactly as the host stores it (for the moved layers) and the buffer ho
 Consecutive whole pages form a segment ``[pages, components, layers, page_size, row]`` on both
 sides: for one block of consecutive layers it is ``pages x components`` blocks of ``layers x
 page_size`` rows, equally spaced on each side (a page apart on the host), which
-:func:`~hicache.controller.copy2d.copy_block` moves as ONE 2D copy: for a layer-wise load of a
+:mod:`~hicache.controller.copy2d` moves as ONE 2D copy: for a layer-wise load of a
 16-token page of 2 KiB rows, 32 KiB blocks, which the copy engine moves near the link's
 ceiling; for a write of all layers, one contiguous run. A partial page (a chunk edge, a
 fragment, a slot loaded twice in one merged op) is its own segment of one page.
@@ -26,8 +26,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-
-from .copy2d import copy_block
 
 
 class Segment(NamedTuple):
@@ -74,6 +72,7 @@ class DirectStaging:
         self.starts, self.lengths = pages.starts, pages.lengths
         self.whole_pages = pages.whole_pages
         self.segments = pages.segments
+        self._target_rows: torch.Tensor | None = None
 
     def stage(self, gathered: torch.Tensor, rows: torch.Tensor) -> None:
         """Place ``gathered`` ``[components, layers, pairs, row]`` into the staging ``rows``
@@ -99,36 +98,37 @@ class DirectStaging:
         return rows.index_select(0, self._targets(rows.device)).view(c, n, self.num_pairs,
                                                                    width)
 
-    def copy_segments(self, host: torch.Tensor, rows: torch.Tensor,
-                      blocks: list[tuple[int, tuple[int, int]]], to_host: bool) -> None:
-        """Copy every segment between the host buffer ``[pages, C, L, page_size, R]`` and the
-        staging ``rows`` ``[C * layers * pairs, R]``: one :func:`copy_block` per segment and
-        block of consecutive layers (``(offset in the moved layers, (begin, end))``)."""
+    def segment_views(self, host: torch.Tensor, rows: torch.Tensor, block_offset: int,
+                      begin: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(host view, staged view)`` of every segment for the block of consecutive layers
+        ``begin .. end - 1`` of the host buffer ``[pages, C, L, page_size, R]``, staged at
+        ``block_offset`` of the moved layers in ``rows`` ``[C * layers * pairs, R]``: one
+        2D copy each (:mod:`.copy2d`)."""
         c, n = self.shape
+        views = []
         for seg in self.segments:
             first = seg.position * c * n
             staged = rows[first: first + seg.num_pages * seg.length * c * n].view(
                 seg.num_pages, c, n, seg.length, self.row_elems)
-            host_view = host[seg.page: seg.page + seg.num_pages, :, :,
+            host_view = host[seg.page: seg.page + seg.num_pages, :, begin:end,
                              seg.offset: seg.offset + seg.length]
-            for block_offset, (begin, end) in blocks:
-                host_part = host_view[:, :, begin:end]
-                staged_part = staged[:, :, block_offset: block_offset + end - begin]
-                if to_host:
-                    copy_block(host_part, staged_part)
-                else:
-                    copy_block(staged_part, host_part)
+            views.append((host_view, staged[:, :, block_offset: block_offset + end - begin]))
+        return views
 
     def _targets(self, device: torch.device) -> torch.Tensor:
         """Staging row of every (component, layer, pair) in ``[C, L, pairs]`` order, flat:
         a pair at ``q`` of a piece staged at ``p`` rows of ``length`` sits at row
-        ``p + (component * layers + layer) * length + q``."""
+        ``p + (component * layers + layer) * length + q``. Made once per plan (a blocking
+        copy: ready for every stream) and held with it by the op until it is acknowledged."""
+        if self._target_rows is not None:
+            return self._target_rows
         c, n = self.shape
         lengths = np.repeat(self.lengths, self.lengths)
         piece_starts = np.repeat(self.starts, self.lengths)
         base = piece_starts * c * n + (np.arange(self.num_pairs) - piece_starts)
         grid = np.arange(c * n)[:, None] * lengths[None, :] + base[None, :]
-        return torch.from_numpy(grid.reshape(-1)).to(device)
+        self._target_rows = torch.from_numpy(grid.reshape(-1)).to(device)
+        return self._target_rows
 
 
 def _pieces(host_slots: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:

@@ -29,8 +29,13 @@ for 16 tokens of 2 KiB rows) and a write of all layers one contiguous copy per r
 On a CPU device pool there is no copy engine; the same chunking and run logic runs with
 plain ``copy_`` calls, so it is tested without a GPU.
 
-The data movement of one chunk (gather, scatter, copies of host runs) is in
-:mod:`hicache.controller.staged_chunk`; this module holds the backend and its staging lanes.
+Issue cost: an op plans each chunk once per layer shape (its host runs as 2D copies, byte
+offsets from the host buffer and a staging buffer), and every layer group of a layer-wise
+load issues those copies at its layers' offset; copies and events name their streams (the
+side stream is looked up once per op), so a chunk issues its copies, one index kernel and
+four event operations with no stream lookup. The plans and the data movement of one chunk
+are in :mod:`hicache.controller.staged_chunk`; this module holds the backend and its staging
+lanes.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from hicache.pools import DeviceKVPool, HostKVPool
 
 from .base import Direction, MovedTransfer, TransferBackend
 from .events import Event
-from .staged_chunk import ChunkSlots, StagedChunk, host_runs, move_chunk
+from .staged_chunk import LayerGroup, StagedMove, host_runs, move_chunk
 
 __all__ = ["StagedBackend", "host_runs"]
 
@@ -103,26 +108,28 @@ class StagedBackend(TransferBackend):
     ) -> None:
         if moved.host_index.numel() == 0 or not local_layers:
             return
-        device_pool = moved.source.device_pool
-        layers = list(local_layers)
-        slots = moved.host_index.numpy()
-        side = torch.cuda.current_stream(device_pool.device) if _on_cuda(device_pool) else None
-        lane = self._lane(device_pool, side)
-        if direction is Direction.DEVICE_TO_HOST and lane.aux is not None and side is not None:
+        move = moved.staged_move
+        if move is None:  # the op's first copy: on its side stream, current now
+            device = moved.source.device_pool.device
+            side = torch.cuda.current_stream(device) if device.type == "cuda" else None
+            move = moved.staged_move = StagedMove(moved, side)
+        lane = self._lane(move.device_pool, move.side)
+        to_host = direction is Direction.DEVICE_TO_HOST
+        if to_host and lane.aux is not None and move.side is not None:
             # Gathers read device rows: after the producers and the caller (the side stream
             # waited on them when the op began).
-            lane.aux.wait_stream(side)
-        chunk_tokens = self.chunk_tokens(device_pool.num_layers, len(layers))
-        for start in range(0, slots.size, chunk_tokens):
-            end = min(start + chunk_tokens, slots.size)
-            number = lane.take()
-            chunk = StagedChunk(moved, layers, ChunkSlots.of(moved, start, end),
-                                lane.buffers[number])
-            move_chunk(chunk, direction, side, lane.aux, lane.free[number],
-                       lane.staged[number])
+            lane.aux.wait_stream(move.side)
+        group = LayerGroup(move, tuple(local_layers))
+        chunk_tokens = self.chunk_tokens(move.device_pool.num_layers, group.num_layers)
+        buffers, free, staged, aux = lane.buffers, lane.free, lane.staged, lane.aux
+        for plan in move.chunks(moved, chunk_tokens, group.shape, buffers[0]):
+            number = lane.next
+            lane.next = 1 - number
+            move_chunk(plan, group, to_host, buffers[number], aux, free[number],
+                       staged[number])
         held = keep_alive[-2:]  # once per op and lane, not once per layer group
-        if len(held) < 2 or held[0] is not lane.buffers[0] or held[1] is not lane.buffers[1]:
-            keep_alive.extend(lane.buffers)
+        if len(held) < 2 or held[0] is not buffers[0] or held[1] is not buffers[1]:
+            keep_alive.extend(buffers)
 
     def chunk_tokens(self, pool_layers: int, moved_layers: int) -> int:
         """Pairs per chunk: the staging budget is ``staging_tokens`` tokens of every layer of
@@ -164,10 +171,3 @@ class _Lane:
         self.staged = [Event(device), Event(device)]
         self.next = 0
 
-    def take(self) -> int:
-        number, self.next = self.next, 1 - self.next
-        return number
-
-
-def _on_cuda(pool: DeviceKVPool) -> bool:
-    return pool.device.type == "cuda"

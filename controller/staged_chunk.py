@@ -1,21 +1,36 @@
-"""One chunk of a staged move: device gather/scatter through a staging buffer, and one
-copy-engine copy per contiguous host run (:mod:`.copy2d`), on the streams
-:class:`~hicache.controller.staged.StagedBackend` gives it.
+"""A staged move's plans and chunks: what one op derives once and reuses for every layer
+group (:class:`StagedMove`), and the data movement of one chunk (:func:`move_chunk`: device
+gather/scatter through a staging buffer, one copy-engine copy per contiguous host run, on the
+streams :class:`~hicache.controller.staged.StagedBackend` gives it).
 
-On a CPU device pool (no streams) the same code runs inline, so it is tested without a GPU.
+The copies of a chunk depend on its host slots and on how many layers move in which blocks,
+not on which layers: every layer of the host is laid out alike, and so is the staging
+buffer. A chunk is planned once per op and layer shape (:class:`ChunkPlan`) as byte offsets
+from the host buffer and the staging buffer (:func:`~hicache.controller.copy2d.plan_copies`);
+each layer group issues those copies with one pointer addition per block of layers.
+
+On a CPU device pool (no streams, no copy engine) the same plans run as strided CPU copies
+(:func:`~hicache.controller.copy2d.emulate_copies`), so chunks and plans are tested without a
+GPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import torch
 
 from hicache.pools import HostLayout
 
-from .base import Direction, MovedTransfer
-from .copy2d import copy_block
+from . import copy2d
+from .base import MovedTransfer
 from .direct_staging import DirectStaging, PagePlan
 from .events import Event
+
+# ``(offset in the moved layers, count)`` of each run of consecutive layer ids: what a
+# chunk's plan depends on (the runs' first layers only shift the host side).
+BlockShape = tuple[tuple[int, int], ...]
 
 
 def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
@@ -28,41 +43,10 @@ def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
     return [(int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
-def move_chunk(chunk: StagedChunk, direction: Direction, side: torch.cuda.Stream | None,
-               aux: torch.cuda.Stream | None, free: Event, staged: Event) -> None:
-    """Move one chunk through its staging buffer, whose two events are reused chunk after
-    chunk: ``free`` (recorded on ``side`` once the buffer may be overwritten; this chunk
-    waits on its previous record, a no-op before the first) and ``staged`` (recorded on
-    ``aux`` once the buffer is filled or drained there; ``side`` waits on it at once). A
-    wait takes the record made before it, so recording an event again after the wait was
-    issued is safe, and no event is created per chunk.
-
-    Write: gather on ``aux``, copy-engine copy on ``side``. Load: copy-engine copy on ``aux``,
-    scatter on ``side``, so the side stream (whose events say "layer ready") never holds
-    back the next layer's copy, and the copies follow one another without a gap.
-    """
-    to_host = direction is Direction.DEVICE_TO_HOST
-    with _stream(aux):
-        free.wait()
-        if to_host:
-            chunk.gather()
-        else:
-            chunk.copy_runs(to_host=False)
-        staged.record(aux)
-    with _stream(side):
-        staged.wait()
-        if to_host:
-            chunk.copy_runs(to_host=True)
-        else:
-            chunk.scatter()
-        free.record(side)
-
-
 class ChunkSlots:
     """Pairs ``[start, end)`` of ``moved``: their device index, host slots and what the copies
     derive from the host slots (runs of consecutive slots, or the pages of a
-    ``page_first_direct`` host). None of it depends on the layers moved, so a layer-wise load
-    makes it once per chunk of the op (:meth:`of`), not once per layer group."""
+    ``page_first_direct`` host). None of it depends on the layers moved."""
 
     def __init__(self, moved: MovedTransfer, start: int, end: int) -> None:
         self.device_index = moved.device_index[start:end]
@@ -75,109 +59,221 @@ class ChunkSlots:
         else:
             self.runs = host_runs(self.host_slots)
 
-    @staticmethod
-    def of(moved: MovedTransfer, start: int, end: int) -> ChunkSlots:
-        """The slots of pairs ``[start, end)`` of ``moved``, made on first use and kept
-        with it (``moved.chunk_slots``) until its op is acknowledged."""
-        slots = moved.chunk_slots.get((start, end))
+
+class StagedMove:
+    """What the staged backend derives once per op and pool transfer (``moved.staged_move``,
+    held until the op is acknowledged): the side stream that issues it (an op is issued on
+    one stream), the device rows as wide elements, the host buffer's layer stride, each
+    chunk's :class:`ChunkSlots` and each chunk's :class:`ChunkPlan` per layer shape."""
+
+    def __init__(self, moved: MovedTransfer, side: torch.cuda.Stream | None) -> None:
+        self.side = side  # holds nothing that refers back to ``moved``: no cycle to collect
+        host, device_pool = moved.source.host_pool, moved.source.device_pool
+        self.device_pool, self.host = device_pool, host.data
+        self.token_major = host.layout is HostLayout.PAGE_FIRST
+        layer_dim = 1 if host.layout is HostLayout.LAYER_FIRST else 2
+        self.host_layer_bytes = host.data.stride(layer_dim) * host.data.element_size()
+        self.host_ptr = host.data.data_ptr()
+        self.host_bytes = copy2d.as_bytes(host.data) if side is None else host.data  # (CPU)
+        self.rows = _wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
+        self.num_pairs = int(moved.host_index.numel())
+        self._slots: dict[tuple[int, int], ChunkSlots] = {}
+        self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
+
+    def chunks(self, moved: MovedTransfer, chunk_tokens: int, shape: BlockShape,
+               buffer: torch.Tensor) -> list[ChunkPlan]:
+        """The plans of every chunk of ``chunk_tokens`` pairs of ``moved`` (this move's) for
+        layers in ``shape``, made on first use, with 2D copies relative to the staging
+        ``buffer`` (either buffer of a lane: they are laid out alike)."""
+        plans = self._plans.get((chunk_tokens, shape))
+        if plans is None:
+            planner = copy2d.CopyPlanner(self.host_ptr, buffer.data_ptr())
+            plans = self._plans[(chunk_tokens, shape)] = [
+                ChunkPlan(self, self.slots(moved, start, min(start + chunk_tokens,
+                                                             self.num_pairs)),
+                          shape, buffer, planner)
+                for start in range(0, self.num_pairs, chunk_tokens)]
+        return plans
+
+    def slots(self, moved: MovedTransfer, start: int, end: int) -> ChunkSlots:
+        """The :class:`ChunkSlots` of pairs ``[start, end)``, shared by every layer shape."""
+        slots = self._slots.get((start, end))
         if slots is None:
-            slots = moved.chunk_slots[(start, end)] = ChunkSlots(moved, start, end)
+            slots = self._slots[(start, end)] = ChunkSlots(moved, start, end)
         return slots
 
 
-class StagedChunk:
-    """One chunk of a staged move: the pairs of ``slots`` of ``moved``, for ``layers``.
+class LayerGroup:
+    """The layers of one copy call: their block shape, each block's host offset (bytes from
+    the host buffer's start) and device rows (wide; ``[C, count, slots, row]``, token-major
+    ``[slots, C, count, row]`` for a ``page_first`` host)."""
 
-    Staging follows the host layout so that every host run is one block copy
-    (:func:`copy_block`, a single 2D copy-engine operation): token-major
+    def __init__(self, move: StagedMove, layers: tuple[int, ...]) -> None:
+        self.move, self.side = move, move.side
+        self.shape, begins = layer_blocks(layers)
+        self.num_layers = len(layers)
+        self.host_offsets = [begin * move.host_layer_bytes for begin in begins]
+        self.host_ptrs = [move.host_ptr + offset for offset in self.host_offsets]
+        self.begins = begins
+        self.device_rows = []
+        for begin, (_, count) in zip(begins, self.shape, strict=True):
+            rows = move.rows[:, begin: begin + count]
+            self.device_rows.append(rows.permute(2, 0, 1, 3) if move.token_major else rows)
+
+
+class ChunkPlan:
+    """One chunk of an op for one layer shape: its device index, staging shape and 2D copies
+    (one list per block of layers; ``None`` on a GPU without a runtime library for them).
+
+    Staging follows the host layout so that every host run is one 2D copy: token-major
     ``[n, components, layers, row]`` for a ``page_first`` host, layer-major
-    ``[components, layers, n, row]`` for a ``layer_first`` host. A ``page_first`` host
-    moving a subset of its layers (a per-layer load) has rows of one layer a token's bytes
-    apart; the 2D copy takes them in one operation, though short rows move slower. A
-    ``page_first_direct`` host is staged page by page as it stores them
-    (:class:`~hicache.controller.direct_staging.DirectStaging`): one 2D copy per run of whole
-    pages and block of layers, with rows of ``page_size`` tokens.
+    ``[components, layers, n, row]`` for a ``layer_first`` host, page by page for a
+    ``page_first_direct`` host (:class:`~hicache.controller.direct_staging.DirectStaging`).
     """
 
-    def __init__(self, moved: MovedTransfer, layers: list[int], slots: ChunkSlots,
-                 flat: torch.Tensor) -> None:
-        self.moved, self.layers, self.slots = moved, layers, slots
-        self.blocks = _layer_blocks(layers)
-        self.device_index = slots.device_index
-        self.host_slots = slots.host_slots
-        host = moved.source.host_pool
-        geometry = moved.source.device_pool.geometry
-        n, c, r = len(self.host_slots), geometry.num_components, geometry.row_elems
-        self.token_major = host.layout is HostLayout.PAGE_FIRST
+    def __init__(self, move: StagedMove, slots: ChunkSlots, shape: BlockShape,
+                 buffer: torch.Tensor, planner: copy2d.CopyPlanner) -> None:
+        self.slots, self.device_index = slots, slots.device_index
+        self.host, self.token_major = move.host, move.token_major  # not ``move``: no cycle
+        geometry = move.device_pool.geometry
+        c, r, layers = geometry.num_components, geometry.row_elems, sum(n for _, n in shape)
+        n = len(slots.host_slots)
         self.direct: DirectStaging | None = None
         if slots.pages is not None:
-            self.direct = DirectStaging(slots.pages, c, len(layers), r)
-            shape: tuple[int, ...] = (n * c * len(layers), r)
+            self.direct = DirectStaging(slots.pages, c, layers, r)
+            self.shape: tuple[int, ...] = (n * c * layers, r)
         else:
-            shape = (n, c, len(layers), r) if self.token_major else (c, len(layers), n, r)
-        self.buf = flat[: n * c * len(layers) * r].view(shape)
+            self.shape = (n, c, layers, r) if move.token_major else (c, layers, n, r)
+        self.numel = n * c * layers * r
+        self.wide_shape = (*self.shape[:-1], move.rows.shape[-1])
+        self.copies: list[list[copy2d.Copy2D]] | None = None
+        if not buffer.is_cuda or copy2d.have_2d_copies():
+            staged = self.staged(buffer)  # host layer 0: a group adds its layers' offset
+            self.copies = [[planned for views in self.views(staged, offset, 0, count)
+                            for planned in planner.plan(*views)] for offset, count in shape]
 
-    def gather(self) -> None:
-        data, buf = _wide(self.moved.source.device_pool.data), _wide(self.buf)
+    def staged(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This chunk's staging view of ``buffer`` in the pool's dtype."""
+        return buffer[: self.numel].view(self.shape)
+
+    def views(self, staged: torch.Tensor, block_offset: int, begin: int, end: int
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(host view, staged view)`` of every host run for host layers ``begin .. end - 1``
+        staged at ``block_offset`` of the moved layers."""
+        host, count = self.host, end - begin
         if self.direct is not None:
-            shape = (*self.direct.shape, self.device_index.numel(), buf.shape[-1])
-            gathered = torch.empty(shape, dtype=buf.dtype, device=buf.device)
-            self._gather_layer_major(data, gathered)
-            self.direct.stage(gathered, buf)
-            return
-        if not self.token_major:
-            self._gather_layer_major(data, buf)
-            return
-        for offset, (begin, end) in self.blocks:
-            source = data[:, begin:end].permute(2, 0, 1, 3)
-            if len(self.blocks) == 1:
-                torch.index_select(source, 0, self.device_index, out=buf)
-            else:
-                buf[:, :, offset: offset + end - begin].copy_(
-                    torch.index_select(source, 0, self.device_index))
-
-    def _gather_layer_major(self, data: torch.Tensor, buf: torch.Tensor) -> None:
-        """Device rows into ``buf`` ``[components, moved layers, n, row]``."""
-        for offset, (begin, end) in self.blocks:
-            block = buf[:, offset: offset + end - begin]
-            if len(self.blocks) == 1:
-                torch.index_select(data[:, begin:end], 2, self.device_index, out=block)
-            else:
-                block.copy_(torch.index_select(data[:, begin:end], 2, self.device_index))
-
-    def scatter(self) -> None:
-        data, buf = _wide(self.moved.source.device_pool.data), _wide(self.buf)
-        if self.direct is not None:
-            buf = self.direct.unstage(buf)  # layer-major, as for a layer_first host
-        for offset, (begin, end) in self.blocks:
-            if self.token_major:
-                data[:, begin:end].permute(2, 0, 1, 3).index_copy_(
-                    0, self.device_index, buf[:, :, offset: offset + end - begin])
-            else:
-                data[:, begin:end].index_copy_(
-                    2, self.device_index, buf[:, offset: offset + end - begin])
-
-    def copy_runs(self, to_host: bool) -> None:
-        host = self.moved.source.host_pool.data
-        if self.direct is not None:
-            self.direct.copy_segments(host, self.buf, self.blocks, to_host)
-            return
+            return self.direct.segment_views(host, staged, block_offset, begin, end)
+        views = []
         for offset, length in self.slots.runs:
-            first = int(self.host_slots[offset])
-            for block_offset, (begin, end) in self.blocks:
-                count = end - begin
-                if self.token_major:
-                    host_view = host[first: first + length, :, begin:end]
-                    staged = self.buf[offset: offset + length, :, block_offset:
-                                      block_offset + count]
-                else:
-                    host_view = host[:, begin:end, first: first + length]
-                    staged = self.buf[:, block_offset: block_offset + count,
-                                      offset: offset + length]
-                if to_host:
-                    copy_block(host_view, staged)
-                else:
-                    copy_block(staged, host_view)
+            first = int(self.slots.host_slots[offset])
+            if self.token_major:
+                views.append((host[first: first + length, :, begin:end],
+                              staged[offset: offset + length, :, block_offset:
+                                     block_offset + count]))
+            else:
+                views.append((host[:, begin:end, first: first + length],
+                              staged[:, block_offset: block_offset + count,
+                                     offset: offset + length]))
+        return views
+
+
+def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: torch.Tensor,
+               aux: torch.cuda.Stream | None, free: Event, staged: Event) -> None:
+    """Move one chunk through the staging ``buffer``, whose two events are reused chunk after
+    chunk: ``free`` (recorded on the side stream once the buffer may be overwritten; this
+    chunk waits on its previous record, a no-op before the first) and ``staged`` (recorded
+    on ``aux`` once the buffer is filled or drained there; the side stream waits on it at
+    once). A wait takes the record made before it, so recording an event again after the
+    wait was issued is safe, and no event is created per chunk.
+
+    Write: gather on ``aux``, copy-engine copy on the side stream. Load: copy-engine copy on
+    ``aux``, scatter on the side stream, so the side stream (whose events say "layer ready")
+    never holds back the next layer's copy, and the copies follow one another without a
+    gap. Copies and events name their stream; only the gather makes ``aux`` current (its
+    kernels and temporaries), and the side stream, current on entry, is made current again.
+    """
+    side = group.side
+    rows = buffer[: plan.numel].view(group.move.rows.dtype).view(plan.wide_shape)
+    if not to_host:
+        free.wait(aux)
+        _copy(plan, group, buffer, False, aux)
+        staged.record(aux)
+        staged.wait(side)
+        _scatter(plan, group, rows)
+        free.record(side)
+        return
+    if aux is not None:
+        torch.cuda.set_stream(aux)
+    try:
+        free.wait(aux)
+        _gather(plan, group, rows)
+        staged.record(aux)
+    finally:
+        if side is not None:
+            torch.cuda.set_stream(side)
+    staged.wait(side)
+    _copy(plan, group, buffer, True, side)
+    free.record(side)
+
+
+def _copy(plan: ChunkPlan, group: LayerGroup, buffer: torch.Tensor, to_host: bool,
+          stream: torch.cuda.Stream | None) -> None:
+    """The chunk's host runs between the host and ``buffer`` on ``stream``."""
+    if plan.copies is None:  # a GPU without a runtime library for 2D copies: row by row
+        staged = plan.staged(buffer)
+        with torch.cuda.stream(stream):
+            for (offset, count), begin in zip(group.shape, group.begins, strict=True):
+                for host_view, staged_view in plan.views(staged, offset, begin, begin + count):
+                    if to_host:
+                        copy2d.copy_block(host_view, staged_view)
+                    else:
+                        copy2d.copy_block(staged_view, host_view)
+        return
+    if stream is None:
+        staged = copy2d.as_bytes(buffer)
+        for copies, host_offset in zip(plan.copies, group.host_offsets, strict=True):
+            copy2d.emulate_copies(copies, group.move.host_bytes, host_offset, staged, to_host)
+        return
+    handle, base = stream.cuda_stream, buffer.data_ptr()
+    for copies, host_ptr in zip(plan.copies, group.host_ptrs, strict=True):
+        copy2d.issue_copies(copies, host_ptr, base, to_host, handle)
+
+
+def _gather(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
+    """Device rows of the chunk into its staging ``rows`` (wide)."""
+    index = plan.device_index
+    if plan.direct is not None:
+        gathered = torch.empty((*plan.direct.shape, index.numel(), rows.shape[-1]),
+                               dtype=rows.dtype, device=rows.device)
+        _select(group, index, gathered, 2, 1)
+        plan.direct.stage(gathered, rows)
+    elif group.move.token_major:
+        _select(group, index, rows, 0, 2)
+    else:
+        _select(group, index, rows, 2, 1)
+
+
+def _select(group: LayerGroup, index: torch.Tensor, out: torch.Tensor, dim: int,
+            layer_dim: int) -> None:
+    """``out`` (layers along ``layer_dim``) = the device rows of ``index`` along ``dim``."""
+    if len(group.device_rows) == 1:
+        torch.index_select(group.device_rows[0], dim, index, out=out)
+        return
+    for (offset, count), device_rows in zip(group.shape, group.device_rows, strict=True):
+        out.narrow(layer_dim, offset, count).copy_(torch.index_select(device_rows, dim, index))
+
+
+def _scatter(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
+    """The chunk's staging ``rows`` (wide) into the device rows."""
+    dim, layer_dim = (0, 2) if group.move.token_major else (2, 1)
+    if plan.direct is not None:
+        rows = plan.direct.unstage(rows)  # layer-major, as for a layer_first host
+    index = plan.device_index
+    if len(group.device_rows) == 1:
+        group.device_rows[0].index_copy_(dim, index, rows)
+        return
+    for (offset, count), device_rows in zip(group.shape, group.device_rows, strict=True):
+        device_rows.index_copy_(dim, index, rows.narrow(layer_dim, offset, count))
 
 
 def _wide(rows: torch.Tensor) -> torch.Tensor:
@@ -189,28 +285,16 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
     return rows
 
 
-def _layer_blocks(layers: list[int]) -> list[tuple[int, tuple[int, int]]]:
-    """``(offset in layers, (begin, end))`` for each run of consecutive layer ids."""
-    blocks: list[tuple[int, tuple[int, int]]] = []
+@functools.lru_cache(maxsize=1024)
+def layer_blocks(layers: tuple[int, ...]) -> tuple[BlockShape, tuple[int, ...]]:
+    """``(offset in layers, count)`` of each run of consecutive layer ids, and the first
+    layer id of each run."""
+    shape: list[tuple[int, int]] = []
+    begins: list[int] = []
     for offset, layer in enumerate(layers):
-        if blocks and blocks[-1][1][1] == layer:
-            start, (begin, _) = blocks[-1]
-            blocks[-1] = (start, (begin, layer + 1))
+        if begins and begins[-1] + shape[-1][1] == layer:
+            shape[-1] = (shape[-1][0], shape[-1][1] + 1)
         else:
-            blocks.append((offset, (layer, layer + 1)))
-    return blocks
-
-
-class _stream:
-    """``torch.cuda.stream`` that accepts ``None`` (CPU: run inline)."""
-
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
-        self._ctx = torch.cuda.stream(stream) if stream is not None else None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+            shape.append((offset, 1))
+            begins.append(layer)
+    return tuple(shape), tuple(begins)

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.controller.copy2d import copy_block, plan_rows
+from hicache.controller.copy2d import (
+    CopyPlanner,
+    as_bytes,
+    copy_block,
+    emulate_copies,
+    plan_block,
+    plan_copies,
+    plan_rows,
+)
 
 C, L, S, R = 2, 4, 40, 8  # components, layers, host slots, row elements
 
@@ -115,3 +123,48 @@ def test_page_first_direct_run_of_all_layers_is_contiguous() -> None:
     plan = plan_rows(host[2:5], staging)
     assert plan is not None and plan[0].height == 1
     assert plan[0].width_bytes == 3 * C * L * page * R * host.element_size()
+
+
+def test_planned_copies_move_another_layer_exactly() -> None:
+    """Copies planned for layer 0 of a run, issued with the host offset of layer 2 (CPU
+    emulation of the 2D copies), move exactly layer 2's rows, both ways, and nothing else."""
+    host = torch.full((C, L, S, R), -1.0)
+    staging = torch.arange(100, 100 + C * 16 * R, dtype=torch.float32).view(C, 1, 16, R)
+    copies = plan_copies(host[:, 0:1, 5:12], staging[:, :, 3:10], host.data_ptr(),
+                         staging.data_ptr())
+    layer_bytes = host.stride(1) * host.element_size()
+    emulate_copies(copies, as_bytes(host), 2 * layer_bytes, as_bytes(staging), to_host=True)
+    assert torch.equal(host[:, 2:3, 5:12], staging[:, :, 3:10])
+    host[:, 2:3, 5:12] = -1.0
+    assert (host == -1.0).all()
+    host[:, 2:3, 5:12] = 5.0
+    emulate_copies(copies, as_bytes(host), 2 * layer_bytes, as_bytes(staging), to_host=False)
+    assert (staging[:, :, 3:10] == 5.0).all()
+    assert (staging[:, :, :3] != 5.0).all() and (staging[:, :, 10:] != 5.0).all()
+
+
+def test_non_collapsing_views_plan_one_copy_per_part() -> None:
+    """Layers 0..1 of a layer_first run (rows not evenly spaced) plan one 2D copy per
+    component, which together move the view exactly."""
+    host = torch.full((C, L, S, R), -1.0)
+    staging = torch.arange(C * 2 * 7 * R, dtype=torch.float32).view(C, 2, 7, R)
+    plans = plan_block(host[:, 0:2, 5:12], staging)
+    assert [plan[0].height for plan in plans] == [2] * C
+    copies = plan_copies(host[:, 0:2, 5:12], staging, host.data_ptr(), staging.data_ptr())
+    emulate_copies(copies, as_bytes(host), 0, as_bytes(staging), to_host=True)
+    assert torch.equal(host[:, 0:2, 5:12], staging)
+    host[:, 0:2, 5:12] = -1.0
+    assert (host == -1.0).all()
+
+
+def test_planner_reuses_the_plan_of_equal_views_only() -> None:
+    """Runs of one length (views of equal shapes and strides) share one plan, shifted to
+    where each starts; a run of another length gets its own plan."""
+    host, staging = torch.zeros(C, L, S, R), torch.zeros(C, L, 16, R)
+    planner = CopyPlanner(host.data_ptr(), staging.data_ptr())
+    runs = [(host[:, :, 5:9], staging[:, :, 0:4]), (host[:, :, 20:24], staging[:, :, 4:8]),
+            (host[:, :, 30:36], staging[:, :, 8:14])]
+    for host_view, staged_view in runs:
+        assert planner.plan(host_view, staged_view) == plan_copies(
+            host_view, staged_view, host.data_ptr(), staging.data_ptr())
+    assert len(planner._known) == 2

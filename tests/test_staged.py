@@ -13,11 +13,11 @@ from hicache.controller import (
     CacheController,
     TorchBackend,
     TransferBackend,
-    direct_staging,
+    copy2d,
     staged_chunk,
 )
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
-from hicache.controller.copy2d import RowPlan, plan_rows
+from hicache.controller.copy2d import Copy2D
 from hicache.controller.staged import StagedBackend, host_runs
 from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices, RowGeometry
 
@@ -191,21 +191,18 @@ def test_layer_wise_chunks_use_the_whole_budget() -> None:
     assert backend.chunk_tokens(pool_layers=3, moved_layers=1) == 3 * CHUNK
 
 
-def planned_copies(monkeypatch: pytest.MonkeyPatch,
-                   host_data: torch.Tensor) -> list[tuple[RowPlan, RowPlan] | None]:
-    """Record the 2D plan (host side first) of every block copy of page_first_direct
-    staging, and still copy."""
-    plans: list[tuple[RowPlan, RowPlan] | None] = []
-    host_storage = host_data.untyped_storage().data_ptr()
+def issued_copies(monkeypatch: pytest.MonkeyPatch) -> list[Copy2D]:
+    """Record every planned 2D copy a staged move issues on the CPU, and still copy."""
+    issued: list[Copy2D] = []
+    emulate = copy2d.emulate_copies
 
-    def record(dst: torch.Tensor, src: torch.Tensor) -> None:
-        on_host = dst.untyped_storage().data_ptr() == host_storage
-        host_first = (dst, src) if on_host else (src, dst)
-        plans.append(plan_rows(*host_first))
-        dst.copy_(src)
+    def record(copies: list[Copy2D], host: torch.Tensor, host_offset: int,
+               staged: torch.Tensor, to_host: bool) -> None:  # bytes of both buffers
+        issued.extend(copies)
+        emulate(copies, host, host_offset, staged, to_host)
 
-    monkeypatch.setattr(direct_staging, "copy_block", record)
-    return plans
+    monkeypatch.setattr(copy2d, "emulate_copies", record)
+    return issued
 
 
 def test_page_first_direct_layer_of_a_page_run_is_one_2d_copy(
@@ -215,22 +212,18 @@ def test_page_first_direct_layer_of_a_page_run_is_one_2d_copy(
     the write of all layers is one contiguous copy."""
     ctrl = make_controller(StagedBackend(64), page_size=16, num_layers=3, layout=HostLayout
                            .PAGE_FIRST_DIRECT, device_pages=8, host_pages=8)
-    plans = planned_copies(monkeypatch, ctrl.host_pool.data)
+    copies = issued_copies(monkeypatch)
     device = ctrl.device_allocator.try_alloc(64)
     assert device is not None
     round_trip(ctrl, device)
     row_bytes = ctrl.device_pool.geometry.row_bytes
     page_bytes = 16 * 2 * 3 * row_bytes
-    write, *loads = plans
-    assert write is not None and write[0].height == 1
-    assert write[0].width_bytes == 4 * page_bytes
+    write, *loads = copies
+    assert write[5] == 1 and write[4] == 4 * page_bytes
     assert len(loads) == 3
-    for plan in loads:
-        assert plan is not None
-        host, staged = plan
-        assert (host.height, host.width_bytes, host.pitch_bytes) == (
-            8, 16 * row_bytes, 3 * 16 * row_bytes)
-        assert (staged.height, staged.pitch_bytes) == (8, 16 * row_bytes)
+    for _, host_pitch, _, staged_pitch, width, height in loads:
+        assert (height, width, host_pitch, staged_pitch) == (
+            8, 16 * row_bytes, 3 * 16 * row_bytes, 16 * row_bytes)
 
 
 def test_page_first_direct_partial_pages_copy_only_their_slots() -> None:

@@ -1,7 +1,8 @@
 """The staged backend on a GPU, bit for bit against the torch backend: fragmented host runs,
 every layout, MHA and MLA, all-layer writes and per-layer loads, with 2D copies and with the
 row-by-row fallback used where no CUDA runtime library is found; page_first_direct hosts of
-16- and 64-slot pages against a plain reference copy, every backend."""
+16- and 64-slot pages against a plain reference copy, every backend; plans of 2D copies
+reused across layers against fresh plans."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from test_layouts import write_then_layer_wise_load
 from test_staged import fragmented_round_trip
+from test_staged_plans import copy_groups
 
 from hicache.controller import KernelBackend, TorchBackend, TransferBackend, copy2d
 from hicache.controller.kernel import kernel_available
@@ -54,3 +56,16 @@ def test_page_first_direct_round_trip(backend: TransferBackend, page_size: int,
     """Random device pages into a fragmented page_first_direct host and back layer by layer:
     exactly the reference rows move (staged: one 2D copy per run of pages and layer)."""
     write_then_layer_wise_load(backend, HostLayout.PAGE_FIRST_DIRECT, page_size, kind, "cuda")
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_plans_reused_across_layers_on_gpu(layout: HostLayout) -> None:
+    """Layer by layer through one op's plans (2D copies planned for layer 0, issued at every
+    layer's offset, on both staging buffers): the rows that fresh plans and the torch
+    backend move, bit for bit."""
+    groups = [[layer] for layer in range(4)]
+    reused = copy_groups(StagedBackend(2), layout, groups, device="cuda")
+    fresh = copy_groups(StagedBackend(2), layout, groups, fresh=True, device="cuda")
+    expected = copy_groups(TorchBackend(), layout, groups, device="cuda")
+    for found in (reused, fresh):
+        assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])

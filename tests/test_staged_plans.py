@@ -1,0 +1,145 @@
+"""The staged backend's plans, made once per op and reused by every layer group: bit-identical
+to fresh plans, one per chunk and layer shape, never reused for another shape or chunking,
+valid after the staging buffers are replaced, and held without a reference cycle."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+import torch
+from controller_helpers import make_controller
+
+from hicache.controller import CacheController, TorchBackend, TransferBackend, staged_chunk
+from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
+from hicache.controller.copy2d import CopyPlanner
+from hicache.controller.staged import StagedBackend
+from hicache.controller.staged_chunk import BlockShape, ChunkPlan, ChunkSlots, StagedMove
+from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices, RowGeometry
+
+LAYERS = 4
+PAIRS = 21
+
+
+def scattered_move(ctrl: CacheController, seed: int = 0) -> MovedTransfer:
+    """``PAIRS`` pairs: host slots cut anywhere (many short runs, partial pages) and random
+    device slots; random host and device rows."""
+    gen = torch.Generator().manual_seed(seed)
+    ctrl.host_pool.data.copy_(torch.randn(ctrl.host_pool.data.shape, generator=gen))
+    ctrl.device_pool.data.copy_(torch.randn(ctrl.device_pool.data.shape, generator=gen))
+    host = torch.randperm(ctrl.host_pool.num_slots - 4, generator=gen)[:PAIRS] + 4
+    device = torch.randperm(ctrl.device_pool.num_slots - 1, generator=gen)[:PAIRS] + 1
+    host_idx, device_idx = Indices(host, IndexSpace.HOST_FULL), Indices(device,
+                                                                        IndexSpace.DEVICE_FULL)
+    transfer = PoolTransfer(name="full", host_pool=ctrl.host_pool, device_pool=ctrl.device_pool,
+                            host_indices=host_idx, device_indices=device_idx,
+                            layers=tuple(range(ctrl.device_pool.num_layers)))
+    return MovedTransfer(transfer, *ctrl.move_indices(host_idx, device_idx))
+
+
+def copy_groups(backend: TransferBackend, layout: HostLayout, groups: list[list[int]],
+                fresh: bool = False, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Load then write ``groups`` of layers one copy each through one moved transfer (with
+    ``fresh``: its plans dropped before every copy); the device and host buffers after."""
+    ctrl = make_controller(backend, device=device, page_size=4, num_layers=LAYERS,
+                           layout=layout)
+    moved = scattered_move(ctrl)
+    for direction in (Direction.HOST_TO_DEVICE, Direction.DEVICE_TO_HOST):
+        for layers in groups:
+            if fresh:
+                moved.staged_move = None
+            backend.copy(moved, layers, direction, [])
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return ctrl.device_pool.data.cpu(), ctrl.host_pool.data.clone()
+
+
+@pytest.fixture
+def plans_made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BlockShape]]:
+    """The layer shape of every ChunkPlan made."""
+    made: list[BlockShape] = []
+    init = staged_chunk.ChunkPlan.__init__
+
+    def counted(self: ChunkPlan, move: StagedMove, slots: ChunkSlots, shape: BlockShape,
+                buffer: torch.Tensor, planner: CopyPlanner) -> None:
+        made.append(shape)
+        init(self, move, slots, shape, buffer, planner)
+
+    monkeypatch.setattr(staged_chunk.ChunkPlan, "__init__", counted)
+    yield made
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_plans_reused_across_layers_equal_fresh_plans(
+        layout: HostLayout, plans_made: list[BlockShape]) -> None:
+    """Layer by layer in chunks of 8 pairs, both directions: the 3 plans made for layer 0
+    move layers 1..3 bit for bit as plans made afresh for each copy do, and as the torch
+    backend does."""
+    groups = [[layer] for layer in range(LAYERS)]
+    reused = copy_groups(StagedBackend(2), layout, groups)
+    assert plans_made == [((0, 1),)] * 3
+    fresh = copy_groups(StagedBackend(2), layout, groups, fresh=True)
+    assert len(plans_made) == 3 + 3 * 2 * LAYERS
+    expected = copy_groups(TorchBackend(), layout, groups)
+    for found in (reused, fresh):
+        assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_other_layer_shapes_and_chunkings_get_their_own_plans(
+        layout: HostLayout, plans_made: list[BlockShape]) -> None:
+    """One moved transfer copied as layers [0], [1, 2], [0, 2] (two blocks), [3] and then by
+    a backend of other chunks: each new layer shape or chunk size is planned anew ([3]
+    reuses [0]'s plans) and every copy equals the torch backend's."""
+    groups = [[0], [1, 2], [0, 2], [3]]
+    ctrl = make_controller(StagedBackend(4), page_size=4, num_layers=LAYERS, layout=layout)
+    reference = make_controller(TorchBackend(), page_size=4, num_layers=LAYERS, layout=layout)
+    moved, expected = scattered_move(ctrl), scattered_move(reference)
+    shapes = []
+    for backend in (StagedBackend(4), StagedBackend(3)):
+        for layers in groups:
+            before = len(plans_made)
+            backend.copy(moved, layers, Direction.HOST_TO_DEVICE, [])
+            TorchBackend().copy(expected, layers, Direction.HOST_TO_DEVICE, [])
+            shapes.append(set(plans_made[before:]))
+            assert torch.equal(ctrl.device_pool.data, reference.device_pool.data), layers
+    assert shapes[:4] == [{((0, 1),)}, {((0, 2),)}, {((0, 1), (1, 1))}, set()]
+    assert shapes[4:] == shapes[:4]  # other chunk sizes: planned again, once per shape
+
+
+def test_plans_survive_replaced_staging_buffers() -> None:
+    """A pool of wider rows replaces the shared lane's buffers between two layers of another
+    move; that move's plans (offsets from whichever buffer) still copy exactly."""
+    backend = StagedBackend(4)
+    narrow = make_controller(backend, page_size=4, num_layers=LAYERS)
+    wide_row = RowGeometry(AttentionKind.MHA, 4, 8, 0, torch.float32)
+    wide = make_controller(backend, page_size=4, num_layers=LAYERS, row=wide_row)
+    reference = make_controller(TorchBackend(), page_size=4, num_layers=LAYERS)
+    moved, other, expected = scattered_move(narrow), scattered_move(wide), scattered_move(
+        reference)
+    backend.copy(moved, [0], Direction.HOST_TO_DEVICE, [])
+    small = backend.allocated_bytes()
+    backend.copy(other, [0], Direction.HOST_TO_DEVICE, [])
+    assert backend.allocated_bytes() > small  # replaced by larger buffers
+    backend.copy(moved, [1], Direction.HOST_TO_DEVICE, [])
+    TorchBackend().copy(expected, [0, 1], Direction.HOST_TO_DEVICE, [])
+    assert torch.equal(narrow.device_pool.data, reference.device_pool.data)
+
+
+def test_staged_move_holds_no_reference_cycle() -> None:
+    """A moved transfer with its plans is freed when its op lets go of it, without waiting
+    for the cycle collector (its indices and staging temporaries go with it)."""
+    ctrl = make_controller(StagedBackend(4), page_size=4, num_layers=LAYERS)
+    moved = scattered_move(ctrl)
+    StagedBackend(4).copy(moved, [0], Direction.HOST_TO_DEVICE, [])
+    assert moved.staged_move is not None
+    gone = weakref.ref(moved)
+    gc.disable()
+    try:
+        del moved
+        assert gone() is None
+    finally:
+        gc.enable()
+
