@@ -118,8 +118,13 @@ class DirectStaging:
     def _targets(self, device: torch.device) -> torch.Tensor:
         """Staging row of every (component, layer, pair) in ``[C, L, pairs]`` order, flat:
         a pair at ``q`` of a piece staged at ``p`` rows of ``length`` sits at row
-        ``p + (component * layers + layer) * length + q``. Made once per plan (a blocking
-        copy: ready for every stream) and held with it by the op until it is acknowledged."""
+        ``p + (component * layers + layer) * length + q``. Made once per plan and held with
+        it by the op until it is acknowledged. The upload is asynchronous, on the current
+        stream: a plan belongs to one op, whose stage (a write's gather, on its auxiliary
+        stream) or unstage (a load's scatter, on the load stream) always runs on the same
+        stream, so its uses are ordered after the upload. (A blocking upload of pageable
+        memory waited for every copy queued on that stream: 14 ms of a 32k-token load's
+        issue, measured.)"""
         if self._target_rows is not None:
             return self._target_rows
         c, n = self.shape
@@ -127,7 +132,11 @@ class DirectStaging:
         piece_starts = np.repeat(self.starts, self.lengths)
         base = piece_starts * c * n + (np.arange(self.num_pairs) - piece_starts)
         grid = np.arange(c * n)[:, None] * lengths[None, :] + base[None, :]
-        self._target_rows = torch.from_numpy(grid.reshape(-1)).to(device)
+        targets = torch.from_numpy(grid.reshape(-1))
+        if device.type == "cuda":  # pinned, so the copy does not wait for the stream
+            self._target_rows = targets.pin_memory().to(device, non_blocking=True)
+        else:
+            self._target_rows = targets
         return self._target_rows
 
 
