@@ -64,6 +64,11 @@ def move_checked(
             device = torch.from_numpy(device_np.astype(np.int64))
     host, device = backend.order_pairs(host, device)
     host_target, device_target = backend.index_devices(host_pool, device_pool)
+    if host_target == device_target and host_target != _CPU:
+        # one pinned staging and one copy for both (each costs tens of microseconds of CPU);
+        # the two results are views of one tensor, recorded and held like any other
+        both = to_device(torch.cat([host, device]), host_target)
+        return both[:host.numel()], both[host.numel():]
     return to_device(host, host_target), to_device(device, device_target)
 
 
