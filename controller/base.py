@@ -88,11 +88,6 @@ class MovedTransfer:
     staged_move: StagedMove | None = None  # the staged backend's plans of this move
     row_copy: RowCopy | None = None  # the kernel backend's prepared launch
 
-    def local_layers_of(self, model_layer: int) -> list[int]:
-        """Local layer ids of this pool that hold ``model_layer`` (empty when none)."""
-        layers = self.source.layers
-        return [layers.index(model_layer)] if model_layer in layers else []
-
 
 @dataclass(eq=False)
 class TransferOp:

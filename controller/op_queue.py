@@ -137,9 +137,7 @@ class OpQueue:
         give_back = self.held.give_back
         for direction in _DIRECTIONS:
             queue = self._in_flight[direction]
-            # (the finish event's query(), without is_done()'s call and assertion: an op in
-            # flight was issued, so it has a finish event)
-            while queue and queue[0].finish_event.query():  # type: ignore[union-attr]
+            while queue and queue[0].is_done():
                 op = queue.popleft()
                 for call in op.held:
                     give_back(call)

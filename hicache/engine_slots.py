@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.pools.page_ids import owned_page_ids
 
 from .radix import RadixTree, TokenKey
 
@@ -42,7 +43,7 @@ class EngineSlots:
 
     def add(self, indices: Indices) -> None:
         """Record freshly allocated slots."""
-        pages = self._trusted_pages(indices)  # the allocator's own output
+        pages = owned_page_ids(indices, self.allocator.page_size)  # the allocator's own output
         assert not self._held[pages].any(), "alloc_device handed out a page the engine holds"
         self._held[pages] = True
         self._num_held += int(pages.size)
@@ -76,11 +77,6 @@ class EngineSlots:
                 f"neither held by the engine (alloc_device) nor the tree's page there"
             )
         return pages
-
-    def _trusted_pages(self, indices: Indices) -> np.ndarray:
-        """Pages of whole-page slots that hicache itself produced (an allocation, the
-        tree's nodes): no checks, one strided read."""
-        return indices.tensor.numpy()[::self.allocator.page_size] // self.allocator.page_size
 
     def forget(self, pages: np.ndarray) -> None:
         """The engine no longer holds ``pages`` (inserted into the tree, or freed)."""

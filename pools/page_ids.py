@@ -156,3 +156,11 @@ def is_run(values: np.ndarray) -> bool:
     if size <= _RUN.size:
         return not np.count_nonzero((values - first) != _RUN[:size])
     return bool(np.array_equal(values, np.arange(first, first + size)))
+
+
+def owned_page_ids(indices: Indices, page_size: int) -> np.ndarray:
+    """Page ids (int64, a new array) of slots hicache itself made and checked as whole
+    ordered pages (an allocation's output, a tree node's slots, sliced only at page
+    boundaries): the first slot of each page names it, one strided read and no checks.
+    Never for slots an engine passes in: those go through :func:`page_ids`."""
+    return indices.tensor.numpy()[::page_size] // page_size

@@ -7,6 +7,7 @@ import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_hybrid, untouched
 
 from hicache.controller import Direction, HybridCacheController, TorchBackend
+from hicache.controller.load_groups import local_groups
 from hicache.pools import IndexSpace, Indices
 
 
@@ -139,8 +140,9 @@ def test_per_layer_load_routes_layers_to_their_pools() -> None:
     assert ctrl.load(host.full, host.swa, 2) is not None
     op = ctrl._ops.merge(Direction.HOST_TO_DEVICE, ctrl.backend)
     assert op is not None
-    layers = [[m.local_layers_of(layer) for m in op.moved] for layer in range(4)]
-    assert layers == [[[0], []], [[], [0]], [[1], []], [[], [1]]]
+    per_layer = tuple(range(layer, layer + 1) for layer in range(4))
+    layers = [local_groups(m.source.layers, per_layer) for m in op.moved]
+    assert layers == [((0,), (), (1,), ()), ((), (0,), (), (1,))]
     assert ctrl.num_layers == 4
 
 

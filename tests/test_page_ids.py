@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.pools import IndexSpace, Indices
-from hicache.pools.page_ids import _checked_page_ids, is_run, page_ids, valid_pages
+from hicache.pools.page_ids import _checked_page_ids, is_run, owned_page_ids, page_ids, valid_pages
 
 PAGE, PAGES = 4, 12
 
@@ -102,3 +102,11 @@ def test_errors_name_what_is_wrong(slots: list[int], message: str) -> None:
 def test_is_run(values: list[int], expected: bool) -> None:
     for dtype in (np.int32, np.int64):
         assert is_run(np.array(values, dtype=dtype)) is expected
+
+
+def test_owned_page_ids_equal_the_checked_ids_of_whole_pages() -> None:
+    slots = torch.tensor([32, 33, 34, 35, 8, 9, 10, 11, 12, 13, 14, 15], dtype=torch.int64)
+    indices = Indices(slots, IndexSpace.DEVICE_FULL)
+    checked = page_ids(indices, space=IndexSpace.DEVICE_FULL, pool_name="p", page_size=4,
+                       num_pages=20, op="t")
+    assert owned_page_ids(indices, 4).tolist() == checked.tolist() == [8, 2, 3]

@@ -17,6 +17,7 @@ import torch
 
 from hicache.controller import CacheController, HybridCacheController, HybridSlots, TransferCore
 from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.pools.page_ids import owned_page_ids
 
 # (full slots, aligned SWA slots or None for a model without SWA)
 SlotPair = tuple[Indices, Indices | None]
@@ -116,9 +117,9 @@ class NodeIO:
     def _pages(self, slots: Indices) -> np.ndarray:
         """Page ids of slots the tree holds: whole pages, checked when they entered it (an
         allocation, or the engine's slots at ``insert``) and sliced only at page
-        boundaries since, so the first slot of each page names it (one strided read; the
-        controller still checks that every page is allocated and not in flight)."""
-        return slots.tensor.numpy()[::self.page_size] // self.page_size
+        boundaries since (the controller still checks that every page is allocated and not
+        in flight)."""
+        return owned_page_ids(slots, self.page_size)
 
     def swa_of(self, device: Indices) -> Indices | None:
         """Aligned ``DEVICE_SWA`` slots of ``device`` (``None`` without SWA)."""
