@@ -68,13 +68,14 @@ class EngineSlots:
         head = Indices(device_indices.tensor[:num_tokens], device_indices.space)
         pages = self.pages_of(head, "insert")
         own = tree.device_prefix_pages(key)  # the tree's own pages
-        at_own_place = np.zeros(pages.size, dtype=bool)
-        at_own_place[:own.size] = pages[:own.size] == own
-        bad = np.flatnonzero(~(self._held[pages] | at_own_place))
-        if bad.size:
+        fine = self._held[pages]  # a new array: marked below where the tree's page is
+        if own.size:
+            fine[:own.size] |= pages[:own.size] == own
+        if np.count_nonzero(fine) < fine.size:
+            bad = np.flatnonzero(~fine)
             raise ValueError(
-                f"insert: page {int(pages[bad[0]])} at token {int(bad[0]) * tree.page_size} is "
-                f"neither held by the engine (alloc_device) nor the tree's page there"
+                f"insert: page {int(pages[bad[0]])} at token {int(bad[0]) * tree.page_size} "
+                f"is neither held by the engine (alloc_device) nor the tree's page there"
             )
         return pages
 

@@ -49,7 +49,6 @@ class PageAllocator:
         self._is_free[0] = False
         self._num_free_pages = num_pages
         self._runs = FreeRuns(num_pages)
-        self._page_offsets = np.arange(page_size, dtype=np.int64)
 
     @property
     def num_slots(self) -> int:
@@ -90,7 +89,7 @@ class PageAllocator:
         if isinstance(got, int):
             start, end = got * self.page_size, (got + num_tokens // self.page_size) * self.page_size
             return Indices(torch.from_numpy(np.arange(start, end, dtype=np.int64)), self.space)
-        return Indices(torch.from_numpy(self._slots_of(got)), self.space)
+        return Indices(torch.from_numpy(_expand_runs(got, self.page_size)), self.space)
 
     def try_alloc_pages(self, num_tokens: int) -> tuple[Indices, np.ndarray] | None:
         """:meth:`try_alloc`, with the page ids of the slots it hands out (a new int64
@@ -99,21 +98,23 @@ class PageAllocator:
         if got is None:
             return None
         if not isinstance(got, int):
-            return Indices(torch.from_numpy(self._slots_of(got)), self.space), got
+            return (Indices(torch.from_numpy(_expand_runs(got, self.page_size)), self.space),
+                    _expand_runs(got, 1))
         end = got + num_tokens // self.page_size
         slots = np.arange(got * self.page_size, end * self.page_size, dtype=np.int64)
         return Indices(torch.from_numpy(slots), self.space), np.arange(got, end, dtype=np.int64)
 
-    def _take(self, num_tokens: int) -> int | np.ndarray | None:
+    def _take(self, num_tokens: int) -> int | list[tuple[int, int]] | None:
         """Allocate the pages of :meth:`try_alloc`: the first page of the one run they
-        form, or their ids (empty for no tokens); ``None`` when they are not free."""
+        form, or the ``(first page, length)`` runs they form, ascending (none for no
+        tokens); ``None`` when they are not free."""
         if num_tokens < 0 or num_tokens % self.page_size:
             check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size
         if num_pages > self._num_free_pages:
             return None
         if num_pages == 0:
-            return np.empty(0, dtype=np.int64)
+            return []
         start = self._runs.best_fit(num_pages)
         if start is None:
             return self._take_longest_runs(num_pages)
@@ -218,21 +219,24 @@ class PageAllocator:
         int64 arrays of shape ``[num_runs]``."""
         return self._runs.as_arrays()
 
-    def _take_longest_runs(self, num_pages: int) -> np.ndarray:
+    def _take_longest_runs(self, num_pages: int) -> list[tuple[int, int]]:
         """Allocate ``num_pages`` pages from the longest runs (no run holds them all): the
-        lowest ``num_pages`` pages of the fewest longest runs that cover them, ascending."""
+        lowest ``num_pages`` pages of the fewest longest runs that cover them, as
+        ``(first page, length)`` runs ascending. Python ints and a slice store per run:
+        an allocation draws on few runs, where numpy calls cost more than the work."""
         runs = sorted(self._runs.longest_first(num_pages))
-        starts = np.array([start for start, _ in runs], dtype=np.int64)
-        lengths = np.array([length for _, length in runs], dtype=np.int64)
         # The lowest num_pages pages of the chosen runs: the surplus is shorter than the
         # shortest chosen run, so it is the top of the highest-starting one, left free.
-        lengths[-1] -= int(lengths.sum()) - num_pages
-        for start, length in zip(starts.tolist(), lengths.tolist(), strict=True):
-            self._runs.take(start, length)
-        pages = _expand_runs(starts, lengths)
-        self._is_free[pages] = False
+        surplus = sum(length for _, length in runs) - num_pages
+        if surplus:
+            start, length = runs[-1]
+            runs[-1] = (start, length - surplus)
+        take, is_free = self._runs.take, self._is_free
+        for start, length in runs:
+            take(start, length)
+            is_free[start:start + length] = False
         self._num_free_pages -= num_pages
-        return pages
+        return runs
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` unless free + used == capacity, page 0 is reserved and the
@@ -251,32 +255,45 @@ class PageAllocator:
         views excepted); reads nothing else of the allocator but its name and size."""
         snapshot.verify(self.name, self.num_pages)
 
-    def _slots_of(self, pages: np.ndarray) -> np.ndarray:
-        if pages.size == 1:
-            first = int(pages[0]) * self.page_size
-            return np.arange(first, first + self.page_size, dtype=np.int64)
-        return (pages[:, None] * self.page_size + self._page_offsets[None, :]).reshape(-1)
 
-
-def _expand_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Every page of the runs ``(starts[i], lengths[i])``, run after run, vectorised (a page
-    size 1 pool may have tens of thousands of one-page runs)."""
-    run_offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - run_offsets, lengths) + np.arange(int(lengths.sum()))
+def _expand_runs(runs: list[tuple[int, int]], scale: int) -> np.ndarray:
+    """Every page of the ``(first page, length)`` runs, run after run, times ``scale``
+    slots (1: page ids; the page size: their slots), int64. A concatenation of ranges for
+    the few runs of most allocations; vectorised for the many one-page runs a page size 1
+    pool can hand out."""
+    if len(runs) <= 16:
+        if not runs:
+            return np.empty(0, dtype=np.int64)
+        return np.concatenate([np.arange(start * scale, (start + length) * scale,
+                                         dtype=np.int64) for start, length in runs])
+    starts = np.array([start for start, _ in runs], dtype=np.int64)
+    lengths = np.array([length for _, length in runs], dtype=np.int64)
+    pages = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + \
+        np.arange(int(lengths.sum()))
+    if scale == 1:
+        return pages
+    return (pages[:, None] * scale + np.arange(scale, dtype=np.int64)[None, :]).reshape(-1)
 
 
 def _runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     """``(starts, lengths)`` of the runs of consecutive pages among distinct ``pages``
-    (sorted here only when they are not ascending; no numpy wrapper functions, whose Python
-    layers cost more than the arithmetic at these sizes)."""
+    (sorted here unless they form one ascending run; no numpy wrapper functions, whose
+    Python layers cost more than the arithmetic at these sizes)."""
     if pages.size == 1:
         return [int(pages[0])], [1]
-    low, high = int(pages.min()), int(pages.max())
-    if high - low == pages.size - 1:  # distinct pages spanning no more than their count
-        return [low], [int(pages.size)]
-    if np.count_nonzero(pages[1:] < pages[:-1]):
-        pages = np.sort(pages)
-    breaks = np.flatnonzero(pages[1:] - pages[:-1] != 1)
-    starts = [low, *pages[breaks + 1].tolist()]
-    ends = [*pages[breaks].tolist(), high]
+    steps = pages[1:] - pages[:-1]
+    (breaks,) = (steps != 1).nonzero()
+    if not breaks.size:  # one ascending run
+        return [int(pages[0])], [int(pages.size)]
+    # Breaks: sort (cheaper than asking whether the pages ascend), then find them again
+    pages = np.sort(pages)
+    (breaks,) = (pages[1:] - pages[:-1] != 1).nonzero()
+    bounds = breaks.tolist()
+    values = pages.tolist() if pages.size <= 4 * len(bounds) + 8 else None
+    if values is None:
+        starts = [int(pages[0]), *pages[breaks + 1].tolist()]
+        ends = [*pages[breaks].tolist(), int(pages[-1])]
+    else:
+        starts = [values[0], *(values[b + 1] for b in bounds)]
+        ends = [*(values[b] for b in bounds), values[-1]]
     return starts, [end - start + 1 for start, end in zip(starts, ends, strict=True)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from hicache.controller.stats import _breaks
@@ -56,6 +57,29 @@ def test_longest_runs_first_when_nothing_fits() -> None:
     starts, lengths = allocator.free_runs()
     assert starts.tolist() == [8, 10] and lengths.tolist() == [1, 1]
     allocator.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 3])
+@pytest.mark.parametrize("holes", [5, 40])
+def test_allocation_over_many_runs_gives_every_page_once(page_size: int, holes: int) -> None:
+    """A request drawing on few runs (concatenated ranges) or many (expanded in one
+    vectorised pass) gets the same pages from try_alloc and try_alloc_pages: the lowest
+    pages of the runs, every one once, slots page after page."""
+    for call in ("try_alloc", "try_alloc_pages"):
+        allocator = PageAllocator(4 * holes, page_size, IndexSpace.HOST_FULL, "host")
+        assert allocator.try_alloc(4 * holes * page_size) is not None
+        freed = [page for hole in range(holes) for page in (4 * hole + 2, 4 * hole + 3)]
+        allocator.free(pages(allocator, freed[::-1][:2] + freed[:-2]))  # out of order
+        want = freed[:-1]  # every hole but the last page
+        got = getattr(allocator, call)(len(want) * page_size)
+        assert got is not None
+        slots = got if call == "try_alloc" else got[0]
+        assert slots.tensor.tolist() == pages(allocator, want).tensor.tolist()
+        if call == "try_alloc_pages":
+            assert got[1].dtype == np.int64 and got[1].tolist() == want
+        starts, lengths = allocator.free_runs()
+        assert starts.tolist() == [freed[-1]] and lengths.tolist() == [1]
+        allocator.check_integrity()
 
 
 def test_equal_longest_runs_go_lowest_first() -> None:

@@ -98,6 +98,10 @@ class NodeIO:
         """Free tokens of the SWA host pool (0 without SWA)."""
         return 0
 
+    def host_free_tokens(self) -> int:
+        """Free tokens of the (full-attention) host pool."""
+        return self.controller.host_pool.allocator.num_free_tokens
+
     def try_alloc_host_swa(self, num_tokens: int) -> Indices | None:
         """``[num_tokens]`` fresh ``HOST_SWA`` slots (whole pages), or ``None`` (hybrid)."""
         raise NotImplementedError("a full-attention model has no SWA rows")

@@ -164,8 +164,12 @@ class TieredRadixTree(RadixTree):
         full host evict host leaves and retry once. False (counted) when there is no room."""
         op = PendingOp(Direction.DEVICE_TO_HOST, [node], None)
         device = slots_of(node, "device")
+        # A host short of room evicts first: a write refused for room would have run
+        # every check of the device pages for nothing
+        evicted = self.io.host_free_tokens() < node.num_tokens and \
+            self.evict_host(node.num_tokens) > 0
         slots = self.io.backup(device, op, node.host_swa)
-        if slots is None and self.evict_host(node.num_tokens) > 0:
+        if slots is None and not evicted and self.evict_host(node.num_tokens) > 0:
             slots = self.io.backup(device, op, node.host_swa)
         if slots is None and self.io.is_hybrid and \
                 evict_host_swa(self, node.num_tokens - self.io.host_swa_free_tokens()) > 0:
