@@ -25,6 +25,8 @@ class Event:
         )
         self.is_recorded = False
         self._leader: Event | None = None
+        # records so far: a wait on this event is one on its latest record only
+        self.generation = 0
 
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
         """Mark the current point of ``stream`` (the current stream if ``None``)."""
@@ -32,6 +34,7 @@ class Event:
         if self._cuda is not None:
             self._cuda.record(stream)
         self.is_recorded = True
+        self.generation += 1
 
     def follow(self, leader: Event) -> None:
         """Fire with ``leader`` (a recorded event, not itself following one) until this
@@ -40,6 +43,13 @@ class Event:
         assert leader._leader is None and leader is not self, "follow a recorded event"
         self._leader = leader
         self.is_recorded = True
+        self.generation += 1
+
+    def mark(self) -> tuple[Event, int]:
+        """The recorded event this one stands for (itself or its leader) and that event's
+        record count: two equal marks are one point of one stream."""
+        source = self._leader if self._leader is not None else self
+        return source, source.generation
 
     def query(self) -> bool:
         """True once all work before the record point has finished (or never recorded)."""
@@ -88,6 +98,7 @@ class LayerEventRing:
         self.num_sets = num_sets
         self._next = 0
         self.consumer: int | None = None
+        self._waits = StreamWaits(device)
 
     def acquire(self) -> tuple[int, list[Event]]:
         """Take the next set for a new load; raises if its previous load has not finished."""
@@ -111,4 +122,41 @@ class LayerEventRing:
             return
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"wait_until: layer {layer} out of range (0..{self.num_layers - 1})")
-        self._sets[self.consumer][layer].wait()
+        self._waits.wait(self._sets[self.consumer][layer])
+
+
+class StreamWaits:
+    """Waits of the current stream on events, each made once per stream and record.
+
+    A forward asks for one layer several times (``set_kv``, ``key_buffer``,
+    ``value_buffer``) and the layers of a load group share one event; a stream that already
+    waits on an event's latest record needs no second wait, because a wait holds for all
+    later work of that stream. The current stream is found by its raw handle, and its
+    ``torch.cuda.Stream`` made once per handle: ``torch.cuda.current_stream()`` costs
+    microseconds per call, three times a layer.
+
+    Safe from any thread: a mark is stored only after its wait was enqueued, so a thread
+    that finds it enqueues its work after that wait.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._index = device.index if device.index is not None else (
+            torch.cuda.current_device() if device.type == "cuda" else -1)
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._waited: dict[int, tuple[Event, int]] = {}  # raw handle -> last mark waited on
+
+    def wait(self, event: Event) -> None:
+        """Make the current stream wait for ``event`` (GPU-side; nothing on a CPU)."""
+        source, generation = event.mark()
+        if source._cuda is None or not source.is_recorded:
+            return
+        raw = torch._C._cuda_getCurrentRawStream(self._index)
+        waited = self._waited.get(raw)
+        if waited is not None and waited[0] is source and waited[1] == generation:
+            return
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self._device)
+        source._cuda.wait(stream)
+        self._waited[raw] = (source, generation)

@@ -5,7 +5,8 @@ their acks on a queue; it never touches the tree. The scheduler thread collects 
 :meth:`BackgroundPoller.collect` (queued acks first, then whatever the controller finished
 since) and applies them to the tree with :meth:`BackgroundPoller.apply`. When nothing
 happened for an interval (no ack, no scheduler call, no check) the thread runs the sliced
-integrity check (:mod:`hicache.integrity_slices`).
+integrity check (:mod:`hicache.integrity_slices`). With nothing in flight it sleeps until
+that check may be due; a queued transfer wakes it (a controller observer).
 
 An exception in the thread is never swallowed: it is recorded in the
 :class:`~hicache.call_gate.CallGate`, which raises it on the scheduler thread, counted in
@@ -69,6 +70,8 @@ class BackgroundPoller:
         self._acks: queue.Queue[Ack] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        # set when a transfer is queued (or at stop): ends an idle sleep
+        self._wake = threading.Event()
 
     @property
     def is_running(self) -> bool:
@@ -77,15 +80,23 @@ class BackgroundPoller:
 
     def start(self) -> None:
         """Start the thread (the caller makes sure it is not running)."""
+        self._controller.add_observer(self._on_queued)
         self._thread = threading.Thread(target=self._run, name="hicache-service", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """Tell the thread to end and join it; it is not started again."""
         self._stopping.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self._controller.remove_observer(self._on_queued)
+
+    def _on_queued(self, *_: object) -> None:
+        """A transfer was queued: an idle thread polls again (on the scheduler thread)."""
+        if not self._wake.is_set():
+            self._wake.set()
 
     def drain(self) -> list[Ack]:
         """Every ack the thread queued so far, oldest first."""
@@ -114,6 +125,7 @@ class BackgroundPoller:
         last_ack = last_check = time.monotonic()
         try:
             while not self._stopping.is_set():
+                self._wake.clear()  # before the in-flight count is read: no wake is lost
                 now = time.monotonic()
                 if self._poll_once():
                     last_ack = now
@@ -123,13 +135,24 @@ class BackgroundPoller:
                         now - last_ack, now - self._gate.last_call_s, now - last_check,
                 ) >= self._check_interval_s) and self._step_check():
                     last_check = now
-                busy = self._check.in_progress
-                self._stopping.wait(min(self._poll_interval_s, 0.0002) if busy
-                                    else self._poll_interval_s)
+                self._wake.wait(self._sleep_s(now, max(last_ack, last_check)))
         except BaseException as exc:  # recorded and raised on the scheduler thread
             self._gate.fail(exc)
             self._stats.background_errors += 1
             logger.exception("hicache background thread failed")
+
+    def _sleep_s(self, now: float, last_event: float) -> float:
+        """How long to sleep: short slices while a check is in progress; the poll interval
+        while transfers are in flight; otherwise until the idle check may be due (a
+        queued transfer wakes the thread earlier). An idle thread that woke every
+        millisecond would take the GIL from a scheduler thread a thousand times a second
+        for nothing."""
+        if self._check.in_progress:
+            return min(self._poll_interval_s, 0.0002)
+        if self._controller.num_in_flight:  # read without the lock: a stale count only
+            return self._poll_interval_s     # moves one poll
+        idle_since = max(last_event, self._gate.last_call_s)
+        return max(self._poll_interval_s, self._check_interval_s - (now - idle_since))
 
     def _poll_once(self) -> bool:
         with self._gate.lock:

@@ -107,7 +107,8 @@ class DeviceKVPool:
         # Views made once: set_kv runs per layer per forward, and each view costs a few us.
         self._rows = [[self.data[c, layer] for layer in range(num_layers)]
                       for c in range(geometry.num_components)]
-        self._padding = [[rows[PADDING_SLOT] for rows in component] for component in self._rows]
+        # the padding row of every component of a layer: one strided view, one zero_ per set_kv
+        self._padding = [self.data[:, layer, PADDING_SLOT] for layer in range(num_layers)]
         self.guard = BoundsGuard(name, self.device)
         self._layer_waiter: LayerWaiter | None = None
         self._records: list[list[np.ndarray]] | None = None
@@ -255,7 +256,7 @@ class DeviceKVPool:
         index = index.to(torch.int64)
         for component, flat in enumerate(flats):
             self._rows[component][layer].index_copy_(0, index, flat)
-            self._padding[component][layer].zero_()
+        self._padding[layer].zero_()
 
     def _check_rows(self, value: torch.Tensor, num_rows: int, component: int) -> torch.Tensor:
         expected = self.geometry.row_elems

@@ -308,6 +308,23 @@ def test_integrity_check_waits_while_the_scheduler_keeps_calling() -> None:
     service.stop()
 
 
+def test_an_idle_thread_sleeps_until_a_transfer_is_queued() -> None:
+    """With nothing in flight and no check due the thread does not wake every poll
+    interval (each wake takes the GIL from the scheduler); a queued backup wakes it, and it
+    acknowledges the copy without a scheduler call."""
+    service = build_service(make_config(interval_s=3600.0))
+    service.start()
+    wait_for(lambda: service.stats.polls >= 1)  # the first pass, before any sleep
+    time.sleep(0.1)  # a hundred poll intervals
+    assert service.stats.polls == 1
+    assert put(service, [1, 1])  # write-through: a backup is queued and issued
+    wait_for(lambda: service.stats.polls > 1)
+    wait_for(lambda: service.controller.num_in_flight == 0)  # acknowledged by the thread
+    assert service.step() == 1  # the ack it queued applies here
+    assert [node.host is not None for node in service.tree.nodes()] == [True]
+    service.stop()
+
+
 # ---- engine contract and life cycle -------------------------------------------------------
 
 
