@@ -124,8 +124,10 @@ class BackgroundPoller:
     def _run(self) -> None:
         last_ack = last_check = time.monotonic()
         try:
-            while not self._stopping.is_set():
+            while True:
                 self._wake.clear()  # before the in-flight count is read: no wake is lost
+                if self._stopping.is_set():  # read after the clear: stop's wake is not lost
+                    break
                 now = time.monotonic()
                 if self._poll_once():
                     last_ack = now

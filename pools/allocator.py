@@ -288,12 +288,6 @@ def _runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     # Breaks: sort (cheaper than asking whether the pages ascend), then find them again
     pages = np.sort(pages)
     (breaks,) = (pages[1:] - pages[:-1] != 1).nonzero()
-    bounds = breaks.tolist()
-    values = pages.tolist() if pages.size <= 4 * len(bounds) + 8 else None
-    if values is None:
-        starts = [int(pages[0]), *pages[breaks + 1].tolist()]
-        ends = [*pages[breaks].tolist(), int(pages[-1])]
-    else:
-        starts = [values[0], *(values[b + 1] for b in bounds)]
-        ends = [*(values[b] for b in bounds), values[-1]]
+    starts = [int(pages[0]), *pages[breaks + 1].tolist()]
+    ends = [*pages[breaks].tolist(), int(pages[-1])]
     return starts, [end - start + 1 for start, end in zip(starts, ends, strict=True)]

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
-from hicache.controller import CacheController, HybridCacheController, TransferBackend
+from hicache.controller import (
+    CacheController,
+    HybridCacheController,
+    HybridSlots,
+    TransferBackend,
+)
 from hicache.pools import (
     AttentionKind,
     DeviceKVPool,
@@ -14,6 +20,7 @@ from hicache.pools import (
     HostLayout,
     HybridSWAPool,
     IndexSpace,
+    Indices,
     PageAllocator,
     RowGeometry,
     as_layer_first,
@@ -116,3 +123,36 @@ def untouched(rows: torch.Tensor, touched: torch.Tensor) -> torch.Tensor:
     mask = torch.ones(rows.shape[0], dtype=torch.bool)
     mask[touched.cpu()] = False
     return rows[mask]
+
+
+class BackedUp(NamedTuple):
+    """What :func:`back_up_and_evict` leaves: the device slots written (now freed), their
+    host copies, their SWA slots before the eviction (0 outside the window) and the full and
+    SWA device rows as they were."""
+
+    full: Indices
+    host: HybridSlots
+    swa_before: torch.Tensor
+    full_rows: torch.Tensor
+    swa_rows: torch.Tensor
+
+
+def back_up_and_evict(ctrl: HybridCacheController, num_tokens: int, no_swa_tokens: int
+                      ) -> BackedUp:
+    """On a fresh hybrid controller: allocate ``num_tokens`` after a 4-token padding
+    allocation, drop the SWA slots of the first ``no_swa_tokens``, write everything to the
+    host, evict the device copy and fill both device pools with :data:`SENTINEL`."""
+    pool = ctrl.hybrid_pool
+    assert pool.try_alloc(4) is not None
+    full = pool.try_alloc(num_tokens)
+    assert full is not None
+    pool.free_swa(Indices(full.tensor[:no_swa_tokens], IndexSpace.DEVICE_FULL))
+    swa_before = pool.swa_slots_of(full).tensor
+    full_rows, swa_rows = device_rows(pool.full)[full.tensor], device_rows(pool.swa)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    pool.full.data.fill_(SENTINEL)
+    pool.swa.data.fill_(SENTINEL)
+    return BackedUp(full, host, swa_before, full_rows, swa_rows)

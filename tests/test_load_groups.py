@@ -10,6 +10,7 @@ import pytest
 import torch
 from controller_helpers import (
     SENTINEL,
+    back_up_and_evict,
     device_rows,
     host_rows,
     make_controller,
@@ -30,7 +31,7 @@ from hicache.controller import (
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available
 from hicache.controller.load_groups import GROUP_BYTES, local_groups, plan_load_groups
 from hicache.controller.staged import StagedBackend
-from hicache.pools import HostLayout, IndexSpace, Indices
+from hicache.pools import HostLayout, Indices
 
 MIB = 2**20
 NUM_LAYERS = 32
@@ -248,18 +249,7 @@ def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout) -> No
     rows of the tail come back bit for bit, nothing else changes."""
     ctrl = make_hybrid(backend, layout=layout, num_layers=16, swa_layers=HYBRID_SWA_LAYERS)
     pool = ctrl.hybrid_pool
-    assert pool.try_alloc(4) is not None
-    full = pool.try_alloc(10)
-    assert full is not None
-    pool.free_swa(Indices(full.tensor[:6], IndexSpace.DEVICE_FULL))
-    swa_before = pool.swa_slots_of(full).tensor
-    full_rows, swa_rows = device_rows(pool.full)[full.tensor], device_rows(pool.swa)
-    host = ctrl.write(full)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(full)
-    pool.full.data.fill_(SENTINEL)
-    pool.swa.data.fill_(SENTINEL)
+    _, host, swa_before, full_rows, swa_rows = back_up_and_evict(ctrl, 10, no_swa_tokens=6)
     back = ctrl.load(host.full, host.swa, swa_tail_tokens=4)
     assert back is not None
     ctrl.start_loading()

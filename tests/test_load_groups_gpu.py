@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from controller_helpers import SENTINEL, device_rows, make_controller, make_hybrid, untouched
+from controller_helpers import (
+    SENTINEL,
+    back_up_and_evict,
+    device_rows,
+    make_controller,
+    make_hybrid,
+    untouched,
+)
 from gpu_shapes import scaled
 
 from hicache.controller import (
@@ -19,7 +26,7 @@ from hicache.controller import (
 )
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
-from hicache.pools import DeviceKVPool, HostLayout, IndexSpace, Indices
+from hicache.pools import DeviceKVPool, HostLayout
 
 pytestmark = [
     pytest.mark.gpu,
@@ -118,18 +125,7 @@ def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout) -> No
                        swa_layers=HYBRID_SWA_LAYERS, full_pages=24, swa_pages=16,
                        host_pages=48)
     pool = ctrl.hybrid_pool
-    assert pool.try_alloc(4) is not None
-    full = pool.try_alloc(20)
-    assert full is not None
-    pool.free_swa(Indices(full.tensor[:12], IndexSpace.DEVICE_FULL))
-    swa_before = pool.swa_slots_of(full).tensor
-    full_rows, swa_rows = device_rows(pool.full)[full.tensor], device_rows(pool.swa)
-    host = ctrl.write(full)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(full)
-    pool.full.data.fill_(SENTINEL)
-    pool.swa.data.fill_(SENTINEL)
+    _, host, swa_before, full_rows, swa_rows = back_up_and_evict(ctrl, 20, no_swa_tokens=12)
     torch.cuda.synchronize()
     held_back(ctrl)
     back = ctrl.load(host.full, host.swa, swa_tail_tokens=8)
