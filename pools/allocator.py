@@ -15,6 +15,7 @@ import torch
 from .base import IndexSpace, Indices, check_page_multiple
 from .free_runs import FreeRuns
 from .page_ids import page_ids, valid_pages
+from .page_runs import FEW_RUNS, expand_runs, pages_of_runs, runs_of
 from .snapshot import AllocatorSnapshot, used_pages_of
 
 __all__ = ["AllocatorSnapshot", "PageAllocator", "used_pages_of"]
@@ -89,7 +90,7 @@ class PageAllocator:
         if isinstance(got, int):
             start, end = got * self.page_size, (got + num_tokens // self.page_size) * self.page_size
             return Indices(torch.from_numpy(np.arange(start, end, dtype=np.int64)), self.space)
-        return Indices(torch.from_numpy(_expand_runs(got, self.page_size)), self.space)
+        return Indices(torch.from_numpy(expand_runs(got, self.page_size)), self.space)
 
     def try_alloc_pages(self, num_tokens: int) -> tuple[Indices, np.ndarray] | None:
         """:meth:`try_alloc`, with the page ids of the slots it hands out (a new int64
@@ -97,17 +98,19 @@ class PageAllocator:
         got = self._take(num_tokens)
         if got is None:
             return None
+        if isinstance(got, np.ndarray):  # the page ids of many runs, new: handed over
+            return Indices(torch.from_numpy(expand_runs(got, self.page_size)), self.space), got
         if not isinstance(got, int):
-            return (Indices(torch.from_numpy(_expand_runs(got, self.page_size)), self.space),
-                    _expand_runs(got, 1))
+            return (Indices(torch.from_numpy(expand_runs(got, self.page_size)), self.space),
+                    expand_runs(got, 1))
         end = got + num_tokens // self.page_size
         slots = np.arange(got * self.page_size, end * self.page_size, dtype=np.int64)
         return Indices(torch.from_numpy(slots), self.space), np.arange(got, end, dtype=np.int64)
 
-    def _take(self, num_tokens: int) -> int | list[tuple[int, int]] | None:
+    def _take(self, num_tokens: int) -> int | list[tuple[int, int]] | np.ndarray | None:
         """Allocate the pages of :meth:`try_alloc`: the first page of the one run they
-        form, or the ``(first page, length)`` runs they form, ascending (none for no
-        tokens); ``None`` when they are not free."""
+        form, the ``(first page, length)`` runs of a few runs, ascending (none for no
+        tokens), or the page ids of many (a new array); ``None`` when they are not free."""
         if num_tokens < 0 or num_tokens % self.page_size:
             check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size
@@ -154,8 +157,12 @@ class PageAllocator:
             self._raise_not_allocated(int(pages[np.flatnonzero(is_free)[0]]))
         self._is_free[pages] = True
         self._num_free_pages += int(pages.size)
-        for start, length in zip(*_runs_of(pages), strict=True):
-            self._runs.add(start, length)
+        starts, lengths = runs_of(pages)
+        if len(starts) <= FEW_RUNS:
+            for start, length in zip(starts, lengths, strict=True):
+                self._runs.add(start, length)
+        else:
+            self._runs.add_many(starts, lengths)
 
     def _raise_not_allocated(self, page: int) -> None:
         raise ValueError(
@@ -219,24 +226,23 @@ class PageAllocator:
         int64 arrays of shape ``[num_runs]``."""
         return self._runs.as_arrays()
 
-    def _take_longest_runs(self, num_pages: int) -> list[tuple[int, int]]:
+    def _take_longest_runs(self, num_pages: int) -> list[tuple[int, int]] | np.ndarray:
         """Allocate ``num_pages`` pages from the longest runs (no run holds them all): the
-        lowest ``num_pages`` pages of the fewest longest runs that cover them, as
-        ``(first page, length)`` runs ascending. Python ints and a slice store per run:
-        an allocation draws on few runs, where numpy calls cost more than the work."""
-        runs = sorted(self._runs.longest_first(num_pages))
-        # The lowest num_pages pages of the chosen runs: the surplus is shorter than the
-        # shortest chosen run, so it is the top of the highest-starting one, left free.
-        surplus = sum(length for _, length in runs) - num_pages
-        if surplus:
-            start, length = runs[-1]
-            runs[-1] = (start, length - surplus)
-        take, is_free = self._runs.take, self._is_free
-        for start, length in runs:
-            take(start, length)
-            is_free[start:start + length] = False
+        lowest ``num_pages`` pages of the fewest longest runs that cover them. The few runs
+        of most allocations come back as ``(first page, length)`` runs ascending, each
+        marked with a slice store; the many of a fragmented pool as their page ids
+        (ascending, int64), marked with one indexed store."""
+        starts, lengths = self._runs.take_longest(num_pages)
         self._num_free_pages -= num_pages
-        return runs
+        if len(starts) <= FEW_RUNS:
+            runs = sorted(zip(starts, lengths, strict=True))
+            is_free = self._is_free
+            for start, length in runs:
+                is_free[start:start + length] = False
+            return runs
+        pages = pages_of_runs(starts, lengths)
+        self._is_free[pages] = False
+        return pages
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` unless free + used == capacity, page 0 is reserved and the
@@ -254,40 +260,3 @@ class PageAllocator:
         """The checks of :meth:`check_integrity` on ``snapshot`` (the free-run index's own
         views excepted); reads nothing else of the allocator but its name and size."""
         snapshot.verify(self.name, self.num_pages)
-
-
-def _expand_runs(runs: list[tuple[int, int]], scale: int) -> np.ndarray:
-    """Every page of the ``(first page, length)`` runs, run after run, times ``scale``
-    slots (1: page ids; the page size: their slots), int64. A concatenation of ranges for
-    the few runs of most allocations; vectorised for the many one-page runs a page size 1
-    pool can hand out."""
-    if len(runs) <= 16:
-        if not runs:
-            return np.empty(0, dtype=np.int64)
-        return np.concatenate([np.arange(start * scale, (start + length) * scale,
-                                         dtype=np.int64) for start, length in runs])
-    starts = np.array([start for start, _ in runs], dtype=np.int64)
-    lengths = np.array([length for _, length in runs], dtype=np.int64)
-    pages = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + \
-        np.arange(int(lengths.sum()))
-    if scale == 1:
-        return pages
-    return (pages[:, None] * scale + np.arange(scale, dtype=np.int64)[None, :]).reshape(-1)
-
-
-def _runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
-    """``(starts, lengths)`` of the runs of consecutive pages among distinct ``pages``
-    (sorted here unless they form one ascending run; no numpy wrapper functions, whose
-    Python layers cost more than the arithmetic at these sizes)."""
-    if pages.size == 1:
-        return [int(pages[0])], [1]
-    steps = pages[1:] - pages[:-1]
-    (breaks,) = (steps != 1).nonzero()
-    if not breaks.size:  # one ascending run
-        return [int(pages[0])], [int(pages.size)]
-    # Breaks: sort (cheaper than asking whether the pages ascend), then find them again
-    pages = np.sort(pages)
-    (breaks,) = (pages[1:] - pages[:-1] != 1).nonzero()
-    starts = [int(pages[0]), *pages[breaks + 1].tolist()]
-    ends = [*pages[breaks].tolist(), int(pages[-1])]
-    return starts, [end - start + 1 for start, end in zip(starts, ends, strict=True)]

@@ -10,7 +10,10 @@ boolean free map as the source of truth and checks this index against it in
 from __future__ import annotations
 
 import bisect
+import collections
 import heapq
+import itertools
+import operator
 
 import numpy as np
 
@@ -61,29 +64,74 @@ class FreeRuns:
             start = heap[0]
         return start
 
-    def longest_first(self, num_pages: int) -> list[tuple[int, int]]:
-        """``(start, length)`` of the longest runs (lower start first among equal lengths),
-        as few as cover ``num_pages`` pages.
+    def take_longest(self, num_pages: int) -> tuple[list[int], list[int]]:
+        """Remove the lowest ``num_pages`` pages of the fewest longest runs that cover them
+        (lower start first among equal lengths) and return them as ``(starts, lengths)``
+        of the runs, longest first (ascending starts among equal lengths). The surplus,
+        fewer pages than the shortest run chosen, is the top of the highest-starting one,
+        left in the index.
 
-        The caller ensures ``num_pages`` pages are free. Costs a copy of the heap of each
-        length visited (a C-level list copy) and a heap pop per run returned.
+        The caller ensures ``num_pages`` pages are free. A length class taken whole costs a
+        sorted copy of its starts and C-level dict deletions, one taken in large part the
+        same; a few runs of a class are popped from its heap. So an allocation drawing on
+        thousands of one-page runs (a fragmented pool) costs a few list operations per run,
+        not a heap pop and an index update each.
         """
-        runs: list[tuple[int, int]] = []
+        starts: list[int] = []
+        lengths: list[int] = []
         covered = 0
-        length_of = self._length_of
         for length in reversed(self._lengths):
-            heap = list(self._starts[length])  # popping the copy leaves the index alone
-            seen: set[int] = set()
-            while heap and covered < num_pages:
-                start = heapq.heappop(heap)
-                if start in seen or length_of.get(start) != length:
-                    continue  # a repeated or stale entry
-                seen.add(start)
-                runs.append((start, length))
-                covered += length
+            count = -(-(num_pages - covered) // length)
+            if count >= self._counts[length]:
+                taken = self._take_class(length)
+            else:
+                taken = self._take_lowest(length, count)
+            starts += taken
+            lengths += itertools.repeat(length, len(taken))
+            covered += len(taken) * length
             if covered >= num_pages:
-                return runs
-        raise AssertionError(f"free-run index holds {covered} pages, asked for {num_pages}")
+                break
+        else:
+            raise AssertionError(f"free-run index holds {covered} pages, asked for {num_pages}")
+        surplus = covered - num_pages
+        if surplus:
+            top = starts.index(max(starts))
+            lengths[top] -= surplus
+            self._insert(starts[top] + lengths[top], surplus)
+        return starts, lengths
+
+    def add_many(self, starts: list[int], lengths: list[int]) -> None:
+        """:meth:`add` of runs none of which touches another (the maximal runs of a set of
+        freed pages). The runs that touch no run of the index, the most in a fragmented
+        pool, join it per length class in bulk (C-level dict updates and one heapify); the
+        others merge one by one. Merging one cannot make another touch it: the freed runs
+        do not touch one another, and the one it merged with was in the index already."""
+        ends = list(map(operator.add, starts, lengths))
+        below = self._start_of_end.keys() & starts
+        above = self._length_of.keys() & ends
+        if below or above:
+            start_at = dict(zip(ends, starts, strict=True))
+            merging = below | {start_at[end] for end in above}
+            for start, length in zip(starts, lengths, strict=True):
+                if start in merging:
+                    self.add(start, length)
+            kept = [(start, length) for start, length in zip(starts, lengths, strict=True)
+                    if start not in merging]
+            starts = [start for start, _ in kept]
+            lengths = [length for _, length in kept]
+            ends = [start + length for start, length in kept]
+        if not starts:
+            return
+        self._length_of.update(zip(starts, lengths, strict=True))
+        self._start_of_end.update(zip(ends, starts, strict=True))
+        if min(lengths) == max(lengths):
+            self._join_class(lengths[0], starts)
+            return
+        by_length: dict[int, list[int]] = {}
+        for start, length in zip(starts, lengths, strict=True):
+            by_length.setdefault(length, []).append(start)
+        for length, group in by_length.items():
+            self._join_class(length, group)
 
     def take(self, start: int, num_pages: int) -> None:
         """Remove the lowest ``num_pages`` pages of the run that starts at ``start``."""
@@ -136,6 +184,74 @@ class FreeRuns:
         if (lengths < 1).any() or (starts[1:] <= starts[:-1] + lengths[:-1]).any():
             raise RuntimeError(f"pool '{name}': free-run index has empty, touching or "
                                f"overlapping runs")
+
+    def _live_starts(self, length: int) -> list[int]:
+        """The starts of the runs of ``length``, ascending. The heap holds every one of them
+        and the stale entries of runs gone; when it holds no more entries than live runs,
+        it holds exactly those."""
+        heap = self._starts[length]
+        if len(heap) == self._counts[length]:
+            return sorted(heap)
+        length_of = self._length_of
+        return sorted({start for start in heap if length_of.get(start) == length})
+
+    def _take_class(self, length: int) -> list[int]:
+        """Remove every run of ``length``; their starts, ascending."""
+        taken = self._live_starts(length)
+        self._forget_runs(length, taken)
+        del self._counts[length], self._starts[length]
+        del self._lengths[bisect.bisect_left(self._lengths, length)]
+        return taken
+
+    def _take_lowest(self, length: int, count: int) -> list[int]:
+        """Remove the ``count`` lowest-starting runs of ``length`` (fewer than the class
+        holds); their starts, ascending. A small share pops them from the class's heap,
+        skipping stale and repeated entries (a start taken leaves ``_length_of``, so a
+        repeat of it reads as stale); a large one sorts the class once and keeps the rest
+        as its heap (a sorted list is one), with no stale entries left."""
+        heap = self._starts[length]
+        length_of, start_of_end = self._length_of, self._start_of_end
+        if count * 8 >= len(heap):
+            live = self._live_starts(length)
+            self._counts[length] -= count
+            taken, self._starts[length] = live[:count], live[count:]
+            self._forget_runs(length, taken)
+            return taken
+        self._counts[length] -= count
+        taken = []
+        while len(taken) < count:
+            start = heapq.heappop(heap)
+            if length_of.get(start) == length:
+                del length_of[start], start_of_end[start + length]
+                taken.append(start)
+        return taken
+
+    def _forget_runs(self, length: int, starts: list[int]) -> None:
+        """Drop the runs of ``length`` at ``starts`` from the start and end maps (their
+        class is the caller's): a loop for a few, C-level maps for many."""
+        length_of, start_of_end = self._length_of, self._start_of_end
+        if len(starts) <= 8:
+            for start in starts:
+                del length_of[start], start_of_end[start + length]
+            return
+        collections.deque(map(length_of.__delitem__, starts), maxlen=0)
+        collections.deque(map(start_of_end.__delitem__, map(length.__add__, starts)), maxlen=0)
+
+    def _join_class(self, length: int, starts: list[int]) -> None:
+        """Count new runs of ``length`` (already in ``_length_of``) in their class."""
+        count = self._counts.get(length, 0)
+        self._counts[length] = count + len(starts)
+        if not count:
+            self._starts[length] = sorted(starts)
+            bisect.insort(self._lengths, length)
+            return
+        heap = self._starts[length]
+        heap += starts
+        if len(heap) > 2 * (count + len(starts)) + 16:  # mostly stale: keep the live runs
+            length_of = self._length_of
+            heap[:] = sorted({s for s in heap if length_of.get(s) == length})
+        else:
+            heapq.heapify(heap)
 
     def _insert(self, start: int, length: int) -> None:
         self._length_of[start] = length

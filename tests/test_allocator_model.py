@@ -116,3 +116,60 @@ def test_long_churn_keeps_the_model_and_bounded_heaps() -> None:
     starts, lengths = allocator.free_runs()
     assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == model.runs()
     allocator.check_integrity()
+
+
+def test_fragmented_pool_bulk_allocs_and_frees_keep_the_model() -> None:
+    """Allocations drawing on hundreds of runs and frees of hundreds of scattered pages (the
+    run index's bulk paths: whole length classes taken, isolated runs joined per class,
+    touching ones merged) give the model's pages and runs at every step, with the index
+    consistent and its heaps bounded by the pool's size."""
+    rng = random.Random(11)
+    num_pages = 900
+    allocator = PageAllocator(num_pages, 2, IndexSpace.DEVICE_FULL, "full")
+    model = ScanModel(num_pages)
+    used: set[int] = set()
+    bulk_allocs = bulk_frees = 0
+    for step in range(300):
+        free_pages = num_pages - len(used)
+        if used and (rng.random() < 0.5 or free_pages < 4):
+            share = rng.choice([0.02, 0.3, 0.6, 1.0])
+            chosen = rng.sample(sorted(used), max(1, int(len(used) * share)))
+            bulk_frees += len(chosen) > 100
+            allocator.free(Indices(torch.tensor(_slots(chosen, 2)), IndexSpace.DEVICE_FULL))
+            model.free(chosen)
+            used -= set(chosen)
+        else:
+            want = rng.choice([1, 3, free_pages // 2, free_pages - 1, free_pages, free_pages + 1])
+            runs_before = len(model.runs())
+            got, expected = allocator.try_alloc(want * 2), model.alloc(want)
+            assert (got is None) == (expected is None), step
+            if got is not None and expected is not None:
+                assert got.tensor.tolist() == _slots(expected, 2), step
+                used |= set(expected)
+                bulk_allocs += runs_before > 100 and want > 100
+        starts, lengths = allocator.free_runs()
+        assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == model.runs(), step
+        assert allocator.num_free_tokens == sum(model.is_free) * 2
+        allocator.check_integrity()
+        heaps = allocator._runs._starts  # stale entries stay bounded by the pool, not the steps
+        assert sum(map(len, heaps.values())) <= 2 * num_pages + 17 * len(heaps)
+    assert bulk_allocs >= 10 and bulk_frees >= 10, (bulk_allocs, bulk_frees)
+
+
+def test_try_alloc_pages_over_many_runs_hands_over_the_page_ids() -> None:
+    """An allocation over hundreds of one-page runs: slots page after page, ascending, and
+    page ids equal to the slots' pages, in a new array the allocator does not keep."""
+    allocator = PageAllocator(400, 4, IndexSpace.DEVICE_FULL, "full")
+    assert allocator.try_alloc(allocator.capacity_tokens) is not None
+    odd = list(range(1, 401, 2))
+    allocator.free(Indices(torch.tensor(_slots(odd, 4)), IndexSpace.DEVICE_FULL))
+    got = allocator.try_alloc_pages(150 * 4)
+    assert got is not None
+    slots, page_ids = got
+    assert slots.tensor.tolist() == _slots(odd[:150], 4)
+    assert page_ids.tolist() == odd[:150]
+    page_ids[:] = 0  # the caller's to change
+    allocator.check_integrity()
+    allocator.free(slots)
+    assert allocator.num_free_tokens == 200 * 4
+    allocator.check_integrity()
