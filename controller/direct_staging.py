@@ -27,6 +27,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .pinned_uploads import UPLOADS
+
 
 class Segment(NamedTuple):
     """Pairs ``[position, position + num_pages * length)`` of a chunk: ``num_pages`` consecutive
@@ -132,11 +134,10 @@ class DirectStaging:
         piece_starts = np.repeat(self.starts, self.lengths)
         base = piece_starts * c * n + (np.arange(self.num_pairs) - piece_starts)
         grid = np.arange(c * n)[:, None] * lengths[None, :] + base[None, :]
-        targets = torch.from_numpy(grid.reshape(-1))
         if device.type == "cuda":  # pinned, so the copy does not wait for the stream
-            self._target_rows = targets.pin_memory().to(device, non_blocking=True)
+            self._target_rows = UPLOADS.upload((grid.reshape(-1),), device)
         else:
-            self._target_rows = targets
+            self._target_rows = torch.from_numpy(grid.reshape(-1))
         return self._target_rows
 
 

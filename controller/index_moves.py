@@ -13,6 +13,7 @@ import torch
 from hicache.pools import DeviceKVPool, HostKVPool, Indices
 
 from .base import PoolTransfer, TransferBackend, TransferOp
+from .pinned_uploads import UPLOADS
 
 _CPU = torch.device("cpu")
 
@@ -67,16 +68,17 @@ def move_checked(
     if host_target == device_target and host_target != _CPU:
         # one pinned staging and one copy for both (each costs tens of microseconds of CPU);
         # the two results are views of one tensor, recorded and held like any other
-        both = to_device(torch.cat([host, device]), host_target)
+        both = UPLOADS.upload((host.numpy(), device.numpy()), host_target)
         return both[:host.numel()], both[host.numel():]
     return to_device(host, host_target), to_device(device, device_target)
 
 
 def to_device(index: torch.Tensor, target: torch.device) -> torch.Tensor:
-    """``index`` on ``target``: staged through pinned memory, copied without blocking."""
+    """CPU int64 ``index`` on ``target``: staged through a reused pinned buffer
+    (:mod:`.pinned_uploads`), copied without blocking."""
     if target == _CPU:
         return index
-    return index.pin_memory().to(target, non_blocking=True)
+    return UPLOADS.upload((index.numpy(),), target)
 
 
 def record_on_stream(op: TransferOp, stream: torch.cuda.Stream) -> None:

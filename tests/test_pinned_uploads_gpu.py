@@ -1,0 +1,97 @@
+"""Index uploads through reused pinned buffers (``PinnedUploads``): the values arrive, a
+buffer is reused only once the copy that read it is done, a busy one is never written, and
+the kept buffers stay bounded. Run under compute-sanitizer by ``scripts/gpu_check.sh``."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from hicache.controller.pinned_uploads import MAX_BUFFERS, MIN_ELEMS, PinnedUploads
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SLEEP_CYCLES = 50_000_000  # ~25 ms on the stream before a copy: its buffer stays busy
+CUDA = torch.device("cuda")
+
+
+def test_parts_arrive_one_after_another_as_int64() -> None:
+    uploads = PinnedUploads()
+    host = np.arange(5, dtype=np.int32) + 7
+    device = np.array([2**40, 3], dtype=np.int64)
+    got = uploads.upload((host, device), CUDA)
+    assert got.device.type == "cuda" and got.dtype == torch.int64
+    assert got.cpu().tolist() == [7, 8, 9, 10, 11, 2**40, 3]
+
+
+def test_a_done_buffer_is_reused_and_a_large_upload_gets_a_larger_one() -> None:
+    uploads = PinnedUploads()
+    first = uploads.upload((np.arange(10),), CUDA)
+    torch.cuda.synchronize()
+    assert uploads.pinned_bytes() == MIN_ELEMS * 8
+    second = uploads.upload((np.arange(20) * 2,), CUDA)
+    torch.cuda.synchronize()
+    assert uploads.pinned_bytes() == MIN_ELEMS * 8  # the same buffer again
+    big = uploads.upload((np.arange(3 * MIN_ELEMS),), CUDA)
+    torch.cuda.synchronize()
+    assert first.cpu().tolist() == list(range(10))
+    assert second.cpu().tolist() == [2 * i for i in range(20)]
+    assert big.cpu().tolist() == list(range(3 * MIN_ELEMS))
+    assert uploads.pinned_bytes() == (MIN_ELEMS + 4 * MIN_ELEMS) * 8
+
+
+def test_a_buffer_whose_copy_has_not_run_is_not_written() -> None:
+    """The stream sleeps before the first copy, so its buffer is busy when the second
+    upload comes: the second takes a new buffer, and the first copy still reads its own
+    values."""
+    uploads = PinnedUploads()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        first = uploads.upload((np.full(100, 1),), CUDA)
+        second = uploads.upload((np.full(100, 2),), CUDA)
+    assert not stream.query(), "the sleep ended before the second upload: raise SLEEP_CYCLES"
+    stream.synchronize()
+    assert first.cpu().tolist() == [1] * 100
+    assert second.cpu().tolist() == [2] * 100
+    assert uploads.pinned_bytes() == 2 * MIN_ELEMS * 8
+
+
+def test_kept_buffers_stay_bounded_when_every_one_is_busy() -> None:
+    uploads = PinnedUploads()
+    stream = torch.cuda.Stream()
+    results = []
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for value in range(3 * MAX_BUFFERS):
+            results.append(uploads.upload((np.full(64, value),), CUDA))
+    stream.synchronize()
+    assert [r.cpu().tolist() for r in results] == [[v] * 64 for v in range(3 * MAX_BUFFERS)]
+    assert uploads.pinned_bytes() <= MAX_BUFFERS * MIN_ELEMS * 8
+
+
+def test_threads_uploading_at_once_each_get_their_values() -> None:
+    uploads = PinnedUploads()
+    failures: list[str] = []
+
+    def worker(seed: int) -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for step in range(50):
+                values = np.arange(300) + seed * 1000 + step
+                got = uploads.upload((values[:100], values[100:]), CUDA)
+                if got.cpu().tolist() != values.tolist():
+                    failures.append(f"thread {seed} step {step}")
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
