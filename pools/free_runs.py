@@ -246,6 +246,10 @@ class FreeRuns:
             bisect.insort(self._lengths, length)
             return
         heap = self._starts[length]
+        if len(starts) * 8 < len(heap):  # a few into a large class: a push each
+            for start in starts:
+                heapq.heappush(heap, start)
+            return
         heap += starts
         if len(heap) > 2 * (count + len(starts)) + 16:  # mostly stale: keep the live runs
             length_of = self._length_of

@@ -68,7 +68,8 @@ def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
     saved = json.loads(out.read_text(encoding="utf-8"))
     names = {f["name"] for f in saved["figures"]}
     assert {"one request's cycle (2k tokens)", "background integrity check, longest lock hold",
-            "key of a 2k-token prompt (token checks)"} <= names
+            "key of a 2k-token prompt (token checks)",
+            "allocate + free 2048 pages, fragmented"} <= names
     assert saved["replay"][0]["input_tokens"] == TOKENS
 
 

@@ -192,7 +192,8 @@ def background_check_longest_hold(service: HiCacheService) -> float:
 
 
 def measure_allocator(repeats: int) -> dict[str, list[float]]:
-    """One-page allocations from a 1M-token pool, fresh and fragmented."""
+    """One-page allocations from a 1M-token pool, fresh and fragmented (every other page
+    free), and a 2048-page one from the fragmented pool (2048 runs of one page)."""
     fresh = PageAllocator(65_536, PAGE, IndexSpace.DEVICE_FULL, "full")
     holey = PageAllocator(65_536, PAGE, IndexSpace.DEVICE_FULL, "full")
     every = holey.try_alloc(65_536 * PAGE)
@@ -207,8 +208,14 @@ def measure_allocator(repeats: int) -> dict[str, list[float]]:
             allocator.free(got)
         return call
 
+    def many() -> None:  # a 32k-token load into a fragmented pool: 2048 one-page holes
+        got = holey.try_alloc(2048 * PAGE)
+        assert got is not None
+        holey.free(got)
+
     return {"allocate + free 1 page, 1M-token pool": timed(one(fresh), repeats),
-            "the same, pool fragmented": timed(one(holey), repeats)}
+            "the same, pool fragmented": timed(one(holey), repeats),
+            "allocate + free 2048 pages, fragmented": timed(many, max(5, repeats // 10))}
 
 
 def measure_controller(repeats: int) -> dict[str, list[float]]:
