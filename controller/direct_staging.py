@@ -22,6 +22,7 @@ makes current, which allocates and owns the temporaries.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -99,6 +100,22 @@ class DirectStaging:
             return staged.permute(1, 2, 0, 3, 4).reshape(c, n, self.num_pairs, width)
         return rows.index_select(0, self._targets(rows.device)).view(c, n, self.num_pairs,
                                                                    width)
+
+    def scatter_pages(self, rows: torch.Tensor, index: torch.Tensor,
+                      blocks: Sequence[tuple[int, int]], device_rows: Sequence[torch.Tensor]
+                      ) -> None:
+        """The staging ``rows`` of whole pages (``[pages, C, layers, page_size, row]``)
+        into device rows at ``index`` (a device slot per pair): per block of layers
+        (``(offset in the moved layers, count)``, its device rows ``[C, count, slots,
+        row]``), one indexed store that reads the staging in place through a permuted
+        view, with no layer-major copy of the chunk on the device first (:meth:`unstage`,
+        for partial pages)."""
+        c, n = self.shape
+        pages = self.num_pairs // self.page_size
+        staged = rows.view(pages, c, n, self.page_size, rows.shape[-1]).permute(1, 2, 0, 3, 4)
+        by_page = index.view(pages, self.page_size)
+        for (offset, count), rows_of in zip(blocks, device_rows, strict=True):
+            rows_of[:, :, by_page] = staged.narrow(1, offset, count)
 
     def segment_views(self, host: torch.Tensor, rows: torch.Tensor, block_offset: int,
                       begin: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -3,16 +3,14 @@ group (:class:`StagedMove`), and the data movement of one chunk (:func:`move_chu
 gather/scatter through a staging buffer, one copy-engine copy per contiguous host run, on the
 streams :class:`~hicache.controller.staged.StagedBackend` gives it).
 
-The copies of a chunk depend on its host slots and on how many layers move in which blocks,
-not on which layers: every layer of the host is laid out alike, and so is the staging
-buffer. A chunk is planned once per op and layer shape (:class:`ChunkPlan`) as byte offsets
-from the host buffer and the staging buffer (:func:`~hicache.controller.copy2d.plan_copies`);
-each layer group issues those copies with one pointer addition per block of layers.
+A chunk's copies depend on its host slots and how many layers move in which blocks, not on
+which layers: every layer of the host, and of the staging buffer, is laid out alike. A chunk
+is planned once per op and layer shape (:class:`ChunkPlan`) as byte offsets from the host
+and staging buffers (:func:`~hicache.controller.copy2d.plan_copies`); each layer group
+issues those copies with one pointer addition per block of layers.
 
-On a CPU device pool (no streams, no copy engine) the same plans run as strided CPU copies
-(:func:`~hicache.controller.copy2d.emulate_copies`), so chunks and plans are tested without a
-GPU.
-"""
+On a CPU pool (no streams, no copy engine) the same plans run as strided CPU copies
+(:func:`~hicache.controller.copy2d.emulate_copies`): chunks and plans are tested on a CPU."""
 
 from __future__ import annotations
 
@@ -266,9 +264,11 @@ def _select(group: LayerGroup, index: torch.Tensor, out: torch.Tensor, dim: int,
 def _scatter(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
     """The chunk's staging ``rows`` (wide) into the device rows."""
     dim, layer_dim = (0, 2) if group.move.token_major else (2, 1)
-    if plan.direct is not None:
-        rows = plan.direct.unstage(rows)  # layer-major, as for a layer_first host
-    index = plan.device_index
+    index, direct = plan.device_index, plan.direct
+    if direct is not None and direct.whole_pages:  # from the page-major staging in place
+        return direct.scatter_pages(rows, index, group.shape, group.device_rows)
+    if direct is not None:
+        rows = direct.unstage(rows)  # layer-major, as for a layer_first host
     if len(group.device_rows) == 1:
         group.device_rows[0].index_copy_(dim, index, rows)
         return
