@@ -3,9 +3,10 @@
 An op's index tensors reach the GPU through pinned memory, so the copy is asynchronous and
 never waits for the work queued on the caller's stream (a pageable copy does: 14 ms of a
 32k-token load's issue, measured). ``tensor.pin_memory()`` did that through torch's caching
-host allocator, and on an H100 host its cost grew with the op far beyond the memcpy: 1.5-2 ms
-of CPU for the 512 KiB of a 32k-token load's two index tensors, against about 30 us through
-a pinned buffer kept from one upload to the next (measured in the same run).
+host allocator, and inside the controller on an H100 host it cost 1.8-2.7 ms of CPU for the
+512 KiB of a 32k-token load's two index tensors (40 us for the same call in a loop on its
+own); through a pinned buffer kept from one upload to the next, 0.23-0.50 ms (an A/B on the
+same machine).
 
 :class:`PinnedUploads` keeps a few pinned buffers, each with an event recorded after the
 copy that read it; an upload takes the smallest idle buffer large enough (idle: its event
@@ -73,8 +74,8 @@ class PinnedUploads:
 
     def _take(self, count: int) -> _Buffer:
         """The smallest idle kept buffer of at least ``count`` elements, removed from the
-        kept list while in use; a new one when none is (the largest idle one too small for
-        it is dropped, and the kept list is cut to ``MAX_BUFFERS - 1`` oldest-first)."""
+        kept list while in use; a new one when none is (the kept list is then cut to
+        ``MAX_BUFFERS - 1``, oldest first, so the new one fits once it is kept)."""
         with self._lock:
             buffers = self._buffers
             best = None

@@ -103,9 +103,10 @@ class FreeRuns:
     def add_many(self, starts: list[int], lengths: list[int]) -> None:
         """:meth:`add` of runs none of which touches another (the maximal runs of a set of
         freed pages). The runs that touch no run of the index, the most in a fragmented
-        pool, join it per length class in bulk (C-level dict updates and one heapify); the
-        others merge one by one. Merging one cannot make another touch it: the freed runs
-        do not touch one another, and the one it merged with was in the index already."""
+        pool, join it per length class in bulk (C-level dict updates, and one heapify, or a
+        push each when a few join a large class); the others merge one by one. Merging one
+        cannot make another touch it: the freed runs do not touch one another, and the one
+        it merged with was in the index already."""
         ends = list(map(operator.add, starts, lengths))
         below = self._start_of_end.keys() & starts
         above = self._length_of.keys() & ends
