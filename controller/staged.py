@@ -8,15 +8,19 @@ model's compute is left alone.
 
 Pairs are sorted by host slot in ``order_pairs`` (part of ``move_indices``), so runs of
 consecutive host pages become single copies. Work is cut into chunks sized by the staging
-budget (``staging_tokens`` tokens of every layer; a one-layer move takes that many bytes'
-worth of tokens). Each side stream has a lane of two staging buffers and an auxiliary
+budget (``staging_tokens`` tokens of every layer; a move of fewer layers takes
+proportionally more tokens), balanced and in whole host pages (:meth:`chunk_tokens`): a
+3-layer group of a 32k-token load of 32 layers is three chunks, not three and a 2-token
+fourth, and no chunk of a ``page_first_direct`` host splits a page. A buffer holds the
+budget plus one host page of every layer, which balancing in whole pages may use. Each
+side stream has a lane of two staging buffers and an auxiliary
 stream: a write gathers chunk i+1 on the auxiliary stream while the side stream copies chunk
 i to the host; a load copies on the auxiliary stream and scatters on the side stream, so the
 copy of the next layer group runs while one is scattered and its "layer ready" events
 recorded.
 Buffers alternate across calls and each waits only for the event that freed it. Staging
-memory is bounded: ``2 * staging_tokens * token_bytes`` per side stream (write and load:
-twice that).
+memory is bounded: ``2 * (staging_tokens + page_size) * token_bytes`` per side stream
+(write and load: twice that).
 
 A ``page_first`` host moving one layer (a layer-wise load) copies rows of one layer a
 token's bytes apart: correct, but the copy engine moves such short strided rows at about a
@@ -73,9 +77,10 @@ class StagedBackend(TransferBackend):
         # own staging and auxiliary stream, so the two directions never share a buffer).
         self._lanes: dict[tuple[int, torch.dtype], _Lane] = {}
 
-    def staging_bytes(self, token_bytes: int) -> int:
-        """Device memory the staging buffers take for rows of ``token_bytes``."""
-        return 2 * self.staging_tokens * token_bytes
+    def staging_bytes(self, token_bytes: int, page_size: int = 1) -> int:
+        """Device memory the staging buffers of one side stream take for rows of
+        ``token_bytes`` and host pages of ``page_size`` tokens."""
+        return 2 * (self.staging_tokens + page_size) * token_bytes
 
     def allocated_bytes(self) -> int:
         """Device memory the staging buffers hold now (all side streams and dtypes)."""
@@ -113,14 +118,16 @@ class StagedBackend(TransferBackend):
             device = moved.source.device_pool.device
             side = torch.cuda.current_stream(device) if device.type == "cuda" else None
             move = moved.staged_move = StagedMove(moved, side)
-        lane = self._lane(move.device_pool, move.side)
+        page_size = moved.source.host_pool.page_size
+        lane = self._lane(move.device_pool, move.side, page_size)
         to_host = direction is Direction.DEVICE_TO_HOST
         if to_host and lane.aux is not None and move.side is not None:
             # Gathers read device rows: after the producers and the caller (the side stream
             # waited on them when the op began).
             lane.aux.wait_stream(move.side)
         group = LayerGroup(move, tuple(local_layers))
-        chunk_tokens = self.chunk_tokens(move.device_pool.num_layers, group.num_layers)
+        chunk_tokens = self.chunk_tokens(move.device_pool.num_layers, group.num_layers,
+                                         move.num_pairs, page_size)
         buffers, free, staged, aux = lane.buffers, lane.free, lane.staged, lane.aux
         for plan in move.chunks(moved, chunk_tokens, group.shape, buffers[0]):
             number = lane.next
@@ -131,22 +138,33 @@ class StagedBackend(TransferBackend):
         if len(held) < 2 or held[0] is not buffers[0] or held[1] is not buffers[1]:
             keep_alive.extend(buffers)
 
-    def chunk_tokens(self, pool_layers: int, moved_layers: int) -> int:
-        """Pairs per chunk: the staging budget is ``staging_tokens`` tokens of every layer of
-        the pool, so a move of fewer layers (a layer-wise load) takes proportionally more
-        tokens per chunk at the same memory (fewer, longer copies)."""
-        return self.staging_tokens * pool_layers // max(moved_layers, 1)
+    def chunk_tokens(self, pool_layers: int, moved_layers: int, num_pairs: int,
+                     page_size: int = 1) -> int:
+        """Pairs per chunk of a move of ``num_pairs`` pairs of ``moved_layers`` layers.
 
-    def _lane(self, device_pool: DeviceKVPool, side: torch.cuda.Stream | None) -> _Lane:
+        The budget is ``staging_tokens`` tokens of every layer of the pool, so a move of
+        fewer layers (a layer-wise load's group) takes proportionally more tokens per chunk
+        (fewer, longer copies). The move takes as few chunks as the budget allows, of equal
+        length rounded up to whole ``page_size`` pages: what rounding adds (less than a page
+        of every moved layer) fits the page of every layer a buffer holds beyond the budget.
+        """
+        budget = self.staging_tokens * pool_layers  # token-layers
+        moved = max(moved_layers, 1)
+        count = max(1, -(-num_pairs * moved // budget))
+        per_chunk = -(-num_pairs // count)
+        return max(1, -(-per_chunk // page_size) * page_size)
+
+    def _lane(self, device_pool: DeviceKVPool, side: torch.cuda.Stream | None,
+              page_size: int) -> _Lane:
         """The staging lane of ``side`` for the pool's dtype: two buffers of one chunk each
-        and an auxiliary stream, allocated once.
+        (the budget and one page of every layer) and an auxiliary stream, allocated once.
 
         A buffer replaced by a larger one (a pool of wider rows) stays alive through the ops
         that hold views of it (``keep_alive``) until their side stream has passed them."""
         geometry = device_pool.geometry
         key = (side.cuda_stream if side is not None else 0, geometry.dtype)
-        half = (self.staging_tokens * geometry.num_components * device_pool.num_layers
-                * geometry.row_elems)
+        half = ((self.staging_tokens + page_size) * geometry.num_components
+                * device_pool.num_layers * geometry.row_elems)
         lane = self._lanes.get(key)
         if lane is None or lane.buffers[0].numel() < half:
             flat = torch.empty(2 * half, dtype=geometry.dtype, device=device_pool.device)

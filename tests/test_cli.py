@@ -159,8 +159,9 @@ def test_check_config_reports_staging_memory(tmp_path: Path,
     path = tmp_path / "staged.yaml"
     path.write_text(text)
     assert main(["check-config", str(path)]) == 0
-    # widest pool: 2 full layers x K,V x 2 heads x 32 dims x 4 bytes = 1024 bytes per token
-    expected = 2 * 2 * 1024 * 1024
+    # widest pool: 2 full layers x K,V x 2 heads x 32 dims x 4 bytes = 1024 bytes per token;
+    # two lanes of two buffers of 1024 tokens and one 16-token page
+    expected = 2 * 2 * (1024 + 16) * 1024
     assert f"up to {expected} bytes" in capsys.readouterr().out
 
 

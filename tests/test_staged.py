@@ -155,7 +155,8 @@ def test_host_runs() -> None:
 
 
 def test_staging_is_bounded() -> None:
-    """Staging memory is two chunks of token rows, whatever the op size."""
+    """Staging memory is two chunks of token rows (the budget and one host page, here of
+    one token), whatever the op size."""
     backend = StagedBackend(CHUNK)
     ctrl = make_controller(backend, page_size=1, num_layers=3)
     device = ctrl.device_allocator.try_alloc(3 * CHUNK + 1)
@@ -163,8 +164,8 @@ def test_staging_is_bounded() -> None:
     ctrl.write(device)
     ctrl.drain()
     token_bytes = ctrl.device_pool.geometry.token_bytes(3)
-    expected = 2 * CHUNK * token_bytes
-    assert backend.allocated_bytes() == backend.staging_bytes(token_bytes) == expected
+    expected = 2 * (CHUNK + 1) * token_bytes
+    assert backend.allocated_bytes() == backend.staging_bytes(token_bytes, 1) == expected
 
 
 def test_rejects_bad_chunk() -> None:
@@ -187,8 +188,27 @@ def test_write_leaves_other_host_rows() -> None:
 def test_layer_wise_chunks_use_the_whole_budget() -> None:
     """A one-layer move of a 3-layer pool takes three times the tokens per chunk."""
     backend = StagedBackend(CHUNK)
-    assert backend.chunk_tokens(pool_layers=3, moved_layers=3) == CHUNK
-    assert backend.chunk_tokens(pool_layers=3, moved_layers=1) == 3 * CHUNK
+    assert backend.chunk_tokens(pool_layers=3, moved_layers=3, num_pairs=30 * CHUNK) == CHUNK
+    assert backend.chunk_tokens(pool_layers=3, moved_layers=1,
+                                num_pairs=30 * CHUNK) == 3 * CHUNK
+
+
+def test_chunks_are_balanced_whole_pages_within_the_buffer() -> None:
+    """A 32k-token move of 3 of 32 layers with a budget of 1024 tokens: three chunks of
+    whole 16-token pages (10928 tokens), not 10922 and a fourth of 2; every chunk, for any
+    op size and layer count, fits the budget plus one page of every layer, and the chunks
+    cover the op in the fewest the budget allows."""
+    backend = StagedBackend(1024)
+    assert backend.chunk_tokens(pool_layers=32, moved_layers=3, num_pairs=32768,
+                                page_size=16) == 10928
+    for page_size in (1, 16, 64):
+        for moved in (1, 2, 3, 5, 32):
+            for pairs in (1, 15, 16, 1000, 10922 * 3 + 16, 32768, 100_000):
+                chunk = backend.chunk_tokens(32, moved, pairs, page_size)
+                assert chunk % page_size == 0
+                assert chunk * moved <= (1024 + page_size) * 32
+                fewest = -(-pairs * moved // (1024 * 32))
+                assert -(-pairs // chunk) == fewest
 
 
 def issued_copies(monkeypatch: pytest.MonkeyPatch) -> list[Copy2D]:
@@ -256,7 +276,8 @@ def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
         init(self, moved, start, end)
 
     ctrl = make_controller(StagedBackend(CHUNK), page_size=2, layout=layout, num_layers=6)
-    device = ctrl.device_allocator.try_alloc(CHUNK * 6 + 4)  # chunks of 6 * CHUNK tokens
+    # a budget of 6 * CHUNK tokens of one layer: two balanced chunks of 3 * CHUNK + 2
+    device = ctrl.device_allocator.try_alloc(CHUNK * 6 + 4)
     assert device is not None
     host = ctrl.write(device)
     assert host is not None
@@ -264,7 +285,7 @@ def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(staged_chunk.ChunkSlots, "__init__", counted)
     assert ctrl.load(host) is not None  # 6 layers: one group per layer
     ctrl.drain()
-    assert made == [(0, 6 * CHUNK), (6 * CHUNK, 6 * CHUNK + 4)]
+    assert made == [(0, 3 * CHUNK + 2), (3 * CHUNK + 2, 6 * CHUNK + 4)]
 
 
 def test_op_holds_the_staging_buffers_once() -> None:

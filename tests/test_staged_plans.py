@@ -98,7 +98,7 @@ def test_other_layer_shapes_and_chunkings_get_their_own_plans(
     reference = make_controller(TorchBackend(), page_size=4, num_layers=LAYERS, layout=layout)
     moved, expected = scattered_move(ctrl), scattered_move(reference)
     shapes = []
-    for backend in (StagedBackend(4), StagedBackend(3)):
+    for backend in (StagedBackend(4), StagedBackend(2)):  # chunks of 12 / 8, then 8 / 4
         for layers in groups:
             before = len(plans_made)
             backend.copy(moved, layers, Direction.HOST_TO_DEVICE, [])

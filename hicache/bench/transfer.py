@@ -90,8 +90,8 @@ def run_benchmark(args: argparse.Namespace) -> BenchResult:
         meta=meta, ceiling=ceiling, matmul_alone_s=alone_s,
         # One lane per side stream, each two chunks of every layer (a layer-wise load's
         # chunk holds more tokens of fewer layers in the same memory).
-        staging_bytes={"write": staging.staging_bytes(shape.token_bytes),
-                       "load": staging.staging_bytes(shape.token_bytes)},
+        staging_bytes={"write": staging.staging_bytes(shape.token_bytes, shape.max_page_size),
+                       "load": staging.staging_bytes(shape.token_bytes, shape.max_page_size)},
         measurements=measurements,
         auto_table=auto_table(measurements, measured_on, args.max_slowdown_pct,
                               args.min_share_of_best),

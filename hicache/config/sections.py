@@ -241,7 +241,8 @@ class ControllerConfig:
     event_ring_size: int = 3
     """Event sets of layer-wise loads in flight at once (>= 2)."""
     staging_tokens: int = 1024
-    """Chunk of the staged backend's device staging buffer, in tokens (>= 1)."""
+    """Chunk budget of the staged backend's device staging buffers, in tokens of every
+    layer (>= 1); each buffer holds one page more, for chunks balanced in whole pages."""
 
     def __post_init__(self) -> None:
         check_min("controller.kernel_programs", self.kernel_programs, 1)

@@ -117,13 +117,15 @@ def host_num_pages(config: HiCacheConfig, pool_name: PoolName) -> int:
 
 def staging_bytes(config: HiCacheConfig) -> int:
     """Device memory the ``staged`` backend may take: two chunks of ``staging_tokens`` tokens
-    of the widest pool, for each of the two side streams (write and load). 0 when no staged
-    move can run (another backend, or a CPU device where ``auto`` is ``torch``)."""
+    plus one page of the widest pool, for each of the two side streams (write and load). 0
+    when no staged move can run (another backend, or a CPU device where ``auto`` is
+    ``torch``)."""
     backend = config.controller.io_backend.value
     on_gpu = config.device_pool.device.startswith("cuda")
     if backend == "staged" or (backend == "auto" and on_gpu):
         widest = max(token_bytes(config, name) for name in pool_names(config))
-        return 2 * 2 * config.controller.staging_tokens * widest
+        chunk_tokens = config.controller.staging_tokens + config.page_size_tokens
+        return 2 * 2 * chunk_tokens * widest
     return 0
 
 
