@@ -57,15 +57,11 @@ def compiled_kernel() -> Any:
             f"Triton is imported, or use the torch backend"
         )
     tl = language
-    # The layer range varies between the launches of one copy (one per layer group): left
-    # unspecialised, every launch of a copy runs the same compiled kernel, so launches after
-    # the first can skip Triton's argument binding (see row_copy.RowCopy.launch).
-    return triton.jit(_copy_rows_kernel, do_not_specialize=("layer_begin", "num_layers"))
+    return triton.jit(_copy_rows_kernel)
 
 
 # Runtime arguments carry no annotations on purpose: Triton reads annotations as kernel types,
-# and unannotated integers are specialised by value (int32 or int64, divisibility by 16),
-# except ``layer_begin`` and ``num_layers`` (see compiled_kernel).
+# and unannotated integers are specialised by value (int32 or int64, divisibility by 16).
 def _copy_rows_kernel(  # type: ignore[no-untyped-def]
     src_ptr, dst_ptr, src_index_ptr, dst_index_ptr,
     num_pairs, num_src_slots, num_dst_slots,

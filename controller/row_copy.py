@@ -17,7 +17,6 @@ import torch
 from hicache.pools import HostLayout
 
 from .copy_rows_kernel import compiled_kernel
-from .direct_launch import DirectLaunch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_TOKENS_PER_TILE = 1024
@@ -60,18 +59,11 @@ class RowCopy:
                       "TILE": tokens_per_tile,
                       "num_warps": _num_warps(tokens_per_tile * plan.block_row_bytes)}
         self._device = device_data.device if plan.on_cuda else None
-        self._constants = (plan.row_elems, plan.block_row, tokens_per_tile)  # the constexprs
-        self._direct: DirectLaunch | None = None
 
     def launch(self, layer_begin: int, layer_end: int) -> None:
         """Copy local layers ``[layer_begin, layer_end)``; nothing for an empty range or no
         pairs. ``ValueError`` for a range outside the pool's layers, or host memory the GPU
-        cannot address (not pinned).
-
-        The first launch goes through Triton's JIT, which binds and specialises every
-        argument and finds (or compiles) the kernel; later launches of this copy differ only
-        in the layer range, which the kernel leaves unspecialised, so they run that compiled
-        kernel directly (:class:`DirectLaunch`)."""
+        cannot address (not pinned)."""
         plan = self._plan
         if not 0 <= layer_begin <= layer_end <= plan.num_layers:
             check_launch(plan.num_layers, layer_begin, layer_end, self._num_programs,
@@ -85,18 +77,15 @@ class RowCopy:
                 f"transfer_rows: {num_items} work items exceed the int32 loop bound; split the "
                 f"transfer or raise tokens_per_tile (got {self._tile})"
             )
-        grid = min(self._num_programs, num_items)
-        if self._direct is not None and self._direct.launch(
-                grid, (*self._head, layer_begin, num_layers, *self._tail, *self._constants)):
-            return
+        grid = (min(self._num_programs, num_items),)
         device = self._device
         on_device: contextlib.AbstractContextManager[Any] = (
             torch.cuda.device(device) if device is not None
             and torch.cuda.current_device() != device.index else contextlib.nullcontext())
         try:
             with on_device:
-                compiled = compiled_kernel()[(grid,)](
-                    *self._head, layer_begin, num_layers, *self._tail, **self._meta)
+                compiled_kernel()[grid](*self._head, layer_begin, num_layers, *self._tail,
+                                        **self._meta)
         except ValueError as exc:
             if "cannot be accessed" not in str(exc):
                 raise
@@ -106,8 +95,6 @@ class RowCopy:
                 f"{tuple(host.shape)}): it must be pinned, e.g. a HostKVPool with pin=True "
                 f"(cudaHostRegister), and stay registered while transfers run"
             ) from exc
-        if device is not None:
-            self._direct = DirectLaunch.of(compiled, device)
 
 
 class _BufferPlan(NamedTuple):
