@@ -69,7 +69,13 @@ def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
     names = {f["name"] for f in saved["figures"]}
     assert {"one request's cycle (2k tokens)", "background integrity check, longest lock hold",
             "key of a 2k-token prompt (token checks)",
-            "allocate + free 2048 pages, fragmented"} <= names
+            "allocate + free 2048 pages, fragmented",
+            "controller op, 1 page(s), copy excluded"} <= names
+    by_name = {f["name"]: f["by_size"] for f in saved["figures"]}
+    for pages in (1, 256):  # the copy is timed and taken out of every op
+        whole = next(iter(by_name[f"controller op, {pages} page(s), with its copy"].values()))
+        kept = next(iter(by_name[f"controller op, {pages} page(s), copy excluded"].values()))
+        assert all(0 < k < w for k, w in zip(kept, whole, strict=True))
     assert saved["replay"][0]["input_tokens"] == TOKENS
 
 

@@ -255,8 +255,8 @@ def measure_controller(repeats: int) -> dict[str, list[float]]:
 
             whole = timed(cycle, repeats, before=release)
             release()
-            out[f"controller op with its CPU copy, {num_pages} page(s)"] = whole
-            out[f"controller op bookkeeping, {num_pages} page(s) (copy excluded)"] = [
+            out[f"controller op, {num_pages} page(s), with its copy"] = whole
+            out[f"controller op, {num_pages} page(s), copy excluded"] = [
                 total - copy for total, copy in zip(whole, copies, strict=True)]
         device = controller.device_allocator.try_alloc(PAGE)
         assert device is not None

@@ -30,8 +30,8 @@ TARGETS_US = {
     "Python bytes per cached page": 400.0,
     "allocate + free 1 page, 1M-token pool": 5.0,
     "the same, pool fragmented": 5.0,
-    "controller op bookkeeping, 1 page(s) (copy excluded)": 20.0,
-    "controller op bookkeeping, 256 page(s) (copy excluded)": 30.0,
+    "controller op, 1 page(s), copy excluded": 20.0,
+    "controller op, 256 page(s), copy excluded": 30.0,
     "poll() per acknowledged op": 5.0,
 }
 DESCRIPTION = (
