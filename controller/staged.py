@@ -77,7 +77,7 @@ class StagedBackend(TransferBackend):
         # own staging and auxiliary stream, so the two directions never share a buffer).
         self._lanes: dict[tuple[int, torch.dtype], _Lane] = {}
 
-    def staging_bytes(self, token_bytes: int, page_size: int = 1) -> int:
+    def staging_bytes(self, token_bytes: int, page_size: int) -> int:
         """Device memory the staging buffers of one side stream take for rows of
         ``token_bytes`` and host pages of ``page_size`` tokens."""
         return 2 * (self.staging_tokens + page_size) * token_bytes
@@ -159,8 +159,9 @@ class StagedBackend(TransferBackend):
         """The staging lane of ``side`` for the pool's dtype: two buffers of one chunk each
         (the budget and one page of every layer) and an auxiliary stream, allocated once.
 
-        A buffer replaced by a larger one (a pool of wider rows) stays alive through the ops
-        that hold views of it (``keep_alive``) until their side stream has passed them."""
+        A buffer replaced by a larger one (a pool of wider rows, or host pages of more
+        tokens) stays alive through the ops that hold views of it (``keep_alive``) until
+        their side stream has passed them."""
         geometry = device_pool.geometry
         key = (side.cuda_stream if side is not None else 0, geometry.dtype)
         half = ((self.staging_tokens + page_size) * geometry.num_components
