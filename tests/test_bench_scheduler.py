@@ -4,12 +4,13 @@ LRU reference count hits exactly on a hand-made trace."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from hicache.bench.scheduler_cli import main
-from hicache.bench.trace import lru_hit_rate, read_trace, replay
+from hicache.bench.trace import TraceRequest, lru_hit_rate, read_trace, replay
 from hicache.cli import main as cli_main
 
 # Requests 2, 3 and 5 share whole blocks with request 1; request 4 shares nothing.
@@ -52,6 +53,23 @@ def test_replay_counts_host_hits_after_device_eviction(trace: Path) -> None:
     comes back from there."""
     row = replay(read_trace(trace, 10), device_blocks=2, host_blocks=8, page_size=16)
     assert (row.device_hit_tokens, row.host_hit_tokens) == (1024 + 512, 512)
+
+
+def test_replay_times_the_service_not_the_token_lists(trace: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request's token list is made before its clock starts: token lists that take 50 ms
+    each to make leave the replay's seconds far below 5 x 50 ms."""
+    slow = 0.05
+    make_tokens = TraceRequest.tokens
+
+    def slow_tokens(request: TraceRequest) -> list[int]:
+        time.sleep(slow)
+        return make_tokens(request)
+
+    monkeypatch.setattr(TraceRequest, "tokens", slow_tokens)
+    row = replay(read_trace(trace, 10), device_blocks=16, host_blocks=16, page_size=16)
+    assert row.requests == 5
+    assert 0 < row.seconds < slow
 
 
 def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,

@@ -157,7 +157,10 @@ def render(figures: list[Figure], sizes: Sequence[int]) -> str:
 
 
 def render_replay(rows: list[ReplayRow], name: str) -> str:
-    lines = [f"replay of {name}: {rows[0].requests} requests" if rows else "no replay",
+    lines = [f"replay of {name}: {rows[0].requests} requests of "
+             f"{rows[0].input_tokens / max(1, rows[0].requests):.0f} tokens on average "
+             f"(req/s: the service's calls only, each request's token list made before its "
+             f"clock starts)" if rows else "no replay",
              f"{'device:host blocks':>18} {'hit rate':>9} {'device':>8} {'host':>8} "
              f"{'req/s':>8} {'LRU blocks':>10} {'LRU hit':>8}"]
     for row in rows:
