@@ -7,9 +7,10 @@ row with the largest ``min_tokens`` not above the op's size wins. Without CUDA, 
 matching row, ``torch`` (CPU) or ``kernel`` (GPU) is used. The choice is logged at DEBUG and
 counted per backend in ``TransferStats.backend_ops`` (a metric label).
 
-The shipped table's ``layer_first`` and ``page_first_direct`` rows were re-derived by a later
-run (``rederived``: ``kernel`` and ``staged``, op sizes 256, 2048, 8192 and 32768 tokens);
-the ``page_first`` rows are from the first run (``measured_on``).
+The shipped table's ``layer_first`` and ``page_first_direct`` rows were re-derived later
+(``rederived``: ``kernel`` and ``staged``, op sizes 256, 2048, 8192 and 32768 tokens, page
+sizes 16 and 64, each figure the median of three full runs); the ``page_first`` rows are
+from the first run (``measured_on``).
 """
 
 from __future__ import annotations

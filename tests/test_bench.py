@@ -14,7 +14,7 @@ import torch
 from gpu_shapes import under_sanitizer
 
 from hicache.bench import main
-from hicache.bench.auto import auto_table, choose_rows, pick_backend
+from hicache.bench.auto import auto_table, choose_rows, median_records, pick_backend
 from hicache.bench.cli import add_bench_parser, check_args, parse_args
 from hicache.bench.plot import have_matplotlib
 from hicache.bench.report import render, targets
@@ -161,6 +161,76 @@ def test_from_json_writes_the_auto_table(tmp_path: Path) -> None:
     assert json.loads(table.read_text())["measured_on"] == {"device": "Test GPU"}
 
 
+def noisy_run(staged_write_gbps: float, device: str = "Test GPU") -> BenchResult:
+    """:func:`synthetic_result` with the staged 256-token writes of ``layer_first`` at page
+    16 moved to ``staged_write_gbps`` (a run where the CPU was slow for small ops)."""
+    result = synthetic_result()
+    rows = [replace(m, gb_per_s=staged_write_gbps)
+            if (m.backend, m.kind, m.page_size, m.layout, m.tokens)
+            == ("staged", "write", 16, "layer_first", 256) else m
+            for m in result.measurements]
+    return replace(result, meta={**result.meta, "device": device}, measurements=rows,
+                   auto_table=auto_table(rows, {"device": device}))
+
+
+def small_write_choice(table: dict[str, object]) -> str:
+    rows = table["rows"]
+    assert isinstance(rows, list)
+    return next(r["backend"] for r in rows if r["direction"] == "device_to_host"
+                and r["layout"] == "layer_first" and r["measured_tokens"] == 256)
+
+
+def test_auto_table_of_several_runs_takes_the_median(tmp_path: Path) -> None:
+    """One run whose staged small write fell to 15 GB/s (below 0.6 of the kernel's 30) would
+    send those writes to the kernel on its own; over three runs the median (26) keeps them
+    staged. The merged figures say how many runs measured them, the rule and measured_on
+    how the table was made."""
+    runs = [noisy_run(15.0), noisy_run(26.0), noisy_run(27.0)]
+    assert small_write_choice(runs[0].auto_table) == "kernel"
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        save_json(run, paths[-1])
+    table_path = tmp_path / "auto_table.json"
+    assert main(["--from-json", *map(str, paths), "--auto-table", str(table_path)]) == 0
+    table = json.loads(table_path.read_text())
+    assert small_write_choice(table) == "staged"
+    assert table["rule"].startswith("median of each figure over 3 runs; ")
+    assert table["measured_on"]["runs"] == 3
+    merged = next(r for r in table["measurements"] if (
+        r["backend"], r["direction"], r["layout"], r["page_size"], r["tokens"])
+        == ("staged", "device_to_host", "layer_first", 16, 256))
+    assert (merged["gb_per_s"], merged["runs"]) == (26.0, 3)
+    # the noisy run alone, given on its own, still writes its own table
+    assert main(["--from-json", str(paths[0]), "--auto-table", str(table_path)]) == 0
+    assert small_write_choice(json.loads(table_path.read_text())) == "kernel"
+
+
+def test_median_records_keep_an_unmeasured_slowdown_unknown() -> None:
+    """A slowdown no run measured stays None; one that some runs measured is their median."""
+    base = {"direction": "device_to_host", "layout": "layer_first", "layer_wise": False,
+            "tokens": 256, "page_size": 16, "backend": "kernel"}
+    merged = median_records([[{**base, "gb_per_s": 10.0, "slowdown_pct": None}],
+                             [{**base, "gb_per_s": 30.0, "slowdown_pct": 4.0}],
+                             [{**base, "gb_per_s": 20.0, "slowdown_pct": 2.0}]])
+    assert [(m["gb_per_s"], m["slowdown_pct"], m["runs"]) for m in merged] == [(20.0, 3.0, 3)]
+    assert median_records([[{**base, "gb_per_s": 1.0, "slowdown_pct": None}]])[0][
+        "slowdown_pct"] is None
+
+
+def test_runs_of_different_devices_are_refused(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """One table is for one device: runs of two devices exit 2 with one line naming them."""
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    save_json(noisy_run(26.0), paths[0])
+    save_json(noisy_run(26.0, device="Other GPU"), paths[1])
+    table_path = tmp_path / "auto_table.json"
+    assert main(["--from-json", *map(str, paths), "--auto-table", str(table_path)]) == 2
+    err = capsys.readouterr().err
+    assert "different devices" in err and "Other GPU" in err and err.count("\n") == 1
+    assert not table_path.exists()
+
+
 def test_bad_json_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A file that is not a saved result exits 2 with one line on stderr."""
     path = tmp_path / "other.json"
@@ -194,9 +264,13 @@ def test_fastest_within_slowdown_bound_wins() -> None:
     assert pick_backend({"kernel": (52.0, 5.0), "staged": (53.0, 6.0)}, 5.0) == "kernel"
 
 
-def test_fastest_wins_when_none_qualifies() -> None:
-    """If every backend slows the matmul too much (or unknown), the fastest wins."""
+def test_least_slowdown_wins_when_none_qualifies() -> None:
+    """If every backend slows the matmul too much, the one slowing it least among those
+    fast enough wins; an unknown slowdown counts as the worst; a backend below the share
+    of the fastest is not considered even if it spares the matmul."""
     assert pick_backend({"kernel": (52.0, 15.0), "staged": (45.0, None)}, 5.0) == "kernel"
+    assert pick_backend({"kernel": (51.3, 32.5), "staged": (46.3, 4.5)}, 3.0) == "staged"
+    assert pick_backend({"kernel": (49.0, 8.0), "staged": (19.5, 4.0)}, 3.0, 0.6) == "kernel"
 
 
 def test_a_much_slower_backend_does_not_qualify() -> None:

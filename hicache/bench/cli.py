@@ -10,6 +10,7 @@ on any machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -20,7 +21,7 @@ from typing import Any
 from hicache.cli.output_path import check_output_path
 from hicache.cli.parser import INTERRUPTED, CliParser, UsageError
 
-from .auto import DEFAULT_MAX_SLOWDOWN_PCT, DEFAULT_MIN_SHARE_OF_BEST
+from .auto import DEFAULT_MAX_SLOWDOWN_PCT, DEFAULT_MIN_SHARE_OF_BEST, auto_table_of_runs
 from .plot import have_matplotlib, plot
 from .report import render
 from .results import BenchResult, load_json, save_json
@@ -81,9 +82,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", type=Path, metavar="PNG", help="write a chart (needs matplotlib)")
     out.add_argument("--auto-table", type=Path, metavar="PATH",
                      help="write the auto backend's table (controller/auto_table.json format)")
-    out.add_argument("--from-json", type=Path, metavar="PATH",
+    out.add_argument("--from-json", type=Path, metavar="PATH", nargs="+",
                      help="no GPU: re-render the table (and --plot, --auto-table) from a saved "
-                     "--json result")
+                     "--json result; given several runs, the first is shown and the auto "
+                     "table is derived from the median of each figure over all of them "
+                     "(with --max-slowdown-pct and --min-share-of-best)")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -188,7 +191,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return USAGE_ERROR
     if args.from_json is not None:
         try:
-            result = load_json(args.from_json)
+            result = _saved_runs(args)
         except ValueError as exc:
             print(f"hicache bench: error: {exc}", file=sys.stderr)
             return USAGE_ERROR
@@ -205,6 +208,16 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"hicache bench: error: {exc}", file=sys.stderr)
         return FAILED
     return _publish(result, args, save=True)
+
+
+def _saved_runs(args: argparse.Namespace) -> BenchResult:
+    """The first saved run of ``--from-json``; with several, its auto table is replaced by
+    the one derived from all of them (:func:`~hicache.bench.auto.auto_table_of_runs`)."""
+    results = [load_json(path) for path in args.from_json]
+    if len(results) == 1:
+        return results[0]
+    table = auto_table_of_runs(results, args.max_slowdown_pct, args.min_share_of_best)
+    return dataclasses.replace(results[0], auto_table=table)
 
 
 def _publish(result: BenchResult, args: argparse.Namespace, save: bool) -> int:
