@@ -14,9 +14,11 @@ page_size`` rows, equally spaced on each side (a page apart on the host), which
 ceiling; for a write of all layers, one contiguous run. A partial page (a chunk edge, a
 fragment, a slot loaded twice in one merged op) is its own segment of one page.
 
-The gather reads the device rows layer-major into a temporary ``[components, moved layers,
-pairs, row]`` and places them (a permuting copy when every piece is a whole page, an index
-copy otherwise); the scatter does the reverse. Both run at HBM speed on the stream the caller
+When every piece is a whole page, the gather reads the device rows straight into the
+page-major staging (one indexed read per block of layers, written through a permuted view)
+and the scatter writes them back from it the same way. Otherwise the gather reads them
+layer-major into a temporary ``[components, moved layers, pairs, row]`` and places them
+with an index copy, and the scatter does the reverse. Both run at HBM speed on the stream the caller
 makes current, which allocates and owns the temporaries.
 """
 
@@ -79,15 +81,9 @@ class DirectStaging:
 
     def stage(self, gathered: torch.Tensor, rows: torch.Tensor) -> None:
         """Place ``gathered`` ``[components, layers, pairs, row]`` into the staging ``rows``
-        ``[components * layers * pairs, row]`` (same dtype and device)."""
-        c, n = self.shape
-        width = gathered.shape[-1]
-        if self.whole_pages:
-            pages = self.num_pairs // self.page_size
-            rows.view(pages, c, n, self.page_size, width).copy_(
-                gathered.view(c, n, pages, self.page_size, width).permute(2, 0, 1, 3, 4))
-            return
-        rows.index_copy_(0, self._targets(rows.device), gathered.reshape(-1, width))
+        ``[components * layers * pairs, row]`` (same dtype and device) for partial pages
+        (whole pages are gathered in place: :meth:`gather_pages`)."""
+        rows.index_copy_(0, self._targets(rows.device), gathered.reshape(-1, gathered.shape[-1]))
 
     def unstage(self, rows: torch.Tensor) -> torch.Tensor:
         """``[components, layers, pairs, row]`` of the staging ``rows`` (a new tensor, made on
@@ -100,6 +96,26 @@ class DirectStaging:
             return staged.permute(1, 2, 0, 3, 4).reshape(c, n, self.num_pairs, width)
         return rows.index_select(0, self._targets(rows.device)).view(c, n, self.num_pairs,
                                                                    width)
+
+    def gather_pages(self, rows: torch.Tensor, index: torch.Tensor,
+                     blocks: Sequence[tuple[int, int]], device_rows: Sequence[torch.Tensor]
+                     ) -> None:
+        """Device rows at ``index`` (a device slot per pair, whole pages) into the staging
+        ``rows`` as ``[pages, C, layers, page_size, row]``: per block of layers (as
+        :meth:`scatter_pages`), one indexed read written straight into a permuted view of
+        the staging, with no layer-major temporary and no placing copy after it (which
+        doubled the gather's passes over device memory, and the SM time a write takes
+        from the model's compute)."""
+        c, n = self.shape
+        pages = self.num_pairs // self.page_size
+        staged = rows.view(pages, c, n, self.page_size, rows.shape[-1])
+        by_page = index.view(pages, self.page_size)
+        for (offset, count), rows_of in zip(blocks, device_rows, strict=True):
+            # [slots, C, count, row] read at [pages, page_size] -> [pages, page_size, C, count,
+            # row], written through the staging's view in that order
+            torch.ops.aten.index.Tensor_out(
+                rows_of.permute(2, 0, 1, 3), [by_page],
+                out=staged.narrow(2, offset, count).permute(0, 3, 1, 2, 4))
 
     def scatter_pages(self, rows: torch.Tensor, index: torch.Tensor,
                       blocks: Sequence[tuple[int, int]], device_rows: Sequence[torch.Tensor]

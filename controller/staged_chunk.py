@@ -239,12 +239,14 @@ def _copy(plan: ChunkPlan, group: LayerGroup, buffer: torch.Tensor, to_host: boo
 
 def _gather(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
     """Device rows of the chunk into its staging ``rows`` (wide)."""
-    index = plan.device_index
-    if plan.direct is not None:
-        gathered = torch.empty((*plan.direct.shape, index.numel(), rows.shape[-1]),
+    index, direct = plan.device_index, plan.direct
+    if direct is not None and direct.whole_pages:  # into the page-major staging in place
+        direct.gather_pages(rows, index, group.shape, group.device_rows)
+    elif direct is not None:
+        gathered = torch.empty((*direct.shape, index.numel(), rows.shape[-1]),
                                dtype=rows.dtype, device=rows.device)
         _select(group, index, gathered, 2, 1)
-        plan.direct.stage(gathered, rows)
+        direct.stage(gathered, rows)
     elif group.move.token_major:
         _select(group, index, rows, 0, 2)
     else:
