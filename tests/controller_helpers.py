@@ -156,3 +156,18 @@ def back_up_and_evict(ctrl: HybridCacheController, num_tokens: int, no_swa_token
     pool.full.data.fill_(SENTINEL)
     pool.swa.data.fill_(SENTINEL)
     return BackedUp(full, host, swa_before, full_rows, swa_rows)
+
+
+def written_and_wiped(ctrl: CacheController, num_tokens: int) -> tuple[Indices, torch.Tensor]:
+    """Write ``num_tokens`` device rows, evict them and wipe the device pool; return the host
+    slots and the rows (``[n, components, layers, row]``) a load must bring back."""
+    ctrl.device_allocator.try_alloc(3 * ctrl.device_allocator.page_size)  # ids differ
+    device = ctrl.device_allocator.try_alloc(num_tokens)
+    assert device is not None
+    rows = device_rows(ctrl.device_pool)[device.tensor]
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(device)
+    ctrl.device_pool.data.fill_(SENTINEL)
+    return host, rows

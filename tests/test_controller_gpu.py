@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, make_hybrid
+from controller_helpers import (
+    SENTINEL,
+    device_rows,
+    host_rows,
+    make_controller,
+    make_hybrid,
+    written_and_wiped,
+)
 
 from hicache.controller import (
     CacheController,
@@ -185,14 +192,7 @@ def test_interleaved_moves_with_concurrent_forward(backend: TransferBackend,
 def test_layer_wise_wait_until(backend: TransferBackend, layout: HostLayout) -> None:
     """A forward stream that waits per layer reads loaded rows, never stale ones."""
     ctrl = gpu_controller(backend, layout)
-    device = ctrl.device_allocator.try_alloc(64)
-    assert device is not None
-    rows = device_rows(ctrl.device_pool)[device.tensor]
-    host = ctrl.write(device)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(device)
-    ctrl.device_pool.data.fill_(SENTINEL)
+    host, rows = written_and_wiped(ctrl, 64)
     forward = torch.cuda.Stream()
     with torch.cuda.stream(ctrl.load_stream):
         torch.cuda._sleep(SLEEP_CYCLES)  # the load starts late

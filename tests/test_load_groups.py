@@ -16,10 +16,10 @@ from controller_helpers import (
     make_controller,
     make_hybrid,
     untouched,
+    written_and_wiped,
 )
 
 from hicache.controller import (
-    CacheController,
     Direction,
     Event,
     KernelBackend,
@@ -31,7 +31,7 @@ from hicache.controller import (
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available
 from hicache.controller.load_groups import GROUP_BYTES, local_groups, plan_load_groups
 from hicache.controller.staged import StagedBackend
-from hicache.pools import HostLayout, Indices
+from hicache.pools import HostLayout
 
 MIB = 2**20
 NUM_LAYERS = 32
@@ -60,21 +60,6 @@ class SpyBackend(TorchBackend):
             self.log.extend(("copy", layer) for layer in local_layers)
             self.log.append(("call", len(local_layers)))
         super().copy(moved, local_layers, direction, keep_alive)
-
-
-def written_and_wiped(ctrl: CacheController, num_tokens: int) -> tuple[Indices, torch.Tensor]:
-    """Write ``num_tokens`` device rows, evict them and wipe the device pool; return the host
-    slots and the rows (``[n, components, layers, row]``) a load must bring back."""
-    ctrl.device_allocator.try_alloc(3 * ctrl.device_allocator.page_size)  # ids differ
-    device = ctrl.device_allocator.try_alloc(num_tokens)
-    assert device is not None
-    rows = device_rows(ctrl.device_pool)[device.tensor]
-    host = ctrl.write(device)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(device)
-    ctrl.device_pool.data.fill_(SENTINEL)
-    return host, rows
 
 
 # ---- the planner -------------------------------------------------------------------------
