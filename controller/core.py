@@ -78,7 +78,8 @@ class TransferCore:
         self._held = self._ops.held
         self._checks = SlotChecks(self._held)
         # poll() reads every device pool's bounds records: the list is fixed, find it once
-        self._bounds_checks = tuple(pool.raise_if_tripped for pool in self._pools()
+        # (the guards' own methods: one call each, not two)
+        self._bounds_checks = tuple(pool.guard.raise_if_tripped for pool in self._pools()
                                     if isinstance(pool, DeviceKVPool))
 
     # ---- configuration ------------------------------------------------------------------
@@ -161,7 +162,8 @@ class TransferCore:
     def poll(self) -> list[Ack]:
         """Raise a pending bounds error of a device pool (:meth:`raise_if_tripped`), then
         acknowledge finished ops (:meth:`poll_acks`)."""
-        self.raise_if_tripped()
+        for raise_if_tripped in self._bounds_checks:  # raise_if_tripped(), one call less
+            raise_if_tripped()
         return self.poll_acks()
 
     def poll_acks(self) -> list[Ack]:
@@ -171,7 +173,8 @@ class TransferCore:
         Acknowledging releases the op's tensors, its in-flight protection and (for loads)
         its event set.
         """
-        return [self._acknowledge(op) for op in self._ops.pop_done()]
+        done = self._ops.pop_done()
+        return [self._acknowledge(op) for op in done] if done else []
 
     def raise_if_tripped(self) -> None:
         """Raise :class:`~hicache.pools.BoundsError` for the oldest CUDA bounds check of a

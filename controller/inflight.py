@@ -106,7 +106,8 @@ class InFlightPages:
         """The first of ``pages`` (checked, in range) that any op holds, or ``None``."""
         counts = self._counts[space]
         if pages.size == 1:
-            return int(pages[0]) if counts[pages[0]] else None
+            page = pages.item()
+            return page if counts[page] else None
         held = counts[pages]
         if not np.count_nonzero(held):
             return None
@@ -174,7 +175,7 @@ def pages_of_slots(slots: np.ndarray, page_size: int) -> np.ndarray:
 
 def _bump(counts: dict[IndexSpace, np.ndarray], call: HeldCall, delta: int) -> None:
     for space, pages in call.parts:
-        if pages.size == 1:  # one page: an item update, no fancy-index machinery
-            counts[space][pages[0]] += delta
+        if pages.size == 1:  # one page: an item update with a Python int, no numpy scalar
+            counts[space][pages.item()] += delta
         elif pages.size:
             counts[space][pages] += delta  # distinct pages: fancy += adds once each

@@ -143,7 +143,7 @@ class PageAllocator:
         """:meth:`free` of page ids that :meth:`pages_of` returned (distinct, in range, not
         page 0): raises ``ValueError`` for a page that is not allocated, freeing nothing."""
         if pages.size == 1:  # the common single page: Python ints, no array calls
-            page = int(pages[0])
+            page = pages.item()
             if self._is_free[page]:
                 self._raise_not_allocated(page)
             self._is_free[page] = True
@@ -205,7 +205,7 @@ class PageAllocator:
         """First of ``pages`` (page ids :meth:`pages_of` returned) that is not allocated, or
         ``None`` if all are."""
         if pages.size == 1:
-            page = int(pages[0])
+            page = pages.item()
             return page if self._is_free[page] else None
         is_free = self._is_free[pages]
         if not np.count_nonzero(is_free):

@@ -78,7 +78,7 @@ class AttentionKind(enum.Enum):
     MLA = "mla"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Indices:
     """A 1-D slot index tensor tagged with the space it indexes.
 
@@ -90,15 +90,17 @@ class Indices:
     tensor: torch.Tensor
     space: IndexSpace
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.tensor, torch.Tensor):
-            raise TypeError(
-                f"Indices.tensor must be a torch.Tensor, got {type(self.tensor).__name__}"
-            )
-        if not isinstance(self.space, IndexSpace):
-            raise TypeError(
-                f"Indices.space must be an IndexSpace, got {type(self.space).__name__}"
-            )
+    def __init__(self, tensor: torch.Tensor, space: IndexSpace) -> None:
+        # Written by hand: the generated frozen __init__ stores through
+        # object.__setattr__ and then runs __post_init__, about twice this cost, and
+        # every allocation, tree slice and op makes one of these.
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Indices.tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if type(space) is not IndexSpace:  # an enum with members has no subclasses
+            raise TypeError(f"Indices.space must be an IndexSpace, got {type(space).__name__}")
+        fields = self.__dict__  # frozen: the instance dict, not the blocked __setattr__
+        fields["tensor"] = tensor
+        fields["space"] = space
 
     def __len__(self) -> int:
         return int(self.tensor.numel())

@@ -45,7 +45,7 @@ def runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     (sorted here unless they form one ascending run; no numpy wrapper functions, whose
     Python layers cost more than the arithmetic at these sizes)."""
     if pages.size == 1:
-        return [int(pages[0])], [1]
+        return [pages.item()], [1]
     steps = pages[1:] - pages[:-1]
     (breaks,) = (steps != 1).nonzero()
     if not breaks.size:  # one ascending run
