@@ -78,8 +78,7 @@ class TransferCore:
         self._held = self._ops.held
         self._checks = SlotChecks(self._held)
         # poll() reads every device pool's bounds records: the list is fixed, find it once
-        # (the guards' own methods: one call each, not two)
-        self._bounds_checks = tuple(pool.guard.raise_if_tripped for pool in self._pools()
+        self._bounds_checks = tuple(pool.raise_if_tripped for pool in self._pools()
                                     if isinstance(pool, DeviceKVPool))
 
     # ---- configuration ------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .pinned_uploads import UPLOADS
+from hicache.pools.pinned_uploads import UPLOADS
 
 
 class Segment(NamedTuple):

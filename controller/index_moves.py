@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, Indices
+from hicache.pools.pinned_uploads import UPLOADS
 
 from .base import PoolTransfer, TransferBackend, TransferOp
-from .pinned_uploads import UPLOADS
 
 _CPU = torch.device("cpu")
 
@@ -75,7 +75,7 @@ def move_checked(
 
 def to_device(index: torch.Tensor, target: torch.device) -> torch.Tensor:
     """CPU int64 ``index`` on ``target``: staged through a reused pinned buffer
-    (:mod:`.pinned_uploads`), copied without blocking."""
+    (:mod:`hicache.pools.pinned_uploads`), copied without blocking."""
     if target == _CPU:
         return index
     return UPLOADS.upload((index.numpy(),), target)

@@ -168,12 +168,16 @@ class ForwardLocs:
         swa: ``[n]`` int32 ``DEVICE_SWA`` slots aligned with ``full`` (hybrid pools only).
         owner: the pool that made it.
         map_version: that pool's map version at the time.
+        span: ``(start, end)`` when the slots, checked on the CPU, are the ascending run
+            ``start .. end - 1`` and skip the padding slot: each layer's write is then a
+            slice copy (see :mod:`hicache.pools.forward_locs`); ``None`` otherwise.
     """
 
     full: Indices
     swa: Indices | None
     owner: object
     map_version: int
+    span: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         return len(self.full)

@@ -7,9 +7,7 @@ Storage is one tensor ``data`` of shape ``[components, layers, slots, row_elems]
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,47 +22,13 @@ from .base import (
     check_indices,
 )
 from .bounds import BoundsGuard
+from .forward_locs import make_forward_locs
+from .row_geometry import RowGeometry
 from .row_records import layer_records
 
+__all__ = ["DeviceKVPool", "LayerWaiter", "RowGeometry"]
+
 LayerWaiter = Callable[[int], None]
-
-
-@dataclass(frozen=True)
-class RowGeometry:
-    """What one token's row looks like in one layer of a pool.
-
-    Args:
-        kind: MHA (K and V of ``num_kv_heads * head_dim``) or MLA (one ``latent_dim`` row).
-        num_kv_heads, head_dim: MHA shape (ignored for MLA).
-        latent_dim: MLA row width (ignored for MHA).
-        dtype: element dtype of the KV rows.
-    """
-
-    kind: AttentionKind
-    num_kv_heads: int
-    head_dim: int
-    latent_dim: int
-    dtype: torch.dtype
-
-    # cached: the transfer path reads them per op, and the fields never change
-    @functools.cached_property
-    def num_components(self) -> int:
-        return 2 if self.kind is AttentionKind.MHA else 1
-
-    @functools.cached_property
-    def row_elems(self) -> int:
-        if self.kind is AttentionKind.MHA:
-            return self.num_kv_heads * self.head_dim
-        return self.latent_dim
-
-    @functools.cached_property
-    def row_bytes(self) -> int:
-        """Bytes of one component of one token in one layer."""
-        return self.row_elems * self.dtype.itemsize
-
-    def token_bytes(self, num_layers: int) -> int:
-        """Bytes of one token over all components of ``num_layers`` layers."""
-        return self.row_bytes * self.num_components * num_layers
 
 
 class DeviceKVPool:
@@ -109,6 +73,9 @@ class DeviceKVPool:
                       for c in range(geometry.num_components)]
         # the padding row of every component of a layer: one strided view, one zero_ per set_kv
         self._padding = [self.data[:, layer, PADDING_SLOT] for layer in range(num_layers)]
+        # what key_buffer / value_buffer / latent_buffer return, per component and layer
+        self._buffers = [[self._heads_view(rows) if geometry.kind is AttentionKind.MHA
+                          else rows for rows in component] for component in self._rows]
         self.guard = BoundsGuard(name, self.device)
         self._layer_waiter: LayerWaiter | None = None
         self._records: list[list[np.ndarray]] | None = None
@@ -140,13 +107,13 @@ class DeviceKVPool:
         """Check a forward's new-token slots once, for every layer's :meth:`set_kv`.
 
         Args:
-            locs: ``[n]`` int32/int64 slots in this pool's space, on its device.
+            locs: ``[n]`` int32/int64 slots in this pool's space, on its device or on the
+                CPU (checked at once there and uploaded without blocking; one ascending run
+                of them makes each layer's write a slice copy: :mod:`.forward_locs`).
         Returns:
-            a :class:`ForwardLocs` owning an int64 copy of them.
+            a :class:`ForwardLocs` owning an int64 copy of them on this pool's device.
         """
-        index = self.check(locs, "forward_locs")
-        owned = Indices(index.to(torch.int64, copy=index is locs.tensor), self.space)
-        return ForwardLocs(owned, None, self, 0)
+        return make_forward_locs(self, locs)
 
     def page_slots(self, table: PageTable, row: int) -> Indices:
         """Slots of every position of row ``row`` of ``table``, which must hold this pool's
@@ -196,19 +163,19 @@ class DeviceKVPool:
         """``[num_slots, num_kv_heads, head_dim]`` K of ``layer`` (MHA); waits on loads."""
         self._require(AttentionKind.MHA, "key_buffer")
         self._wait(layer)
-        return self._heads_view(self.data[0, layer])
+        return self._buffers[0][layer]
 
     def value_buffer(self, layer: int) -> torch.Tensor:
         """``[num_slots, num_kv_heads, head_dim]`` V of ``layer`` (MHA); waits on loads."""
         self._require(AttentionKind.MHA, "value_buffer")
         self._wait(layer)
-        return self._heads_view(self.data[1, layer])
+        return self._buffers[1][layer]
 
     def latent_buffer(self, layer: int) -> torch.Tensor:
         """``[num_slots, latent_dim]`` latent rows of ``layer`` (MLA); waits on loads."""
         self._require(AttentionKind.MLA, "latent_buffer")
         self._wait(layer)
-        return self.data[0, layer]
+        return self._buffers[0][layer]
 
     def set_kv(
         self, layer: int, locs: Indices | ForwardLocs, k: torch.Tensor,
@@ -233,6 +200,9 @@ class DeviceKVPool:
                     f"set_kv(layer={layer}): these ForwardLocs were made by another pool; make "
                     f"them with forward_locs() of pool '{self.name}'"
                 )
+            if locs.span is not None:
+                self._write_span(layer, locs.span, k, v)
+                return
             index = locs.full.tensor
         else:
             index = self.check(locs, f"set_kv(layer={layer})")
@@ -242,21 +212,37 @@ class DeviceKVPool:
         self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
     ) -> None:
         """:meth:`set_kv` with a raw index this pool already checked (for the hybrid pool)."""
+        flats = self._checked_rows(layer, index.numel(), k, v)
+        if index.numel() == 0:
+            return
+        if index.dtype is not torch.int64:
+            index = index.to(torch.int64)
+        for component, flat in enumerate(flats):
+            self._rows[component][layer].index_copy_(0, index, flat)
+        self._padding[layer].zero_()
+
+    def _write_span(self, layer: int, span: tuple[int, int], k: torch.Tensor,
+                    v: torch.Tensor | None) -> None:
+        """:meth:`write_rows` to the slots ``span[0] .. span[1] - 1`` (checked, none of them
+        the padding slot): a slice copy per component, and no padding to clear."""
+        start, end = span
+        for component, flat in enumerate(self._checked_rows(layer, end - start, k, v)):
+            self._rows[component][layer][start:end].copy_(flat)
+
+    def _checked_rows(self, layer: int, num_rows: int, k: torch.Tensor,
+                      v: torch.Tensor | None) -> list[torch.Tensor]:
+        """The ``[num_rows, row_elems]`` rows of every component of a write to ``layer``,
+        each checked before any is written (a bad v leaves K untouched), once the layer's
+        load was waited on."""
         self._check_layer(layer)
         if self.geometry.kind is AttentionKind.MLA and v is not None:
             raise ValueError(f"set_kv on MLA pool '{self.name}': pass only k (the latent row)")
         if self.geometry.kind is AttentionKind.MHA and v is None:
             raise ValueError(f"set_kv on MHA pool '{self.name}': v is required")
         rows = [k] if v is None else [k, v]
-        # Check every component before writing any, so a bad v leaves K untouched.
-        flats = [self._check_rows(value, index.numel(), c) for c, value in enumerate(rows)]
+        flats = [self._check_rows(value, num_rows, c) for c, value in enumerate(rows)]
         self._wait(layer)
-        if index.numel() == 0:
-            return
-        index = index.to(torch.int64)
-        for component, flat in enumerate(flats):
-            self._rows[component][layer].index_copy_(0, index, flat)
-        self._padding[layer].zero_()
+        return flats
 
     def _check_rows(self, value: torch.Tensor, num_rows: int, component: int) -> torch.Tensor:
         expected = self.geometry.row_elems

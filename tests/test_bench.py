@@ -513,3 +513,23 @@ def test_auto_ranks_layer_wise_loads_over_issue_plus_gpu_time() -> None:
                               timed("staged", "write", 51.5, 12.0)], {"device": "Test GPU"})
     assert [r["backend"] for r in writes_only["rows"]] == ["staged"]
     assert "issue plus GPU time" in table["rule"]
+
+
+def test_checks_bench_times_every_row_on_a_cpu(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m hicache.bench.checks`` on a CPU: every row, the forward's set_kv rows
+    among them, gets a positive CPU time, in the table and in the JSON."""
+    from hicache.bench import checks
+
+    out = tmp_path / "checks.json"
+    assert checks.main(["--device", "cpu", "--repeats", "3", "--tokens", "256", "--batch",
+                        "4", "--max-pages", "8", "--new-tokens", "16", "--json",
+                        str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = {row["call"]: row["cpu_us"] for row in json.loads(out.read_text())["rows"]}
+    for call in ("set_kv of 16 tokens, ForwardLocs, slots given on the device",
+                 "set_kv of 16 tokens, ForwardLocs, slots given on the CPU",
+                 "forward_locs of 16 CPU slots (check + upload)",
+                 "key_buffer + value_buffer of a layer"):
+        assert call in rows and call in printed
+    assert all(cpu_us > 0 for cpu_us in rows.values())

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hicache.controller.pinned_uploads import MAX_BUFFERS, MIN_ELEMS, PinnedUploads
+from hicache.pools.pinned_uploads import MAX_BUFFERS, MIN_ELEMS, PinnedUploads
 
 pytestmark = [
     pytest.mark.gpu,

@@ -7,6 +7,10 @@ without the check):
   call), with the forward's ``ForwardLocs`` (checked once per forward, so no check per
   layer), and the bare ``index_copy_`` of the same rows (no check at all). ``forward_locs``
   itself is the once-per-forward check and translation.
+- ``set_kv`` of a forward's new tokens into one layer of a full-attention pool, with
+  ``ForwardLocs`` made from the slots on the GPU (the indexed write and the padding clear)
+  and from the same slots on the CPU (one run: a slice copy per component), against the
+  two plain copies a dense cache makes; and the layer's ``key_buffer`` + ``value_buffer``.
 - ``translate_page_table`` of a decode batch's table, against the bare gather.
 - the CPU-side validation of a 32k-token transfer (the controller's ``write``: index checks
   and page ownership), against issuing the same write with the checks skipped is not
@@ -98,6 +102,33 @@ def decode_rows(device: torch.device, batch: int, max_pages: int, repeats: int
     return results
 
 
+def forward_rows(device: torch.device, tokens: int, repeats: int
+                 ) -> list[tuple[str, float, float]]:
+    """set_kv of ``tokens`` new tokens (one run of slots, as an allocator hands them out)
+    through ForwardLocs made from GPU and from CPU slots, and the layer's views."""
+    from hicache.pools import DeviceKVPool
+
+    pool = DeviceKVPool(name="full", space=IndexSpace.DEVICE_FULL, num_layers=2,
+                        num_slots=4 * tokens + 16, geometry=GEOMETRY, device=device)
+    slots = Indices(torch.arange(16, 16 + tokens), IndexSpace.DEVICE_FULL)
+    on_device = Indices(slots.tensor.to(device), IndexSpace.DEVICE_FULL)
+    indexed, span = pool.forward_locs(on_device), pool.forward_locs(slots)
+    k = torch.randn(tokens, 8, 128, device=device).to(torch.bfloat16)
+    dense = torch.empty(2, tokens, 8, 128, dtype=torch.bfloat16, device=device)
+    return [
+        (f"set_kv of {tokens} tokens, ForwardLocs, slots given on the device",
+         *timed(lambda: pool.set_kv(0, indexed, k, k), device, repeats)),
+        (f"set_kv of {tokens} tokens, ForwardLocs, slots given on the CPU",
+         *timed(lambda: pool.set_kv(0, span, k, k), device, repeats)),
+        ("reference: 2 x copy_ into a dense cache",
+         *timed(lambda: (dense[0].copy_(k), dense[1].copy_(k)), device, repeats)),
+        (f"forward_locs of {tokens} CPU slots (check + upload)",
+         *timed(lambda: pool.forward_locs(slots), device, repeats)),
+        ("key_buffer + value_buffer of a layer",
+         *timed(lambda: (pool.key_buffer(0), pool.value_buffer(0)), device, repeats)),
+    ]
+
+
 def _bare_write(rows: torch.Tensor, index: torch.Tensor, k: torch.Tensor) -> None:
     flat = k.flatten(1)
     for _ in range(2):
@@ -150,22 +181,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=64, help="decode batch rows")
     parser.add_argument("--max-pages", type=int, default=256, help="page-table columns")
     parser.add_argument("--tokens", type=int, default=32768, help="tokens of the transfer")
+    parser.add_argument("--new-tokens", type=int, default=16,
+                        help="new tokens of a forward (set_kv rows)")
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     rows = decode_rows(device, args.batch, args.max_pages, args.repeats)
+    rows += forward_rows(device, args.new_tokens, args.repeats)
     rows += transfer_rows(device, args.tokens, args.repeats)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}; decode batch {args.batch} rows of 8 x 128 bf16 "
           f"per K and V; {args.repeats} calls per row")
-    print(f"{'call':<52} {'CPU us':>9} {'GPU us':>9}")
-    print("-" * 72)
+    print(f"{'call':<62} {'CPU us':>9} {'GPU us':>9}")
+    print("-" * 82)
     for label, cpu_us, gpu_us in rows:
-        print(f"{label:<52} {cpu_us:>9.1f} {gpu_us:>9.1f}")
+        print(f"{label:<62} {cpu_us:>9.1f} {gpu_us:>9.1f}")
     if args.json is not None:
         args.json.write_text(json.dumps(
             {"device": name, "torch": torch.__version__, "batch": args.batch,
+             "new_tokens": args.new_tokens,
              "rows": [{"call": c, "cpu_us": a, "gpu_us": b} for c, a, b in rows]}, indent=1))
     return 0
 

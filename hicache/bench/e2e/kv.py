@@ -62,7 +62,9 @@ class PoolKV:
     def __init__(self, pool: DeviceKVPool, cached_slots: torch.Tensor, new_slots: torch.Tensor
                  ) -> None:
         self.pool = pool
-        self.locs = pool.forward_locs(Indices(new_slots.to(pool.device), IndexSpace.DEVICE_FULL))
+        # given on the CPU, as the service allocated them: checked there once, and one run of
+        # slots is written by slice copies (hicache.pools.forward_locs)
+        self.locs = pool.forward_locs(Indices(new_slots, IndexSpace.DEVICE_FULL))
         slots = torch.cat([cached_slots, new_slots])
         first = int(slots[0]) if len(slots) else 0
         run = torch.arange(first, first + len(slots), dtype=slots.dtype)

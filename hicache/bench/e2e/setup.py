@@ -13,7 +13,7 @@ import time
 import torch
 
 from hicache.config import HiCacheConfig, config_from_dict
-from hicache.pools import DeviceKVPool, IndexSpace, Indices
+from hicache.pools import DeviceKVPool
 from hicache.service import HiCacheService
 
 from ..workload import BenchmarkError
@@ -83,7 +83,7 @@ def put_prefix(service: HiCacheService, model: Decoder, buffers: Buffers, tokens
     slots = service.alloc_device(num_cached)
     if slots is None:
         raise BenchmarkError(f"no device room for a prefix of {num_cached} tokens")
-    locs = pool.forward_locs(Indices(slots.tensor.to(pool.device), IndexSpace.DEVICE_FULL))
+    locs = pool.forward_locs(slots)
     for layer in range(model.spec.num_layers):
         pool.set_kv(layer, locs, buffers.keys[layer][:num_cached],
                     buffers.values[layer][:num_cached])

@@ -1,12 +1,12 @@
 """Index uploads through reused pinned host buffers.
 
-An op's index tensors reach the GPU through pinned memory, so the copy is asynchronous and
-never waits for the work queued on the caller's stream (a pageable copy does: 14 ms of a
-32k-token load's issue, measured). ``tensor.pin_memory()`` did that through torch's caching
-host allocator, and inside the controller on an H100 host it cost 1.8-2.7 ms of CPU for the
-512 KiB of a 32k-token load's two index tensors (40 us for the same call in a loop on its
-own); through a pinned buffer kept from one upload to the next, 0.23-0.50 ms (an A/B on the
-same machine).
+A transfer op's index tensors, and a forward's new-token slots given on the CPU, reach the
+GPU through pinned memory, so the copy is asynchronous and never waits for the work queued
+on the caller's stream (a pageable copy does: 14 ms of a 32k-token load's issue, measured).
+``tensor.pin_memory()`` did that through torch's caching host allocator, and inside the
+controller on an H100 host it cost 1.8-2.7 ms of CPU for the 512 KiB of a 32k-token load's
+two index tensors (40 us for the same call in a loop on its own); through a pinned buffer
+kept from one upload to the next, 0.23-0.50 ms (an A/B on the same machine).
 
 :class:`PinnedUploads` keeps a few pinned buffers, each with an event recorded after the
 copy that read it; an upload takes the smallest idle buffer large enough (idle: its event
