@@ -161,8 +161,7 @@ class TransferCore:
     def poll(self) -> list[Ack]:
         """Raise a pending bounds error of a device pool (:meth:`raise_if_tripped`), then
         acknowledge finished ops (:meth:`poll_acks`)."""
-        for raise_if_tripped in self._bounds_checks:  # raise_if_tripped(), one call less
-            raise_if_tripped()
+        self.raise_if_tripped()
         return self.poll_acks()
 
     def poll_acks(self) -> list[Ack]:
@@ -172,8 +171,7 @@ class TransferCore:
         Acknowledging releases the op's tensors, its in-flight protection and (for loads)
         its event set.
         """
-        done = self._ops.pop_done()
-        return [self._acknowledge(op) for op in done] if done else []
+        return [self._acknowledge(op) for op in self._ops.pop_done()]
 
     def raise_if_tripped(self) -> None:
         """Raise :class:`~hicache.pools.BoundsError` for the oldest CUDA bounds check of a

@@ -137,9 +137,7 @@ class OpQueue:
         give_back = self.held.give_back
         for direction in _DIRECTIONS:
             queue = self._in_flight[direction]
-            # the finish event's query() (TransferOp.is_done without its assertion: an op
-            # in flight was submitted, so it has one)
-            while queue and queue[0].finish_event.query():  # type: ignore[union-attr]
+            while queue and queue[0].is_done():
                 op = queue.popleft()
                 for call in op.held:
                     give_back(call)

@@ -64,16 +64,12 @@ class TransferStats:
         return self.host_run_tokens[(direction, pool)] / runs if runs else None
 
     def on_ack(self, ack: Ack) -> None:
-        # Counter's own ``c[k] += n`` is a slower subscript than a dict's (a subclass):
-        # ``get`` and a store are the plain dict methods
         direction = _VALUES[ack.direction]
-        acked = self.ops_acknowledged
-        acked[direction] = acked.get(direction, 0) + 1
-        tokens, sizes = self.tokens, self.bytes
+        self.ops_acknowledged[direction] += 1
         for pool, num_tokens in ack.tokens_by_pool.items():
-            key = (direction, pool)
-            tokens[key] = tokens.get(key, 0) + num_tokens
-            sizes[key] = sizes.get(key, 0) + ack.bytes_by_pool[pool]
+            self.tokens[(direction, pool)] += num_tokens
+        for pool, size_bytes in ack.bytes_by_pool.items():
+            self.bytes[(direction, pool)] += size_bytes
         if ack.duration_s is not None:
             self.durations.append((direction, ack.duration_s))
 

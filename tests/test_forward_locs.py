@@ -81,8 +81,8 @@ def test_int32_slots_and_mla_rows_take_the_span_too(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("slots", [(7, 3, 9), (3, 4, 6), (5, 4), (0, 1, 2), (9,) * 1])
-def test_slots_that_are_no_run_past_the_padding_take_the_indexed_write(
+@pytest.mark.parametrize("slots", [(7, 3, 9), (3, 4, 6), (5, 4), (0, 1, 2), (9,)])
+def test_only_a_run_past_the_padding_takes_the_span(
         device: str, slots: tuple[int, ...]) -> None:
     """Out of order, with a gap, descending, starting at the padding slot: no span (a single
     slot past the padding is a run of one); the rows match a plain set_kv, and the padding

@@ -192,3 +192,16 @@ def test_checks_accept_the_last_slot_and_empty_input() -> None:
     """Slot num_slots - 1 and an empty tensor pass the bounds check."""
     assert _check(_full([0, 15])).tolist() == [0, 15]
     assert _check(_full([])).numel() == 0
+
+
+def test_indices_refuse_a_non_tensor_and_a_non_space() -> None:
+    """Indices is built by hand (not the generated frozen __init__): it still refuses what
+    is no tensor and what is no IndexSpace, and stays frozen."""
+    with pytest.raises(TypeError, match=r"Indices.tensor must be a torch.Tensor, got list"):
+        Indices([1, 2], IndexSpace.DEVICE_FULL)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Indices.space must be an IndexSpace, got str"):
+        Indices(torch.tensor([1]), "DEVICE_FULL")  # type: ignore[arg-type]
+    made = Indices(tensor=torch.tensor([3]), space=IndexSpace.HOST_FULL)
+    assert made == Indices(made.tensor, IndexSpace.HOST_FULL)
+    with pytest.raises(AttributeError):
+        made.space = IndexSpace.DEVICE_FULL  # type: ignore[misc]
