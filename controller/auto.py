@@ -1,5 +1,7 @@
-"""The ``auto`` backend: picks ``torch``, ``kernel`` or ``staged`` per operation from a table
-that ``hicache bench --auto-table`` measured, never from guesses.
+"""The ``auto`` backend: picks ``torch``, ``kernel``, ``staged`` or ``direct`` per operation:
+``direct`` for an op on a ``layer_first`` host whose slots are long runs on both tiers
+(:func:`~hicache.controller.direct.worth_direct`), the others from a table that ``hicache
+bench --auto-table`` measured (over scattered pages), never from guesses.
 
 A table row says: for moves in ``direction`` with host ``layout``, issued layer by layer or
 all layers at once (``layer_wise``), of at least ``min_tokens`` tokens, use ``backend``. The
@@ -26,7 +28,8 @@ import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
-from .base import Direction, MovedTransfer, TransferBackend
+from .base import Direction, MovedTransfer, PoolTransfer, TransferBackend
+from .direct import worth_direct
 
 logger = logging.getLogger(__name__)
 TABLE_RESOURCE = "auto_table.json"
@@ -80,7 +83,13 @@ class AutoBackend(TransferBackend):
         self.fallback = fallback
 
     def select(self, direction: Direction, layout: HostLayout, num_tokens: int,
-               layer_wise: bool) -> TransferBackend:
+               layer_wise: bool, pairs: PoolTransfer | None = None) -> TransferBackend:
+        direct = self.backends.get("direct")
+        if (direct is not None and pairs is not None and layout is HostLayout.LAYER_FIRST
+                and worth_direct(pairs.host_indices.tensor.numpy(),
+                                 pairs.device_indices.tensor.numpy())):
+            logger.debug("auto: %s %d tokens in runs -> direct", direction.value, num_tokens)
+            return direct
         best: AutoRow | None = None
         for row in self.rows:
             fits = (row.direction is direction and row.layout is layout

@@ -1,5 +1,6 @@
 """Transfer backends: ``torch`` (index ops, the reference), ``kernel`` (Triton over unified
-addressing) and the ``auto`` choice between them.
+addressing), the builder of every backend (``staged`` and ``direct`` have their own modules)
+and of the ``auto`` choice between them.
 
 Every backend is called with the op's side stream current and with indices that
 ``move_indices`` already placed where :meth:`TransferBackend.index_devices` asked.
@@ -20,6 +21,7 @@ from hicache.pools.page_ids import is_run
 
 from .auto import AutoBackend, load_table
 from .base import Direction, MovedTransfer, TransferBackend
+from .direct import DirectBackend
 from .staged import StagedBackend
 
 logger = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ class BackendName(enum.Enum):
     TORCH = "torch"
     KERNEL = "kernel"
     STAGED = "staged"
+    DIRECT = "direct"
     AUTO = "auto"
 
 
@@ -215,10 +218,11 @@ def make_backend(name: BackendName | str, device: torch.device, num_programs: in
                  staging_tokens: int = 1024) -> TransferBackend:
     """Build the backend called ``name`` for pools on ``device``.
 
-    ``auto`` is ``torch`` on a CPU; on a GPU it chooses per op from the measured table
+    ``auto`` is ``torch`` on a CPU; on a GPU it sends ops in long runs on a ``layer_first``
+    host to ``direct`` and chooses the others per op from the measured table
     (``controller/auto_table.json``), falling back to ``kernel`` (or ``staged`` without
-    Triton). ``kernel`` and ``staged`` need CUDA pools (``kernel`` also runs on CPU pools in
-    the Triton interpreter, for tests).
+    Triton). ``kernel``, ``staged`` and ``direct`` need CUDA pools (``kernel`` also runs on
+    CPU pools in the Triton interpreter, for tests).
 
     Raises:
         ValueError: an unknown name, or a backend that cannot serve pools on ``device``.
@@ -230,7 +234,8 @@ def make_backend(name: BackendName | str, device: torch.device, num_programs: in
         if device.type != "cuda":
             return TorchBackend()
         found: dict[str, TransferBackend] = {
-            "torch": TorchBackend(), "staged": StagedBackend(staging_tokens)}
+            "torch": TorchBackend(), "staged": StagedBackend(staging_tokens),
+            "direct": DirectBackend()}
         if kernel_available():
             found["kernel"] = KernelBackend(num_programs)
         fallback = "kernel" if "kernel" in found else "staged"
@@ -242,11 +247,14 @@ def make_backend(name: BackendName | str, device: torch.device, num_programs: in
         kernel.check_device(device)
         return kernel
     if device.type != "cuda":
-        # StagedBackend runs on CPU pools as a test of its chunking, but a configured
-        # 'staged' there would only be a slow torch: refuse the configuration.
+        # StagedBackend and DirectBackend run on CPU pools as tests of their plans, but a
+        # configured 'staged' or 'direct' there would only be a slow torch: refuse it.
+        how = ("gathers rows into a CUDA staging buffer and copies them"
+               if choice is BackendName.STAGED else "copies runs of rows")
         raise ValueError(
-            f"io_backend 'staged' cannot serve pools on device {device}: it gathers rows into "
-            f"a CUDA staging buffer and copies them with the GPU's copy engine; choose "
-            f"io_backend: torch or auto for CPU pools"
+            f"io_backend '{choice.value}' cannot serve pools on device {device}: it {how} "
+            f"with the GPU's copy engine; choose io_backend: torch or auto for CPU pools"
         )
+    if choice is BackendName.DIRECT:
+        return DirectBackend()
     return StagedBackend(staging_tokens)

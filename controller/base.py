@@ -22,6 +22,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, HostLayout, Indices
 from .events import Event
 
 if TYPE_CHECKING:
+    from .direct import DirectMove
     from .inflight import HeldCall
     from .row_copy import RowCopy
     from .staged_chunk import StagedMove
@@ -75,10 +76,10 @@ class MovedTransfer:
 
     ``host_index`` / ``device_index`` are raw int64 tensors on the devices the backend asked
     for, with padding pairs removed. They are recorded on the stream that reads them.
-    ``row_selectors``, ``staged_move`` and ``row_copy``: what a backend derived from them
-    once and reuses for every layer group of a load (the CPU copy's numpy selectors; the
-    staged backend's chunks with their host runs and planned copies; the kernel's checked
-    launch), made at its first use.
+    ``row_selectors``, ``staged_move``, ``row_copy`` and ``direct_move``: what a backend
+    derived from them once and reuses for every layer group of a load (the CPU copy's numpy
+    selectors; the staged backend's chunks with their host runs and planned copies; the
+    kernel's checked launch; the direct backend's runs and copies), made at its first use.
     """
 
     source: PoolTransfer
@@ -87,6 +88,7 @@ class MovedTransfer:
     row_selectors: tuple[slice | np.ndarray, slice | np.ndarray] | None = None
     staged_move: StagedMove | None = None  # the staged backend's plans of this move
     row_copy: RowCopy | None = None  # the kernel backend's prepared launch
+    direct_move: DirectMove | None = None  # the direct backend's runs and planned copies
 
 
 @dataclass(eq=False)
@@ -183,8 +185,9 @@ class TransferBackend(ABC):
         return None
 
     def select(self, direction: Direction, layout: HostLayout, num_tokens: int,
-               layer_wise: bool) -> TransferBackend:
-        """The backend that executes one op (``auto`` chooses per op; others are themselves)."""
+               layer_wise: bool, pairs: PoolTransfer | None = None) -> TransferBackend:
+        """The backend that executes one op (``auto`` chooses per op; others are themselves).
+        ``pairs``: the op's primary transfer, whose slots ``auto`` may read (its runs)."""
         return self
 
     def order_pairs(

@@ -109,7 +109,7 @@ class OpQueue:
             ]
         first = merged[0]
         executor = backend.select(direction, first.host_pool.layout, first.num_tokens,
-                                  layer_wise=direction is Direction.HOST_TO_DEVICE)
+                                  layer_wise=direction is Direction.HOST_TO_DEVICE, pairs=first)
         op = TransferOp(next(self._op_ids), direction, merged, [c.tag for c in queued],
                         backend=executor.name, executor=executor,
                         held=[c.held for c in queued])

@@ -32,6 +32,7 @@ from hicache.bench.workload import (
 )
 from hicache.controller import Direction, MovedTransfer, TorchBackend, TransferBackend
 from hicache.controller.auto import AutoRow, load_table
+from hicache.controller.direct import DirectBackend
 from hicache.controller.staged import StagedBackend
 from hicache.pools import HostLayout
 
@@ -348,6 +349,30 @@ def test_defaults_and_quick() -> None:
     args = parse_args(["--quick"])
     assert (args.tokens, args.layers, args.repeats, args.auto_sizes) == (2048, 4, 2, [256])
     assert parse_args(["--quick", "--tokens", "4096"]).tokens == 4096
+    assert args.slots == "pages"
+    runs = parse_args(["--slots", "runs"])
+    assert runs.backends == ["torch", "kernel", "staged", "direct", "auto"]
+    assert parse_args(["--slots", "runs", "--backends", "direct"]).backends == ["direct"]
+
+
+def test_run_slots_are_one_run_each_and_move_directly() -> None:
+    """--slots runs: the write sources and the load destinations are one run of pages each
+    (disjoint), and a session of the direct backend moves and verifies them."""
+    device_pool = make_device_pool(SMALL, "cpu")
+    randomize(device_pool.data)
+    slots = make_slots(device_pool, 16, SMALL.tokens, torch.Generator().manual_seed(0),
+                       runs=True)
+    source = slots.write_source
+    assert torch.equal(source, torch.arange(int(source[0]), int(source[0]) + SMALL.tokens))
+    free = slots.allocator.try_alloc(SMALL.tokens)
+    assert free is not None and int(free.tensor[0]) == int(source[-1]) + 1
+    slots.allocator.free(free)
+    session = Session(device_pool, make_host_pool(SMALL, HostLayout.LAYER_FIRST, pin=False),
+                      slots, DirectBackend())
+    verifier = Verifier(device_pool, session.ctrl.host_pool)
+    verifier.check_write(session, "test")
+    verifier.check_load(session, "test")
+    session.close()
 
 
 @pytest.mark.parametrize(("argv", "message"), [

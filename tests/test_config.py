@@ -165,7 +165,7 @@ ERRORS = [
      r"page_first, page_first_direct"),
     ("model.dtype", "fp8", r"model\.dtype = 'fp8': .*use one of: bfloat16, float16, float32"),
     ("controller.io_backend", "cuda",
-     r"controller\.io_backend = 'cuda': .*use one of: torch, kernel, staged, auto"),
+     r"controller\.io_backend = 'cuda': .*use one of: torch, kernel, staged, direct, auto"),
     ("controller.write_policy", "lazy", r"controller\.write_policy = 'lazy': not a valid"),
     ("controller.eviction_policy", "fifo", r"use one of: lru, lfu"),
     ("model.attention", "gqa", r"model\.attention = 'gqa': .*use one of: mha, mla"),

@@ -26,6 +26,7 @@ from hicache.controller import (
     TransferBackend,
     make_backend,
 )
+from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available
 from hicache.controller.staged import StagedBackend
 from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices
@@ -35,7 +36,8 @@ PAGE_COUNTS = [1, 7, 8, 9, 63, 64, 65]
 
 def backends() -> list[TransferBackend]:
     """Backends that serve these tests' CPU pools (the kernel only in the interpreter)."""
-    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=8)]
+    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=8),
+                                    DirectBackend()]
     if kernel_available() and os.environ.get(INTERPRET_ENV) == "1":
         found.append(KernelBackend(num_programs=4))
     return found

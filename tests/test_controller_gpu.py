@@ -20,6 +20,7 @@ from hicache.controller import (
     TorchBackend,
     TransferBackend,
 )
+from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
 from hicache.pools import HostLayout, IndexSpace, Indices
@@ -33,7 +34,8 @@ SLEEP_CYCLES = 20_000_000  # ~10 ms on a current GPU: keeps a side stream busy
 
 
 def gpu_backends() -> list[TransferBackend]:
-    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=16)]
+    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=16),
+                                    DirectBackend()]
     if kernel_available():
         found.append(KernelBackend(num_programs=16))
     return found

@@ -28,6 +28,7 @@ from hicache.controller import (
     TransferBackend,
     load_groups,
 )
+from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available
 from hicache.controller.load_groups import GROUP_BYTES, local_groups, plan_load_groups
 from hicache.controller.staged import StagedBackend
@@ -42,7 +43,8 @@ HYBRID_SWA_LAYERS = (1, 3, 4, 5, 6, 10, 13)
 
 def backends() -> list[TransferBackend]:
     """Every backend that serves CPU pools here; staged with chunks smaller than a group."""
-    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=1)]
+    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=1),
+                                    DirectBackend()]
     if kernel_available() and os.environ.get(INTERPRET_ENV) == "1":
         found.append(KernelBackend(num_programs=4))
     return found

@@ -24,6 +24,7 @@ from hicache.controller import (
     TransferCore,
     load_groups,
 )
+from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
 from hicache.pools import DeviceKVPool, HostLayout
@@ -41,7 +42,7 @@ HYBRID_SWA_LAYERS = (1, 3, 4, 5, 6, 10, 13)
 
 def gpu_backends() -> list[TransferBackend]:
     """Staged with chunks smaller than a group (several chunks per copy), and the kernel."""
-    found: list[TransferBackend] = [StagedBackend(staging_tokens=16)]
+    found: list[TransferBackend] = [StagedBackend(staging_tokens=16), DirectBackend()]
     if kernel_available():
         found.append(KernelBackend(num_programs=16))
     return found

@@ -13,6 +13,7 @@ from test_staged import fragmented_round_trip
 from test_staged_plans import copy_groups
 
 from hicache.controller import KernelBackend, TorchBackend, TransferBackend, copy2d
+from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
 from hicache.pools import AttentionKind, HostLayout
@@ -41,7 +42,8 @@ def test_staged_equals_torch(layout: HostLayout, kind: AttentionKind, two_d: boo
 def direct_backends() -> list[TransferBackend]:
     """Staged with chunks that cut pages (8 tokens) and that hold whole pages (128), the
     kernel where Triton is, and the torch reference."""
-    found: list[TransferBackend] = [TorchBackend(), StagedBackend(8), StagedBackend(128)]
+    found: list[TransferBackend] = [TorchBackend(), StagedBackend(8), StagedBackend(128),
+                                    DirectBackend()]
     if kernel_available():
         found.append(KernelBackend(num_programs=16))
     return found

@@ -21,7 +21,7 @@ from .verify import Verifier
 from .workload import BenchmarkError, Session, Shape, Slots
 
 logger = logging.getLogger(__name__)
-SIZE_BACKENDS = ("kernel", "staged")  # measured at the auto table's smaller sizes
+SIZE_BACKENDS = ("kernel", "staged", "direct")  # measured at the auto table's smaller sizes
 
 
 @dataclass

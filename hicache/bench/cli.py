@@ -28,7 +28,7 @@ from .results import BenchResult, load_json, save_json
 
 USAGE_ERROR = 2
 FAILED = 1
-BACKENDS = ("torch", "kernel", "staged", "auto")
+BACKENDS = ("torch", "kernel", "staged", "direct", "auto")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DESCRIPTION = (
     "Measure host<->device KV transfers through the cache controller (backends torch, kernel, "
@@ -50,7 +50,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--head-dim", type=int, default=128)
     shape.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16])
     shape.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
-    shape.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    shape.add_argument("--backends", nargs="+", choices=BACKENDS,
+                       help="backends to measure (default: all but direct; all with --slots "
+                       "runs)")
+    shape.add_argument("--slots", choices=("pages", "runs"), default="pages",
+                       help="device slots of writes and loads: random pages (pages, a "
+                       "fragmented pool) or one run of consecutive pages each (runs, a fresh "
+                       "allocation, where auto picks direct on a layer_first host)")
     run = parser.add_argument_group("how")
     run.add_argument("--repeats", type=int,
                      help=f"timed ops per figure, median ({FULL['repeats']})")
@@ -144,6 +150,8 @@ def resolve_sizes(args: argparse.Namespace) -> None:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if getattr(args, "backends", ()) is None:
+        args.backends = [b for b in BACKENDS if b != "direct" or args.slots == "runs"]
 
 
 def check_args(args: argparse.Namespace) -> str | None:

@@ -14,7 +14,7 @@ from .auto import CANDIDATES, worst_by_backend
 from .results import BOTH, LOAD, WRITE, BenchResult, Measurement
 
 TARGET_BACKENDS = ("staged", "auto")
-BACKEND_ORDER = ("torch", "kernel", "staged", "auto")
+BACKEND_ORDER = ("torch", "kernel", "staged", "direct", "auto")
 ONE_WAY_PCT_LARGE_PAGES = 95.0  # page size >= 16
 ONE_WAY_PCT_SMALL_PAGES = 90.0
 BOTH_PCT = 85.0

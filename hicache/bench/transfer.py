@@ -40,6 +40,7 @@ import torch
 
 from hicache.controller import Direction, KernelBackend, TorchBackend, TransferBackend
 from hicache.controller.auto import AutoBackend, AutoRow
+from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
 from hicache.pools import HostKVPool, HostLayout
@@ -127,7 +128,8 @@ def bench_layout(ctx: Context, host_pool: HostKVPool, gen: torch.Generator,
     table chosen from these measurements."""
     args, layout = ctx.args, host_pool.layout.value
     verifier = Verifier(ctx.device_pool, host_pool)
-    slots = {page: make_slots(ctx.device_pool, page, ctx.shape.tokens, gen)
+    slots = {page: make_slots(ctx.device_pool, page, ctx.shape.tokens, gen,
+                              runs=args.slots == "runs")
              for page in page_sizes}
     found: list[Measurement] = []
     for page in page_sizes:
@@ -151,14 +153,17 @@ def _backend(name: str, args: argparse.Namespace) -> TransferBackend:
         return TorchBackend()
     if name == "kernel":
         return KernelBackend(args.programs)
+    if name == "direct":
+        return DirectBackend()
     return StagedBackend(args.staging_tokens)
 
 
 def _auto_backend(args: argparse.Namespace, rows: list[dict[str, Any]]) -> AutoBackend:
-    """``auto`` over the three backends with the rows this run chose."""
+    """``auto`` over every backend with the rows this run chose (``direct`` is chosen by
+    the runs of an op's slots, not by a row)."""
     table = [AutoRow(Direction(r["direction"]), HostLayout(r["layout"]), bool(r["layer_wise"]),
                      int(r["min_tokens"]), str(r["backend"])) for r in rows]
-    found = {name: _backend(name, args) for name in ("torch", "kernel", "staged")}
+    found = {name: _backend(name, args) for name in ("torch", "kernel", "staged", "direct")}
     return AutoBackend(found, table, "kernel")
 
 

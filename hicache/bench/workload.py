@@ -119,8 +119,10 @@ class Slots:
 
 
 def make_slots(device_pool: DeviceKVPool, page_size: int, tokens: int,
-               gen: torch.Generator) -> Slots:
-    """Random page-granular write sources and load destinations of ``tokens`` each."""
+               gen: torch.Generator, runs: bool = False) -> Slots:
+    """Random page-granular write sources and load destinations of ``tokens`` each; with
+    ``runs``, each one run of consecutive pages instead (what a fresh allocation is: the
+    direct backend's case)."""
     if tokens % page_size:
         raise BenchmarkError(f"{tokens} tokens are not whole pages of {page_size}")
     allocator = PageAllocator(device_pool.num_slots // page_size - 1, page_size,
@@ -129,7 +131,12 @@ def make_slots(device_pool: DeviceKVPool, page_size: int, tokens: int,
         raise BenchmarkError(f"device pool too small for 2 x {tokens} tokens")
     allocator.try_alloc(allocator.capacity_tokens)  # everything; free the destinations below
     num_pages = tokens // page_size
-    pages = torch.randperm(allocator.num_pages, generator=gen)[: 2 * num_pages] + 1
+    if runs:  # a random place for the two runs, one after the other
+        first = int(torch.randint(0, allocator.num_pages - 2 * num_pages + 1, (1,),
+                                  generator=gen))
+        pages = torch.arange(first + 1, first + 1 + 2 * num_pages)
+    else:
+        pages = torch.randperm(allocator.num_pages, generator=gen)[: 2 * num_pages] + 1
     offsets = torch.arange(page_size)
     source = (pages[:num_pages, None] * page_size + offsets).flatten()
     destinations = (pages[num_pages:].sort().values[:, None] * page_size + offsets).flatten()

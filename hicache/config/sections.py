@@ -38,11 +38,13 @@ class DType(enum.Enum):
 
 
 class IOBackend(enum.Enum):
-    """How pages cross PCIe: index ops, the Triton UVA kernel, staged copies, or picked."""
+    """How pages cross PCIe: index ops, the Triton UVA kernel, staged copies, copy-engine
+    copies per run of slots, or picked."""
 
     TORCH = "torch"
     KERNEL = "kernel"
     STAGED = "staged"
+    DIRECT = "direct"
     AUTO = "auto"
 
 
@@ -227,7 +229,7 @@ class ControllerConfig:
     """Data movement and cache policy (section ``controller``)."""
 
     io_backend: IOBackend = IOBackend.AUTO
-    """Transfer backend: torch, kernel, staged, or auto (picked per device, layout, size)."""
+    """Transfer backend: torch, kernel, staged, direct, or auto (picked per op)."""
     kernel_programs: int = 16
     """Persistent grid size of the transfer kernel, in programs (>= 1)."""
     write_policy: WritePolicy = WritePolicy.WRITE_THROUGH_SELECTIVE

@@ -18,7 +18,7 @@ from hicache.cli.parser import CliParser, UsageError, integer
 if TYPE_CHECKING:  # the run imports torch: only a run loads it
     from .measure import E2EOptions
 
-BACKENDS = ("torch", "kernel", "staged", "auto")
+BACKENDS = ("torch", "kernel", "staged", "direct", "auto")
 LAYOUTS = ("layer_first", "page_first", "page_first_direct")
 DTYPES = ("bfloat16", "float16", "float32")
 FULL_TOKENS = [512, 2048, 8192, 32768]

@@ -105,6 +105,29 @@ class E2EBench:
                 times.append(seconds)
         return statistics.median(times) * 1e3, out
 
+    def interleaved_ms(self, paths: list[tuple[Callable[[], torch.Tensor],
+                                               Callable[[], None] | None]]
+                       ) -> list[tuple[float, torch.Tensor]]:
+        """:meth:`median_ms` of each ``(fn, before)`` path, the paths taking turns within
+        every repeat: the host's CPU speed drifts during a run (by up to 2x on the H100 host
+        measured), and taking turns makes the drift move every path alike, so the paths
+        compare with each other (the forward of a few new tokens is bound by the CPU's
+        launches). Each path's last result is returned."""
+        times: list[list[float]] = [[] for _ in paths]
+        outs: list[torch.Tensor | None] = [None] * len(paths)
+        for run in range(self.opts.warmup + self.opts.repeats):
+            for number, (fn, before) in enumerate(paths):
+                if before is not None:
+                    before()
+                seconds, outs[number] = self.timer(fn)
+                if run >= self.opts.warmup:
+                    times[number].append(seconds)
+        results = []
+        for path_times, out in zip(times, outs, strict=True):
+            assert out is not None, "every path ran at least once"
+            results.append((statistics.median(path_times) * 1e3, out))
+        return results
+
     def measure(self, num_cached: int) -> E2ERow:
         """Every figure of one prefix length; the tree is empty again afterwards.
 
@@ -117,12 +140,13 @@ class E2EBench:
         new = x[num_cached:]
         prefix_ms, _ = self.median_ms(lambda: model.forward(x[:num_cached], 0, OwnKV()))
         recompute_ms, full = self.median_ms(lambda: model.forward(x, 0, OwnKV()))
-        resident_ms, resident = self.median_ms(lambda: model.forward(
-            new, num_cached, DenseKV(buffers.keys, buffers.values, num_cached)))
         copy_ms = self.copy_ms(num_cached)
-        bare_ms, bare = self.median_ms(lambda: self.bare_forward(new, num_cached))
         hit = HostHit(self.service, model, tokens, new, opts.capacity_tokens)
-        hit_ms, out = self.median_ms(hit.run, before=hit.reset)
+        (resident_ms, resident), (bare_ms, bare), (hit_ms, out) = self.interleaved_ms([
+            (lambda: model.forward(new, num_cached,
+                                   DenseKV(buffers.keys, buffers.values, num_cached)), None),
+            (lambda: self.bare_forward(new, num_cached), None),
+            (hit.run, hit.reset)])
         rows_ok, gathered = hit.rows_match(buffers, num_cached), hit.gathered
         hit.reset()
         clear(self.service, opts.capacity_tokens)

@@ -1,0 +1,207 @@
+"""The ``direct`` backend: copy-engine copies straight between the host pool's rows and the
+device pool's rows, one 2D copy per run of pairs that are consecutive on both sides (per
+component and block of layers), with no staging buffer, no index upload and no kernel.
+
+Why: an engine's allocations are runs. A fresh allocation of ``n`` tokens is ``n``
+consecutive slots on either tier (the allocators keep free runs for exactly this), so a host
+hit's load-back or a new prefix's write-back is a few long runs. Each run of a
+``layer_first`` host is then ``len * row`` contiguous bytes per component and layer on both
+sides, which the copy engine moves at the link's rate, and a block of layers is one 2D copy
+per component (an all-layer write of a run is one copy). What the other backends spend per
+copy call is gone: the kernel backend's launch through Triton (about 100 us of CPU on an
+H100 host) and the SMs it takes from the model; the staged backend's chunk (a copy, an index
+kernel and four event operations, about 75 us) and its device-side scatter. The indices
+never leave the CPU: the runs are found there once per op (:class:`DirectMove`).
+
+When it is wrong: scattered pairs (a fragmented pool, a bench's random pages) make every run
+a page or less, one copy call (a few microseconds of CPU) per page and component; ``staged``
+and ``kernel`` move those faster. ``auto`` sends an op here only on a ``layer_first`` host
+and only when its runs average at least :data:`DIRECT_MIN_RUN_TOKENS` tokens
+(:func:`worth_direct`). ``page_first`` and ``page_first_direct`` hosts are served correctly
+(each run's views are planned as 2D copies like any other block) but ``auto`` never picks
+it for them: one layer of a ``page_first`` run is rows a token apart, which the copy engine
+moves at about a third of the link's rate, and a ``page_first_direct`` run is one copy per
+page-sized block of every component and layer.
+
+Plans: the copies of an op are planned once per block size (layers moved at once) as byte
+offsets from host layer 0 and device layer 0 (:class:`~hicache.controller.copy2d.CopyPlanner`);
+a block of layers starting at ``begin`` issues them shifted by ``begin`` layers on each side
+(every layer of both pools is laid out alike). On a CPU device pool (tests) the same plans
+run as strided CPU copies; ``make_backend`` refuses ``direct`` for CPU pools in a config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
+
+from . import copy2d
+from .base import Direction, MovedTransfer, TransferBackend
+from .staged_chunk import layer_blocks
+
+__all__ = ["DIRECT_MIN_RUN_TOKENS", "DirectBackend", "DirectMove", "pair_runs", "worth_direct"]
+
+CPU = torch.device("cpu")
+
+# Tokens a run must average for ``auto`` to send an op to ``direct``. One copy call costs a
+# few microseconds of CPU (ctypes into the runtime; measured with the bench's run-slot
+# rows); a layer of 128 tokens of K and V at 2 KiB rows is 512 KiB, about 10 us on a 55 GB/s
+# link, so from this length on a layer-wise load's copies are issued faster than the link
+# drains them even one layer per call.
+DIRECT_MIN_RUN_TOKENS = 128
+
+
+def pair_runs(host: np.ndarray, device: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split aligned slot arrays into runs consecutive on both sides: ``(host first, device
+    first, length)`` per run, in the pairs' order (int64 arrays)."""
+    size = host.size
+    if size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    breaks = np.flatnonzero((np.diff(host) != 1) | (np.diff(device) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [size])))
+    return (host[starts].astype(np.int64), device[starts].astype(np.int64),
+            lengths.astype(np.int64))
+
+
+def count_runs(host: np.ndarray, device: np.ndarray) -> int:
+    """How many runs :func:`pair_runs` finds, without building them."""
+    if host.size == 0:
+        return 0
+    return 1 + int(np.count_nonzero((np.diff(host) != 1) | (np.diff(device) != 1)))
+
+
+def worth_direct(host: np.ndarray, device: np.ndarray) -> bool:
+    """Whether the pairs' runs average at least :data:`DIRECT_MIN_RUN_TOKENS` tokens."""
+    runs = count_runs(host, device)
+    return runs > 0 and host.size >= runs * DIRECT_MIN_RUN_TOKENS
+
+
+class DirectMove:
+    """What the direct backend derives once per op and pool transfer (``moved.direct_move``,
+    held until the op is acknowledged): the runs, both pools' layer strides in bytes and the
+    copies planned per block size."""
+
+    def __init__(self, moved: MovedTransfer) -> None:
+        source = moved.source
+        self.host_pool, self.device_pool = source.host_pool, source.device_pool
+        host, device = self.host_pool.data, self.device_pool.data
+        self.host_ptr, self.device_ptr = host.data_ptr(), device.data_ptr()
+        layer_dim = {HostLayout.LAYER_FIRST: 1, HostLayout.PAGE_FIRST: 2,
+                     HostLayout.PAGE_FIRST_DIRECT: 2}[self.host_pool.layout]
+        self.host_layer_bytes = host.stride(layer_dim) * host.element_size()
+        self.device_layer_bytes = device.stride(1) * device.element_size()
+        self.runs = pair_runs(moved.host_index.numpy(), moved.device_index.numpy())
+        self._plans: dict[int, list[copy2d.Copy2D]] = {}
+
+    def copies(self, count: int) -> list[copy2d.Copy2D]:
+        """The 2D copies moving layers ``[0, count)`` of every run (offsets from layer 0 of
+        either pool), planned on first use."""
+        plans = self._plans.get(count)
+        if plans is None:
+            planner = copy2d.CopyPlanner(self.host_ptr, self.device_ptr)
+            plans = self._plans[count] = [
+                copy for host_view, device_view in self.views(0, count)
+                for copy in planner.plan(host_view, device_view)]
+        return plans
+
+    def views(self, begin: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(host view, device view)`` of every run for layers ``[begin, begin + count)``,
+        both ``[components, count, tokens, row...]`` or, for whole pages of a
+        ``page_first_direct`` host, ``[components, count, pages, page_size, row]``."""
+        host, device = self.host_pool.data, self.device_pool.data
+        layout, end = self.host_pool.layout, begin + count
+        views = []
+        for host_first, device_first, length in zip(*self.runs, strict=True):
+            h, d, n = int(host_first), int(device_first), int(length)
+            if layout is HostLayout.LAYER_FIRST:
+                views.append((host[:, begin:end, h:h + n], device[:, begin:end, d:d + n]))
+            elif layout is HostLayout.PAGE_FIRST:
+                views.append((host[h:h + n, :, begin:end].permute(1, 2, 0, 3),
+                              device[:, begin:end, d:d + n]))
+            else:
+                views.extend(_page_views(host, device, self.host_pool.page_size, h, d, n,
+                                         begin, end))
+        return views
+
+
+def _page_views(host: torch.Tensor, device: torch.Tensor, page_size: int, h: int, d: int,
+                n: int, begin: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The views of one run on a ``page_first_direct`` host (``[pages, components, layers,
+    page_size, row]``): a part of a page alone, whole pages as one view of ``page_size``-row
+    blocks."""
+    views = []
+    while n:
+        page, offset = divmod(h, page_size)
+        if offset or n < page_size:
+            take = min(n, page_size - offset)
+            views.append((host[page, :, begin:end, offset:offset + take],
+                          device[:, begin:end, d:d + take]))
+        else:
+            pages = n // page_size
+            take = pages * page_size
+            device_rows = device[:, begin:end, d:d + take]
+            views.append((host[page:page + pages, :, begin:end].permute(1, 2, 0, 3, 4),
+                          device_rows.unflatten(2, (pages, page_size))))
+        h, d, n = h + take, d + take, n - take
+    return views
+
+
+class DirectBackend(TransferBackend):
+    """Copy-engine copies between host and device rows, one per run (see the module
+    docstring). Correct for any pairs and host layout; fast for runs."""
+
+    name = "direct"
+
+    def index_devices(
+        self, host_pool: HostKVPool, device_pool: DeviceKVPool
+    ) -> tuple[torch.device, torch.device]:
+        return CPU, CPU  # the runs are found on the CPU; no kernel reads an index
+
+    def copy(
+        self,
+        moved: MovedTransfer,
+        local_layers: Sequence[int],
+        direction: Direction,
+        keep_alive: list[torch.Tensor],
+    ) -> None:
+        if moved.host_index.numel() == 0 or not local_layers:
+            return
+        move = moved.direct_move
+        if move is None:  # once per op: every layer group reuses the runs and plans
+            move = moved.direct_move = DirectMove(moved)
+        to_host = direction is Direction.DEVICE_TO_HOST
+        shape, begins = layer_blocks(tuple(local_layers))
+        device = move.device_pool.data
+        if not device.is_cuda:
+            _emulate(move, shape, begins, to_host)
+            return
+        if not copy2d.have_2d_copies():  # no runtime library found: row by row, same bytes
+            for (_, count), begin in zip(shape, begins, strict=True):
+                for host_view, device_view in move.views(begin, count):
+                    if to_host:
+                        copy2d.copy_block(host_view, device_view)
+                    else:
+                        copy2d.copy_block(device_view, host_view)
+            return
+        stream = torch.cuda.current_stream(device.device).cuda_stream
+        for (_, count), begin in zip(shape, begins, strict=True):
+            copy2d.issue_copies(move.copies(count), move.host_ptr + begin * move.host_layer_bytes,
+                                move.device_ptr + begin * move.device_layer_bytes, to_host,
+                                stream)
+
+
+def _emulate(move: DirectMove, shape: tuple[tuple[int, int], ...], begins: tuple[int, ...],
+             to_host: bool) -> None:
+    """The planned copies on CPU pools (strided CPU copies of the same bytes)."""
+    host_bytes = copy2d.as_bytes(move.host_pool.data)
+    device_bytes = copy2d.as_bytes(move.device_pool.data)
+    for (_, count), begin in zip(shape, begins, strict=True):
+        offset = begin * move.device_layer_bytes
+        copy2d.emulate_copies(move.copies(count), host_bytes, begin * move.host_layer_bytes,
+                              device_bytes[offset:], to_host)
