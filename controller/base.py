@@ -171,6 +171,9 @@ class TransferBackend(ABC):
     """
 
     name: str = "abstract"
+    # A copy call costs a few microseconds of CPU (no kernel launch, no staging chunk):
+    # layer-wise loads then issue a big load layer by layer (see :mod:`.load_groups`).
+    cheap_copies: bool = False
 
     @abstractmethod
     def index_devices(

@@ -23,15 +23,18 @@ it for them: one layer of a ``page_first`` run is rows a token apart, which the 
 moves at about a third of the link's rate, and a ``page_first_direct`` run is one copy per
 page-sized block of every component and layer.
 
-Plans: the copies of an op are planned once per block size (layers moved at once) as byte
-offsets from host layer 0 and device layer 0 (:class:`~hicache.controller.copy2d.CopyPlanner`);
-a block of layers starting at ``begin`` issues them shifted by ``begin`` layers on each side
-(every layer of both pools is laid out alike). On a CPU device pool (tests) the same plans
-run as strided CPU copies; ``make_backend`` refuses ``direct`` for CPU pools in a config.
+Plans: a run's copies depend on its length and the layers moved, not on where it starts, so
+each run shape is planned once per pool pair (:class:`RunPlans`) as byte offsets from host
+layer 0 and device layer 0 and shifted to each run; an op gathers its runs' copies once per
+block size, and a block of layers starting at ``begin`` issues them shifted by ``begin``
+layers on each side (every layer of both pools is laid out alike). On a CPU device pool
+(tests) the same plans run as strided CPU copies; ``make_backend`` refuses ``direct`` for
+CPU pools in a config.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -43,7 +46,8 @@ from . import copy2d
 from .base import Direction, MovedTransfer, TransferBackend
 from .staged_chunk import layer_blocks
 
-__all__ = ["DIRECT_MIN_RUN_TOKENS", "DirectBackend", "DirectMove", "pair_runs", "worth_direct"]
+__all__ = ["DIRECT_MIN_RUN_TOKENS", "DirectBackend", "DirectMove", "RunPlans", "pair_runs",
+           "worth_direct"]
 
 CPU = torch.device("cpu")
 
@@ -82,12 +86,55 @@ def worth_direct(host: np.ndarray, device: np.ndarray) -> bool:
     return runs > 0 and host.size >= runs * DIRECT_MIN_RUN_TOKENS
 
 
+class RunPlans:
+    """The 2D copies of each run shape of one pool pair, shared by every op: a run of ``n``
+    pairs and ``count`` layers is planned once at host slot ``phase`` (its offset in a
+    ``page_first_direct`` page; 0 otherwise) and device slot 0, and any other run of that
+    shape moves by the same copies shifted by its host and device slot. Views and plans
+    cost tens of microseconds per shape; a shift is one addition per copy. Holds numbers
+    only (the pools are passed at each call), so a backend kept by a long-lived owner keeps
+    no pool alive."""
+
+    MAX_SHAPES = 4096  # forgotten all at once past this (a workload has a few shapes)
+
+    def __init__(self, host_pool: HostKVPool, device_pool: DeviceKVPool) -> None:
+        host, device = host_pool.data, device_pool.data
+        self.page_size = (host_pool.page_size
+                          if host_pool.layout is HostLayout.PAGE_FIRST_DIRECT else 1)
+        # bytes from one host slot (or page, page_first_direct) and one device slot to the next
+        slot_dim = {HostLayout.LAYER_FIRST: 2, HostLayout.PAGE_FIRST: 0,
+                    HostLayout.PAGE_FIRST_DIRECT: 0}[host_pool.layout]
+        self.host_step = host.stride(slot_dim) * host.element_size()
+        self.device_step = device.stride(2) * device.element_size()
+        self._known: dict[tuple[int, int, int], list[copy2d.Copy2D]] = {}
+
+    def copies(self, host_pool: HostKVPool, device_pool: DeviceKVPool, h: int, d: int, n: int,
+               count: int) -> list[copy2d.Copy2D]:
+        """The copies moving layers ``[0, count)`` of the run of ``n`` pairs from host slot
+        ``h`` and device slot ``d`` (offsets from layer 0 of either pool)."""
+        phase = h % self.page_size
+        key = (n, count, phase)
+        base = self._known.get(key)
+        if base is None:
+            if len(self._known) >= self.MAX_SHAPES:
+                self._known.clear()
+            planner = copy2d.CopyPlanner(host_pool.data.data_ptr(), device_pool.data.data_ptr())
+            base = self._known[key] = [
+                copy for host_view, device_view in run_views(host_pool, device_pool, phase, 0,
+                                                               n, 0, count)
+                for copy in planner.plan(host_view, device_view)]
+        host_shift = (h - phase) // self.page_size * self.host_step
+        device_shift = d * self.device_step
+        return [(host + host_shift, host_pitch, device + device_shift, device_pitch, width,
+                 height) for host, host_pitch, device, device_pitch, width, height in base]
+
+
 class DirectMove:
     """What the direct backend derives once per op and pool transfer (``moved.direct_move``,
     held until the op is acknowledged): the runs, both pools' layer strides in bytes and the
-    copies planned per block size."""
+    op's copies per block size (from the pool pair's :class:`RunPlans`)."""
 
-    def __init__(self, moved: MovedTransfer) -> None:
+    def __init__(self, moved: MovedTransfer, plans: RunPlans) -> None:
         source = moved.source
         self.host_pool, self.device_pool = source.host_pool, source.device_pool
         host, device = self.host_pool.data, self.device_pool.data
@@ -97,37 +144,42 @@ class DirectMove:
         self.host_layer_bytes = host.stride(layer_dim) * host.element_size()
         self.device_layer_bytes = device.stride(1) * device.element_size()
         self.runs = pair_runs(moved.host_index.numpy(), moved.device_index.numpy())
+        self._run_plans = plans
         self._plans: dict[int, list[copy2d.Copy2D]] = {}
 
     def copies(self, count: int) -> list[copy2d.Copy2D]:
         """The 2D copies moving layers ``[0, count)`` of every run (offsets from layer 0 of
-        either pool), planned on first use."""
+        either pool), gathered on first use."""
         plans = self._plans.get(count)
         if plans is None:
-            planner = copy2d.CopyPlanner(self.host_ptr, self.device_ptr)
             plans = self._plans[count] = [
-                copy for host_view, device_view in self.views(0, count)
-                for copy in planner.plan(host_view, device_view)]
+                copy for h, d, n in zip(*(r.tolist() for r in self.runs), strict=True)
+                for copy in self._run_plans.copies(self.host_pool, self.device_pool, h, d, n,
+                                                   count)]
         return plans
 
     def views(self, begin: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(host view, device view)`` of every run for layers ``[begin, begin + count)``,
-        both ``[components, count, tokens, row...]`` or, for whole pages of a
-        ``page_first_direct`` host, ``[components, count, pages, page_size, row]``."""
-        host, device = self.host_pool.data, self.device_pool.data
-        layout, end = self.host_pool.layout, begin + count
-        views = []
-        for host_first, device_first, length in zip(*self.runs, strict=True):
-            h, d, n = int(host_first), int(device_first), int(length)
-            if layout is HostLayout.LAYER_FIRST:
-                views.append((host[:, begin:end, h:h + n], device[:, begin:end, d:d + n]))
-            elif layout is HostLayout.PAGE_FIRST:
-                views.append((host[h:h + n, :, begin:end].permute(1, 2, 0, 3),
-                              device[:, begin:end, d:d + n]))
-            else:
-                views.extend(_page_views(host, device, self.host_pool.page_size, h, d, n,
-                                         begin, end))
-        return views
+        """``(host view, device view)`` of every run for layers ``[begin, begin + count)``
+        (for the row-by-row path without a runtime library)."""
+        return [view for h, d, n in zip(*(r.tolist() for r in self.runs), strict=True)
+                for view in run_views(self.host_pool, self.device_pool, h, d, n, begin,
+                                      count)]
+
+
+def run_views(host_pool: HostKVPool, device_pool: DeviceKVPool, h: int, d: int, n: int,
+              begin: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``(host view, device view)`` of the run of ``n`` pairs from host slot ``h`` and device
+    slot ``d`` for layers ``[begin, begin + count)``: both ``[components, count, tokens,
+    row]``, or for whole pages of a ``page_first_direct`` host ``[components, count, pages,
+    page_size, row]`` (a part of a page alone)."""
+    host, device, end = host_pool.data, device_pool.data, begin + count
+    layout = host_pool.layout
+    if layout is HostLayout.LAYER_FIRST:
+        return [(host[:, begin:end, h:h + n], device[:, begin:end, d:d + n])]
+    if layout is HostLayout.PAGE_FIRST:
+        return [(host[h:h + n, :, begin:end].permute(1, 2, 0, 3),
+                 device[:, begin:end, d:d + n])]
+    return _page_views(host, device, host_pool.page_size, h, d, n, begin, end)
 
 
 def _page_views(host: torch.Tensor, device: torch.Tensor, page_size: int, h: int, d: int,
@@ -157,11 +209,29 @@ class DirectBackend(TransferBackend):
     docstring). Correct for any pairs and host layout; fast for runs."""
 
     name = "direct"
+    cheap_copies = True  # a copy call is a runtime call of a few microseconds
+
+    def __init__(self) -> None:
+        # per host pool, per device pool: weak keys, so a backend shared by many
+        # controllers (or tests) keeps no pool (and no pinned memory) alive
+        self._plans: weakref.WeakKeyDictionary[
+            HostKVPool, weakref.WeakKeyDictionary[DeviceKVPool, RunPlans]] = (
+            weakref.WeakKeyDictionary())
 
     def index_devices(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
     ) -> tuple[torch.device, torch.device]:
         return CPU, CPU  # the runs are found on the CPU; no kernel reads an index
+
+    def _run_plans(self, moved: MovedTransfer) -> RunPlans:
+        host_pool, device_pool = moved.source.host_pool, moved.source.device_pool
+        by_device = self._plans.get(host_pool)
+        if by_device is None:
+            by_device = self._plans[host_pool] = weakref.WeakKeyDictionary()
+        plans = by_device.get(device_pool)
+        if plans is None:
+            plans = by_device[device_pool] = RunPlans(host_pool, device_pool)
+        return plans
 
     def copy(
         self,
@@ -174,7 +244,7 @@ class DirectBackend(TransferBackend):
             return
         move = moved.direct_move
         if move is None:  # once per op: every layer group reuses the runs and plans
-            move = moved.direct_move = DirectMove(moved)
+            move = moved.direct_move = DirectMove(moved, self._run_plans(moved))
         to_host = direction is Direction.DEVICE_TO_HOST
         shape, begins = layer_blocks(tuple(local_layers))
         device = move.device_pool.data

@@ -40,6 +40,11 @@ The rule (:func:`plan_load_groups`):
   computes them after it. A quarter of the model bounds that tail; at 32 layers a
   256-token load is 7 copies (1, 1, 2, 4, 8, 8, 8 layers) instead of 32.
 
+A backend whose copy call is cheap (``direct``: a copy-engine call of a few microseconds,
+:attr:`~hicache.controller.base.TransferBackend.cheap_copies`) has no copy-count bound: a
+big load's layers are then copied and made ready one by one (the finest overlap), and the
+byte, share and ramp rules still group a small load's layers.
+
 Every backend moves a multi-layer local list in one call: ``torch`` in one stack, ``kernel``
 in one launch per contiguous range of local layers, ``staged`` in chunks sized by its staging
 budget for the layers moved (``chunk_tokens``). A hybrid pool that holds only some model
@@ -58,12 +63,16 @@ MAX_GROUP_SHARE = 0.25
 RAMP_FACTOR = 1
 
 
-def plan_load_groups(num_layers: int, layer_bytes: int) -> tuple[range, ...]:
+def plan_load_groups(num_layers: int, layer_bytes: int, cheap_copies: bool = False
+                     ) -> tuple[range, ...]:
     """The groups of consecutive model layers a layer-wise load issues as one copy each.
 
     Args:
         num_layers: model layers of the load (>= 1).
         layer_bytes: bytes the load moves per model layer (every pool, K and V), >= 0.
+        cheap_copies: the backend's copy call costs a few microseconds of CPU (``direct``:
+            no kernel launch, no staging chunk), so the copy-count bound is dropped and a
+            big load's layers become ready one by one, as a bare per-layer copy makes them.
     Returns:
         ``range`` s of model layer ids covering ``0 .. num_layers - 1`` once, in order; the
         first is ``range(0, 1)``.
@@ -76,7 +85,7 @@ def plan_load_groups(num_layers: int, layer_bytes: int) -> tuple[range, ...]:
         raise ValueError(f"plan_load_groups: layer_bytes must be >= 0, got {layer_bytes}")
     by_bytes = GROUP_BYTES // layer_bytes if layer_bytes else num_layers
     by_share = int(num_layers * MAX_GROUP_SHARE)
-    for_copies = copy_bound_layers(num_layers)
+    for_copies = 1 if cheap_copies else copy_bound_layers(num_layers)
     return _groups(num_layers, max(1, for_copies, min(by_bytes, by_share)), RAMP_FACTOR)
 
 

@@ -75,9 +75,10 @@ class SideStreams:
         (:mod:`.load_groups`): one copy per group and pool, then the event of the group's last
         layer recorded and the others' set to follow it (one event per model layer; the
         layers of a group become ready together)."""
-        groups = plan_load_groups(len(events), sum(op.bytes_by_pool.values()) // len(events))
-        parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         executor = _executor(op)
+        groups = plan_load_groups(len(events), sum(op.bytes_by_pool.values()) // len(events),
+                                  executor.cheap_copies)
+        parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         stream = self.load_stream
         self._begin(op, stream)
         with _on_stream(stream):

@@ -137,7 +137,13 @@ class BackgroundPoller:
                         now - last_ack, now - self._gate.last_call_s, now - last_check,
                 ) >= self._check_interval_s) and self._step_check():
                     last_check = now
-                self._wake.wait(self._sleep_s(now, max(last_ack, last_check)))
+                if self._wake.wait(self._sleep_s(now, max(last_ack, last_check))):
+                    # Woken by a transfer being queued: it cannot have finished yet. Poll
+                    # one interval later, not now, so that the thread does not take the
+                    # GIL and the lock while the scheduler is still issuing the transfer
+                    # and launching the forward that reads it (measured on the H100: the
+                    # scheduler thread is the host hit's critical path).
+                    self._stopping.wait(self._poll_interval_s)
         except BaseException as exc:  # recorded and raised on the scheduler thread
             self._gate.fail(exc)
             self._stats.background_errors += 1

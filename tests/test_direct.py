@@ -4,6 +4,9 @@ choice of it."""
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 import torch
@@ -18,7 +21,7 @@ from controller_helpers import (
 from test_controller import round_trip
 from test_staged import fragmented_round_trip, issued_copies
 
-from hicache.controller import Direction, TorchBackend, make_backend
+from hicache.controller import Direction, TorchBackend, copy2d, make_backend
 from hicache.controller.auto import AutoBackend, AutoRow
 from hicache.controller.base import MovedTransfer, PoolTransfer
 from hicache.controller.direct import (
@@ -186,3 +189,46 @@ def test_controller_runs_direct_for_runs_under_auto() -> None:
     round_trip(ctrl, short)
     assert dict(ctrl.stats.backend_ops) == {(way, name): 1 for way in ways
                                             for name in ("direct", "torch")}
+
+
+def test_a_run_shape_is_planned_once_per_pool_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two writes of 16-token runs at different slots plan the run's copies once; the second
+    op shifts them (and still moves exactly the right rows)."""
+    planned: list[object] = []
+    plan = copy2d.CopyPlanner.plan
+
+    def counted(self: copy2d.CopyPlanner, host: torch.Tensor, staged: torch.Tensor
+                ) -> list[copy2d.Copy2D]:
+        planned.append(host.shape)
+        return plan(self, host, staged)
+
+    monkeypatch.setattr(copy2d.CopyPlanner, "plan", counted)
+    ctrl = make_controller(DirectBackend(), page_size=4)
+    first = ctrl.device_allocator.try_alloc(16)
+    ctrl.device_allocator.try_alloc(8)
+    second = ctrl.device_allocator.try_alloc(16)
+    assert first is not None and second is not None
+    before = device_rows(ctrl.device_pool)
+    hosts = [ctrl.write(first), ctrl.write(second)]
+    ctrl.drain()
+    assert len(planned) == 1
+    rows = host_rows(ctrl.host_pool)
+    for host, device in zip(hosts, (first, second), strict=True):
+        assert host is not None
+        assert torch.equal(rows[host.tensor], before[device.tensor])
+
+
+def test_the_backend_keeps_no_pool_alive() -> None:
+    """The shared run plans are held per pool pair by weak keys: once a controller and its
+    pools are gone, the backend holds nothing of them."""
+    backend = DirectBackend()
+    ctrl = make_controller(backend)
+    device = ctrl.device_allocator.try_alloc(4)
+    assert device is not None
+    ctrl.write(device)
+    ctrl.drain()
+    host_pool = weakref.ref(ctrl.host_pool)
+    assert len(backend._plans) == 1
+    del ctrl, device
+    gc.collect()
+    assert host_pool() is None and len(backend._plans) == 0

@@ -119,6 +119,42 @@ def test_without_the_copy_bound_big_layers_load_layer_by_layer(
         range(i, i + 1) for i in range(NUM_LAYERS)]
 
 
+def test_cheap_copies_load_big_layers_one_by_one_and_small_ones_grouped() -> None:
+    """Without the copy-count bound (a backend of cheap copies), big layers are one group
+    each; small ones are grouped by the byte, share and ramp rules as before."""
+    assert list(plan_load_groups(NUM_LAYERS, GROUP_BYTES // 2 + 1, cheap_copies=True)) == [
+        range(i, i + 1) for i in range(NUM_LAYERS)]
+    assert list(plan_load_groups(NUM_LAYERS, MIB, cheap_copies=True)) == SMALL_LOAD
+
+
+class DirectSpy(DirectBackend):
+    """The direct backend, logging each load call's local layers."""
+
+    def __init__(self, log: list[int]) -> None:
+        super().__init__()
+        self.log = log
+
+    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
+             keep_alive: list[torch.Tensor]) -> None:
+        if direction is Direction.HOST_TO_DEVICE:
+            self.log.append(len(local_layers))
+        super().copy(moved, local_layers, direction, keep_alive)
+
+
+def test_direct_loads_big_layers_one_copy_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the controller: with layers above half the byte bound, the direct backend
+    copies every layer on its own (no copy-count bound), and the rows arrive exactly."""
+    monkeypatch.setattr(load_groups, "GROUP_BYTES", 2)  # every layer counts as big
+    log: list[int] = []
+    ctrl = make_controller(DirectSpy(log), num_layers=NUM_LAYERS)
+    host, rows = written_and_wiped(ctrl, 4)
+    loaded = ctrl.load(host)
+    assert loaded is not None
+    ctrl.drain()
+    assert log == [1] * NUM_LAYERS
+    assert torch.equal(device_rows(ctrl.device_pool)[loaded.tensor], rows)
+
+
 def test_one_and_two_layer_models() -> None:
     """One layer: one group; two layers: one group each, whatever the bytes."""
     for layer_bytes in (0, 1, 64 * MIB):

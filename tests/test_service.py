@@ -327,6 +327,23 @@ def test_an_idle_thread_sleeps_until_a_transfer_is_queued() -> None:
     assert time.monotonic() - started < 2.0
 
 
+def test_a_queued_transfer_is_polled_one_interval_later() -> None:
+    """A wake by a queued transfer does not poll at once (the transfer was only just
+    queued, and the scheduler thread is still issuing it): the first poll comes a poll
+    interval later, and then acknowledges the copy."""
+    service = build_service(make_config(interval_s=3600.0))
+    service._poller._poll_interval_s = 0.5  # long enough to see the wait
+    service.start()
+    wait_for(lambda: service.stats.polls >= 1)
+    queued = time.monotonic()
+    assert put(service, [1, 1])  # write-through: a backup is queued and issued (done, CPU)
+    time.sleep(0.2)
+    assert service.stats.polls == 1
+    wait_for(lambda: service.controller.num_in_flight == 0)
+    assert service.stats.polls == 2 and time.monotonic() - queued >= 0.5
+    service.stop()
+
+
 # ---- engine contract and life cycle -------------------------------------------------------
 
 

@@ -38,12 +38,14 @@ def header_lines(result: BenchResult) -> list[str]:
     """What was moved, on what, and the references every percentage is taken against."""
     meta, ceiling = result.meta, result.ceiling
     gib = meta["transfer_bytes"] / 2**30
+    slots = ("one run of consecutive pages per op" if meta.get("slots") == "runs"
+             else "random whole pages")
     return [
         f"{meta['device']}, torch {meta['torch']}, {meta['date']}",
         f"{meta['tokens']} tokens x {meta['layers']} layers x K,V x "
         f"{meta['token_bytes'] // (2 * meta['layers'])} B rows = {gib:.2f} GiB per transfer "
-        f"(bf16, {meta['heads']} KV heads x {meta['head_dim']}); device slots: random whole "
-        f"pages; host slots: as the host allocator hands them out; median of {meta['repeats']} "
+        f"(bf16, {meta['heads']} KV heads x {meta['head_dim']}); device slots: {slots}; "
+        f"host slots: as the host allocator hands them out; median of {meta['repeats']} "
         f"(torch {meta['torch_repeats']})",
         f"ceiling, contiguous pinned copy: d2h {ceiling.d2h_gb_per_s:.1f} GB/s, "
         f"h2d {ceiling.h2d_gb_per_s:.1f} GB/s, both ways at once {ceiling.bidir_gb_per_s:.1f} "
