@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cache.add_argument("--page-size", type=integer(1), default=16, help="tokens per page")
     run = parser.add_argument_group("how")
     run.add_argument("--device", default="cuda", help="cuda, cuda:N or cpu (with --tiny)")
-    run.add_argument("--repeats", type=integer(1), default=5, help="timed runs, median")
+    run.add_argument("--repeats", type=integer(1), default=10, help="timed runs, median")
     run.add_argument("--warmup", type=integer(0), default=1, help="untimed runs first")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--json", type=Path, metavar="PATH", help="write the rows as JSON")
