@@ -44,7 +44,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
 from . import copy2d
 from .base import Direction, MovedTransfer, TransferBackend
-from .staged_chunk import layer_blocks
+from .layer_blocks import layer_blocks
 
 __all__ = ["DIRECT_MIN_RUN_TOKENS", "DirectBackend", "DirectMove", "RunPlans", "pair_runs",
            "worth_direct"]

@@ -14,8 +14,6 @@ On a CPU pool (no streams, no copy engine) the same plans run as strided CPU cop
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
@@ -25,10 +23,7 @@ from . import copy2d
 from .base import MovedTransfer
 from .direct_staging import DirectStaging, PagePlan
 from .events import Event
-
-# ``(offset in the moved layers, count)`` of each run of consecutive layer ids: what a
-# chunk's plan depends on (the runs' first layers only shift the host side).
-BlockShape = tuple[tuple[int, int], ...]
+from .layer_blocks import BlockShape, layer_blocks
 
 
 def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
@@ -285,18 +280,3 @@ def _wide(rows: torch.Tensor) -> torch.Tensor:
     if rows.element_size() < 8 and rows.shape[-1] * rows.element_size() % 8 == 0:
         return rows.view(torch.int64)
     return rows
-
-
-@functools.lru_cache(maxsize=1024)
-def layer_blocks(layers: tuple[int, ...]) -> tuple[BlockShape, tuple[int, ...]]:
-    """``(offset in layers, count)`` of each run of consecutive layer ids, and the first
-    layer id of each run."""
-    shape: list[tuple[int, int]] = []
-    begins: list[int] = []
-    for offset, layer in enumerate(layers):
-        if begins and begins[-1] + shape[-1][1] == layer:
-            shape[-1] = (shape[-1][0], shape[-1][1] + 1)
-        else:
-            shape.append((offset, 1))
-            begins.append(layer)
-    return tuple(shape), tuple(begins)

@@ -15,8 +15,9 @@ from controller_helpers import make_controller
 from hicache.controller import CacheController, TorchBackend, TransferBackend, staged_chunk
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
 from hicache.controller.copy2d import CopyPlanner
+from hicache.controller.layer_blocks import BlockShape
 from hicache.controller.staged import StagedBackend
-from hicache.controller.staged_chunk import BlockShape, ChunkPlan, ChunkSlots, StagedMove
+from hicache.controller.staged_chunk import ChunkPlan, ChunkSlots, StagedMove
 from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices, RowGeometry
 
 LAYERS = 4

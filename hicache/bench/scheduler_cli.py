@@ -113,13 +113,8 @@ def _check_files(args: argparse.Namespace) -> None:
 
 
 def _measure(args: argparse.Namespace) -> list[Figure]:
-    from .scheduler import (
-        Figure,
-        measure_allocator,
-        measure_controller,
-        measure_thread_latency,
-        measure_tree,
-    )
+    from .scheduler import Figure, measure_thread_latency, measure_tree
+    from .scheduler_ops import measure_allocator, measure_controller
 
     figures: dict[str, Figure] = {}
 

@@ -20,15 +20,14 @@ from dataclasses import dataclass
 import torch
 
 from hicache.factory import build_service
-from hicache.pools import IndexSpace, Indices
-from hicache.radix import TreeNode
 from hicache.service import HiCacheService
 
 from ..workload import BenchmarkError
-from .kv import DenseKV, PoolKV
+from .host_hit import HostHit
+from .kv import DenseKV
 from .model import Decoder, DecoderSpec, OwnKV
 from .report import E2ERow
-from .setup import Buffers, clear, device_pool, put_prefix, service_config, settle
+from .setup import Buffers, clear, put_prefix, service_config
 
 logger = logging.getLogger(__name__)
 VOCAB = 128_000
@@ -231,64 +230,6 @@ def check_output(num_cached: int, name: str, got: torch.Tensor, resident: torch.
                              f"the resident forward's by {diff:.3g} (largest value "
                              f"{scale:.3g})")
     return diff
-
-
-class HostHit:
-    """The host hit through the service, as an engine serves it: match, lock, load-back,
-    pages for the new tokens, ``start_loading``, the forward (each layer waits for its load
-    in the pool's accessors). :meth:`reset` (untimed) gives back what a run held and evicts
-    the prefix's device copy again, so that every run starts from a host-only prefix."""
-
-    def __init__(self, service: HiCacheService, model: Decoder, tokens: list[int],
-                 new: torch.Tensor, capacity_tokens: int) -> None:
-        self.service = service
-        self.model = model
-        self.key = service.key(tokens)
-        self.new = new
-        self.num_cached = len(tokens) - new.shape[0]
-        self.capacity_tokens = capacity_tokens
-        # the last run's locked node, new-token slots and prefix slots (CPU int64)
-        self.held: tuple[TreeNode, torch.Tensor, torch.Tensor] | None = None
-        self.gathered = 0
-
-    def run(self) -> torch.Tensor:
-        service, num_new = self.service, self.new.shape[0]
-        match = service.match(self.key)
-        service.lock(match.last_host_node)
-        loaded = service.load_back(match, self.capacity_tokens)
-        slots = service.alloc_device(num_new)
-        if not loaded.queued or slots is None:
-            raise BenchmarkError(f"the host hit of {self.num_cached} tokens was not loaded "
-                                 f"(refused: {loaded.refused}; new-token pages: "
-                                 f"{slots is not None})")
-        service.start_loading()
-        cached = torch.cat([match.device_indices.tensor, loaded.device_indices.tensor])
-        kv = PoolKV(device_pool(service), cached, slots.tensor[:num_new])
-        self.held = (match.last_host_node, slots.tensor, cached)
-        out = self.model.forward(self.new, self.num_cached, kv)
-        self.gathered = kv.gathered
-        return out
-
-    def reset(self) -> None:
-        settle(self.service)
-        if self.held is not None:
-            node, slots, _ = self.held
-            self.service.free_device(Indices(slots, IndexSpace.DEVICE_FULL))
-            self.service.release(node)
-            self.held = None
-        self.service.evict(self.num_cached)
-
-    def rows_match(self, buffers: Buffers, num_cached: int) -> bool:
-        """The pool's rows of the last run's prefix equal the rows the prefix was made of."""
-        assert self.held is not None, "rows_match after a run, before reset"
-        settle(self.service)
-        pool = device_pool(self.service)
-        index = self.held[2][:num_cached].to(pool.device)
-        return all(
-            torch.equal(pool.layer_rows(c, layer).index_select(0, index),
-                        rows[layer][:num_cached].flatten(1))
-            for layer in range(pool.num_layers)
-            for c, rows in enumerate((buffers.keys, buffers.values)))
 
 
 def run_e2e(opts: E2EOptions) -> list[E2ERow]:
