@@ -43,3 +43,17 @@ def test_bench_module_entry_point(repo_root: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("NVIDIA H100")
+
+
+MAX_MODULE_LINES = 300  # issue 11: modules small enough to read in one sitting
+
+
+def test_every_module_is_at_most_300_lines(repo_root: Path) -> None:
+    """Every module of the package (hicache/, pools/, controller/, metrics/) has at most
+    ``MAX_MODULE_LINES`` lines: a module that grows past it is split by noun."""
+    modules = [path for folder in ("hicache", "pools", "controller", "metrics")
+               for path in (repo_root / folder).rglob("*.py")]
+    assert len(modules) > 100, "the package's modules were not found"
+    long = {str(path.relative_to(repo_root)): lines for path in modules
+            if (lines := len(path.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
