@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from hicache.bench.scheduler import SYSTEM_TOKENS
 from hicache.bench.scheduler_cli import main
+from hicache.bench.scheduler_requests import REQUEST_TOKENS, measure_requests
 from hicache.bench.trace import TraceRequest, lru_hit_rate, read_trace, replay
 from hicache.cli import main as cli_main
 
@@ -95,6 +97,26 @@ def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
         kept = next(iter(by_name[f"controller op, {pages} page(s), copy excluded"].values()))
         assert all(0 < k < w for k, w in zip(kept, whole, strict=True))
     assert saved["replay"][0]["input_tokens"] == TOKENS
+    assert "end to end: 2048-token requests with shared prefixes" in printed
+    assert [(r["tree_tokens"], r["requests"]) for r in saved["requests"]] == [(1000, 2),
+                                                                             (2000, 2)]
+    assert all(r["requests_per_s"] > 0 for r in saved["requests"])
+
+
+def test_end_to_end_requests_hit_their_shared_prefix() -> None:
+    """Each request is a cached system prompt and new tokens: with room for all of them,
+    every request finds exactly its system prompt on the device, and nothing else."""
+    row = measure_requests(5_000, 20, seed=3)
+    assert (row.tree_tokens, row.requests, row.prompt_tokens) == (5_000, 20,
+                                                                  20 * REQUEST_TOKENS)
+    assert row.device_hit_tokens == 20 * SYSTEM_TOKENS
+    assert row.hit_rate == pytest.approx(SYSTEM_TOKENS / REQUEST_TOKENS)
+    assert row.seconds > 0 and row.requests_per_s == pytest.approx(20 / row.seconds)
+
+
+def test_end_to_end_requests_refuse_no_requests() -> None:
+    with pytest.raises(ValueError, match="count must be >= 1, got 0"):
+        measure_requests(1_000, 0, seed=0)
 
 
 def test_cli_dispatches_bench_scheduler(capsys: pytest.CaptureFixture[str]) -> None:

@@ -94,9 +94,9 @@ class ChatWorkload:
         return list(history)
 
 
-def serve(service: HiCacheService, tokens: list[int]) -> None:
+def serve(service: HiCacheService, tokens: list[int]) -> int:
     """One request's bookkeeping cycle: key (token checks), match, lock, alloc, insert,
-    release, apply acks."""
+    release, apply acks. Returns the tokens the match found on the device."""
     key = service.key(tokens)
     match = service.match(key)
     service.lock(match.last_device_node)
@@ -110,6 +110,7 @@ def serve(service: HiCacheService, tokens: list[int]) -> None:
         service.free_device(Indices(slots.tensor[whole:], IndexSpace.DEVICE_FULL))
     service.release(match.last_device_node)
     service.step()
+    return have
 
 
 def fill(service: HiCacheService, workload: ChatWorkload, target_tokens: int) -> None:

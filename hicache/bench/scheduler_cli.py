@@ -79,12 +79,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from .scheduler_requests import measure_requests, render_requests
     from .trace import read_trace, replay
 
     figures = _measure(args)
+    print("  end to end ...", file=sys.stderr, flush=True)
+    end_to_end = [measure_requests(size, args.repeats, args.seed) for size in args.sizes]
     print(f"hicache bench scheduler: {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, page size 16, medians of {args.repeats} calls")
     print(render(figures, args.sizes))
+    print(render_requests(end_to_end))
     rows: list[ReplayRow] = []
     if args.trace is not None:
         requests = read_trace(args.trace, args.trace_requests)
@@ -94,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps({
             "figures": [{"name": f.name, "target": f.target_us, "by_size": f.by_size}
                         for f in figures],
+            "requests": [{**r.__dict__, "requests_per_s": r.requests_per_s}
+                         for r in end_to_end],
             "replay": [r.__dict__ for r in rows]}, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {args.json}")
     return 0

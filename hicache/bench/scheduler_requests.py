@@ -1,0 +1,77 @@
+"""``hicache bench scheduler``'s end-to-end figure: 2k-token requests with shared prefixes,
+served back to back through the service, in requests per second.
+
+A request is the system prompt of one of the workload's conversations (``SYSTEM_TOKENS``,
+cached while the tree was filled) followed by new tokens up to ``REQUEST_TOKENS``, as a
+chat's new conversation reaches the engine: the shared prefix hits, the rest is allocated,
+inserted and backed up to the host (write-through), and once the pools are full every
+request also evicts on both tiers. Every request's token list is made before the clock
+starts (an engine's tokenizer makes it before hicache sees the request); the clock then
+covers the service's calls of :func:`~hicache.bench.scheduler.serve` for all requests, one
+after the other with nothing between them.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from .scheduler import SYSTEM_TOKENS, VOCAB, ChatWorkload, fill, make_service, serve
+
+REQUEST_TOKENS = 2048
+TARGET_REQUESTS_PER_S = 2000.0  # the scheduler-path issue's end-to-end target
+
+
+@dataclass(frozen=True)
+class RequestsRow:
+    """Requests served back to back at one tree size (tokens cached before the first)."""
+
+    tree_tokens: int
+    requests: int
+    prompt_tokens: int
+    device_hit_tokens: int
+    seconds: float
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.requests / self.seconds
+
+    @property
+    def hit_rate(self) -> float:
+        return self.device_hit_tokens / self.prompt_tokens
+
+
+def measure_requests(size: int, count: int, seed: int) -> RequestsRow:
+    """Serve ``count`` 2k-token requests back to back on a tree filled to ``size`` cached
+    tokens (the service of the other tree figures: device capacity ``2 * size + 65536``
+    tokens, a host as large)."""
+    if count < 1:
+        raise ValueError(f"measure_requests: count must be >= 1, got {count}")
+    service = make_service(capacity_tokens=2 * size + 65_536, host_ratio=1.0)
+    try:
+        workload = ChatWorkload(seed)
+        fill(service, workload, size)
+        rng = random.Random(seed + 1)
+        prompts = [rng.choice(workload.histories)[:SYSTEM_TOKENS]
+                   + [rng.randrange(VOCAB) for _ in range(REQUEST_TOKENS - SYSTEM_TOKENS)]
+                   for _ in range(count)]
+        start = time.perf_counter_ns()
+        hits = sum(serve(service, prompt) for prompt in prompts)
+        seconds = (time.perf_counter_ns() - start) / 1e9
+    finally:
+        service.stop()
+    return RequestsRow(size, count, count * REQUEST_TOKENS, hits, seconds)
+
+
+def render_requests(rows: list[RequestsRow]) -> str:
+    """The end-to-end table: one line per tree size."""
+    lines = [f"end to end: {REQUEST_TOKENS}-token requests with shared prefixes "
+             f"({SYSTEM_TOKENS} cached tokens of a conversation's system prompt, the rest "
+             f"new), back to back through the service's calls",
+             f"{'tree':>9} {'requests':>9} {'device hit':>10} {'req/s':>9} {'target':>8}",
+             "-" * 49]
+    for row in rows:
+        lines.append(f"{row.tree_tokens:>9} {row.requests:>9} {row.hit_rate:>10.1%} "
+                     f"{row.requests_per_s:>9.1f} {TARGET_REQUESTS_PER_S:>8g}")
+    return "\n".join(lines)
