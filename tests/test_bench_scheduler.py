@@ -98,8 +98,8 @@ def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
         assert all(0 < k < w for k, w in zip(kept, whole, strict=True))
     assert saved["replay"][0]["input_tokens"] == TOKENS
     assert "end to end: 2048-token requests with shared prefixes" in printed
-    assert [(r["tree_tokens"], r["requests"]) for r in saved["requests"]] == [(1000, 2),
-                                                                             (2000, 2)]
+    assert [(r["tree_tokens"], r["requests"]) for r in saved["requests"]] == [(1000, 10),
+                                                                             (2000, 10)]
     assert all(r["requests_per_s"] > 0 for r in saved["requests"])
 
 

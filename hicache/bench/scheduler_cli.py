@@ -17,6 +17,7 @@ from hicache.cli.parser import CliParser, UsageError
 
 if TYPE_CHECKING:  # the measuring modules import torch: only a run loads them
     from .scheduler import Figure
+    from .scheduler_requests import RequestsRow
     from .trace import ReplayRow
 
 # Targets of the scheduler-path issue, in microseconds (bytes for the memory row).
@@ -79,12 +80,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
-    from .scheduler_requests import measure_requests, render_requests
+    from .scheduler_requests import render_requests
     from .trace import read_trace, replay
 
-    figures = _measure(args)
-    print("  end to end ...", file=sys.stderr, flush=True)
-    end_to_end = [measure_requests(size, args.repeats, args.seed) for size in args.sizes]
+    figures, end_to_end = _measure(args)
     print(f"hicache bench scheduler: {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}, page size 16, medians of {args.repeats} calls")
     print(render(figures, args.sizes))
@@ -118,11 +117,17 @@ def _check_files(args: argparse.Namespace) -> None:
         check_output_path(args.json, "--json")
 
 
-def _measure(args: argparse.Namespace) -> list[Figure]:
+def _measure(args: argparse.Namespace) -> tuple[list[Figure], list[RequestsRow]]:
+    """Every figure, and the end-to-end row of each tree size (measured right after that
+    size's figures, in a process that held no larger tree yet; ``5 * repeats`` requests, so
+    a collection of the garbage collector or a stray wake-up weighs as it does in a
+    sustained run, not in one short window)."""
     from .scheduler import Figure, measure_thread_latency, measure_tree
     from .scheduler_ops import measure_allocator, measure_controller
+    from .scheduler_requests import measure_requests
 
     figures: dict[str, Figure] = {}
+    end_to_end: list[RequestsRow] = []
 
     def add(size: int, values: dict[str, list[float]]) -> None:
         for name, timings in values.items():
@@ -132,11 +137,12 @@ def _measure(args: argparse.Namespace) -> list[Figure]:
     for size in args.sizes:
         print(f"  tree of {size} tokens ...", file=sys.stderr, flush=True)
         add(size, measure_tree(size, args.repeats, args.seed))
+        end_to_end.append(measure_requests(size, 5 * args.repeats, args.seed))
     largest = max(args.sizes)
     add(largest, measure_thread_latency(largest, 10 * args.repeats, args.seed))
     add(0, measure_allocator(args.repeats))
     add(0, measure_controller(args.repeats))
-    return list(figures.values())
+    return list(figures.values()), end_to_end
 
 
 def render(figures: list[Figure], sizes: Sequence[int]) -> str:
