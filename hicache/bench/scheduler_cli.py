@@ -119,9 +119,9 @@ def _check_files(args: argparse.Namespace) -> None:
 
 def _measure(args: argparse.Namespace) -> tuple[list[Figure], list[RequestsRow]]:
     """Every figure, and the end-to-end row of each tree size (measured right after that
-    size's figures, in a process that held no larger tree yet; ``5 * repeats`` requests, so
-    a collection of the garbage collector or a stray wake-up weighs as it does in a
-    sustained run, not in one short window)."""
+    size's figures, in the same process state; ``5 * repeats`` requests, so a collection
+    of the garbage collector or a stray wake-up weighs as it does in a sustained run, not
+    in one short window)."""
     from .scheduler import Figure, measure_thread_latency, measure_tree
     from .scheduler_ops import measure_allocator, measure_controller
     from .scheduler_requests import measure_requests
