@@ -1,10 +1,13 @@
 """A prepared kernel copy of one pool pair's rows, launched once per layer range.
 
 A layer-wise load launches the row kernel once per layer group with the same buffers and
-index tensors; :class:`RowCopy` checks those once and keeps the launch arguments, so each
-launch costs Triton's launcher and little else (measured on an H100 host: about 100 us of
-Python per launch through :func:`~hicache.controller.kernel.transfer_rows`, which checks
-and records every argument on every call).
+index tensors; :class:`RowCopy` checks those once and keeps the launch arguments (measured
+on an H100 host: about 100 us of Python per launch through
+:func:`~hicache.controller.kernel.transfer_rows`, which checks and records every argument
+on every call). On a GPU its launches go through
+:func:`~hicache.controller.kernel_launch.fast_launch`, which specialises the fixed
+arguments once per copy and calls the compiled kernel's launcher, so a launch costs that
+launcher and little else.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 from hicache.pools import HostLayout
 
 from .copy_rows_kernel import compiled_kernel
+from .kernel_launch import fast_launch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_TOKENS_PER_TILE = 1024
@@ -59,6 +63,11 @@ class RowCopy:
                       "TILE": tokens_per_tile,
                       "num_warps": _num_warps(tokens_per_tile * plan.block_row_bytes)}
         self._device = device_data.device if plan.on_cuda else None
+        # the fast launch's key (kernel_launch): the constexprs in signature order, then
+        # the launch options; the specialisation of the fixed arguments, found on launch
+        self._constexprs = (plan.row_elems, plan.block_row, tokens_per_tile)
+        self._options = (*self._constexprs, self._meta["num_warps"])
+        self._fixed: tuple[object, ...] | None = None
 
     def launch(self, layer_begin: int, layer_end: int) -> None:
         """Copy local layers ``[layer_begin, layer_end)``; nothing for an empty range or no
@@ -84,8 +93,16 @@ class RowCopy:
             and torch.cuda.current_device() != device.index else contextlib.nullcontext())
         try:
             with on_device:
-                compiled_kernel()[grid](*self._head, layer_begin, num_layers, *self._tail,
-                                        **self._meta)
+                if device is None:  # the CPU interpreter
+                    compiled_kernel()[grid](*self._head, layer_begin, num_layers,
+                                            *self._tail, **self._meta)
+                else:
+                    fast = fast_launch()
+                    if self._fixed is None:
+                        self._fixed = fast.fixed_key(device.index or 0,
+                                                     self._head + self._tail, self._options)
+                    fast.launch(self._fixed, (grid[0], 1, 1), self._head, layer_begin,
+                                num_layers, self._tail, self._constexprs, self._meta)
         except ValueError as exc:
             if "cannot be accessed" not in str(exc):
                 raise
