@@ -6,7 +6,10 @@ their acks on a queue; it never touches the tree. The scheduler thread collects 
 since) and applies them to the tree with :meth:`BackgroundPoller.apply`. When nothing
 happened for an interval (no ack, no scheduler call, no check) the thread runs the sliced
 integrity check (:mod:`hicache.integrity_slices`). With nothing in flight it sleeps until
-that check may be due; a queued transfer wakes it (a controller observer).
+that check may be due; a queued transfer wakes it (a controller observer). It polls only
+where the scheduler did not: a pass that finds the scheduler polled since the last one
+(with transfers in flight) or made calls (with none) does nothing and sleeps twice as long
+as the one before, so a busy scheduler's thread seldom wakes (each wake takes the GIL).
 
 An exception in the thread is never swallowed: it is recorded in the
 :class:`~hicache.call_gate.CallGate`, which raises it on the scheduler thread, counted in
@@ -32,6 +35,14 @@ if TYPE_CHECKING:
     from .service_stats import ServiceStats
 
 logger = logging.getLogger(__name__)
+
+MAX_POLL_BACKOFF = 64
+"""Most times the poll interval that the thread sleeps while transfers are in flight and
+the scheduler polls them itself."""
+
+BUSY_IDLE_WAKE_S = 1.0
+"""Longest sleep of a thread with nothing in flight whose scheduler is busy, when its
+check interval is shorter (the check waits for an idle scheduler anyway)."""
 
 
 class BackgroundPoller:
@@ -72,6 +83,8 @@ class BackgroundPoller:
         self._stopping = threading.Event()
         # set when a transfer is queued (or at stop): ends an idle sleep
         self._wake = threading.Event()
+        self._collects = 0  # scheduler polls (collect calls), written by the scheduler only
+        self._wake_wanted = True  # the thread sleeps until a check is due: wake it to poll
 
     @property
     def is_running(self) -> bool:
@@ -94,8 +107,10 @@ class BackgroundPoller:
             self._controller.remove_observer(self._on_queued)
 
     def _on_queued(self, *_: object) -> None:
-        """A transfer was queued: an idle thread polls again (on the scheduler thread)."""
-        if not self._wake.is_set():
+        """A transfer was queued: a thread in an idle sleep polls again (on the scheduler
+        thread). One that sleeps with transfers in flight passes within 64 poll intervals
+        anyway, and a wake per queued transfer would undo its backoff."""
+        if self._wake_wanted and not self._wake.is_set():
             self._wake.set()
 
     def drain(self) -> list[Ack]:
@@ -110,6 +125,7 @@ class BackgroundPoller:
     def collect(self) -> list[Ack]:
         """Queued acks first (older), then whatever the controller finished since; on the
         scheduler thread, with the service lock held."""
+        self._collects += 1  # the thread's next pass need not poll
         acks = self.drain() + self._controller.poll_acks()
         if self._exporter is not None:
             self._exporter.refresh()
@@ -123,13 +139,28 @@ class BackgroundPoller:
 
     def _run(self) -> None:
         last_ack = last_check = time.monotonic()
+        backoff = 1  # the sleep's multiple, doubled by each pass that found the scheduler busy
+        calls_seen, collects_seen = self._gate.num_calls, self._collects
         try:
             while True:
                 self._wake.clear()  # before the in-flight count is read: no wake is lost
+                self._wake_wanted = True  # the same
                 if self._stopping.is_set():  # read after the clear: stop's wake is not lost
                     break
                 now = time.monotonic()
-                if self._poll_once():
+                self._stats.background_passes += 1
+                # Read without the lock: a stale count only moves one pass, and a transfer
+                # queued after the read wakes the thread.
+                in_flight = self._controller.num_in_flight
+                if in_flight:  # a sleep of at most 64 poll intervals: no wake needed
+                    self._wake_wanted = False
+                calls, collects = self._gate.num_calls, self._collects
+                # A busy scheduler: with transfers in flight, it polled since the last pass
+                # (its step() acknowledges them; a poll here would be the same work again);
+                # with none, it made calls (so no idle check is due).
+                busy = collects != collects_seen if in_flight else calls != calls_seen
+                calls_seen, collects_seen = calls, collects
+                if in_flight and not busy and self._poll_once():
                     last_ack = now
                 # Idle: no ack and no scheduler call for an interval. A check, once
                 # started, goes on in short slices and gives up at a scheduler call.
@@ -137,30 +168,43 @@ class BackgroundPoller:
                         now - last_ack, now - self._gate.last_call_s, now - last_check,
                 ) >= self._check_interval_s) and self._step_check():
                     last_check = now
-                if self._wake.wait(self._sleep_s(now, max(last_ack, last_check))):
+                backoff = min(2 * backoff, 1 << 20) if busy else 1
+                sleep_s = self._sleep_s(now, max(last_ack, last_check), backoff, in_flight)
+                if self._wake.wait(sleep_s):
                     # Woken by a transfer being queued: it cannot have finished yet. Poll
                     # one interval later, not now, so that the thread does not take the
                     # GIL and the lock while the scheduler is still issuing the transfer
                     # and launching the forward that reads it (measured on the H100: the
-                    # scheduler thread is the host hit's critical path).
-                    self._stopping.wait(self._poll_interval_s)
+                    # scheduler thread is the host hit's critical path). A busy scheduler
+                    # queues transfers all the time: then as many intervals as the backoff.
+                    self._stopping.wait(
+                        self._poll_interval_s * min(backoff, MAX_POLL_BACKOFF))
         except BaseException as exc:  # recorded and raised on the scheduler thread
             self._gate.fail(exc)
             self._stats.background_errors += 1
             logger.exception("hicache background thread failed")
 
-    def _sleep_s(self, now: float, last_event: float) -> float:
+    def _sleep_s(self, now: float, last_event: float, backoff: int, in_flight: int) -> float:
         """How long to sleep: short slices while a check is in progress; the poll interval
-        while transfers are in flight; otherwise until the idle check may be due (a
-        queued transfer wakes the thread earlier). An idle thread that woke every
-        millisecond would take the GIL from a scheduler thread a thousand times a second
-        for nothing."""
+        while transfers were in flight at the pass (``in_flight``); otherwise until the
+        idle check may be due (a queued transfer wakes the thread earlier).
+
+        Each wake takes the GIL, and one that comes while the scheduler thread is busy
+        slows its calls for up to a millisecond or two (see the README). So a pass that
+        found the scheduler busy doubles the next sleep (``backoff`` times the base):
+        while it polls, the poll interval, up to :data:`MAX_POLL_BACKOFF` times; while it
+        makes calls with nothing in flight, the check interval, up to
+        :data:`BUSY_IDLE_WAKE_S` (a longer check interval is not shortened). A pass that
+        found it quiet starts again from one interval."""
         if self._check.in_progress:
             return min(self._poll_interval_s, 0.0002)
-        if self._controller.num_in_flight:  # read without the lock: a stale count only
-            return self._poll_interval_s     # moves one poll
+        if in_flight:
+            return self._poll_interval_s * min(backoff, MAX_POLL_BACKOFF)
         idle_since = max(last_event, self._gate.last_call_s)
-        return max(self._poll_interval_s, self._check_interval_s - (now - idle_since))
+        due_s = max(self._poll_interval_s, self._check_interval_s - (now - idle_since))
+        if backoff == 1:
+            return due_s
+        return max(due_s, min(self._check_interval_s * backoff, BUSY_IDLE_WAKE_S))
 
     def _poll_once(self) -> bool:
         with self._gate.lock:

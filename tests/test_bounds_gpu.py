@@ -182,7 +182,7 @@ def test_captured_check_reports_a_bad_replay(pool: HybridSWAPool) -> None:
 def test_service_step_raises_the_cuda_error() -> None:
     """Through the service on CUDA: the background thread keeps polling, step() raises the
     bounds error once the GPU ran the check, and the service goes on."""
-    from test_service import make_config, wait_for
+    from test_service import make_config, put, wait_for
 
     from hicache.factory import build_service
 
@@ -193,10 +193,10 @@ def test_service_step_raises_the_cuda_error() -> None:
         locs = _full(-1)
         pool.set_kv(1, locs, k, k)
         torch.cuda.synchronize()
-        polls = service.stats.polls
-        wait_for(lambda: service.stats.polls > polls + 2)
+        assert put(service, [1, 1])  # a backup in flight: the thread polls it
+        wait_for(lambda: service.stats.polls >= 1 and not service.controller.num_in_flight)
         assert service.stats.background_errors == 0
         with pytest.raises(BoundsError, match=r"set_kv\(layer=1\): slot -1 is negative"):
             service.step()
-        assert service.step() == 0
+        assert service.step() == 1  # the backup's ack, which the thread queued
         service.check_integrity()

@@ -188,7 +188,7 @@ def test_controller_poll_raises_a_deferred_error_and_keeps_its_acks() -> None:
 def test_service_step_raises_a_deferred_error_not_the_background_thread() -> None:
     """The background poller never raises a bounds error (the service stays usable); step()
     raises it once, and the next step() works."""
-    from test_service import full_pool, make_config, wait_for
+    from test_service import full_pool, make_config, put, wait_for
 
     from hicache.factory import build_service
     from hicache.pools import IndexSpace, Indices
@@ -199,10 +199,10 @@ def test_service_step_raises_a_deferred_error_not_the_background_thread() -> Non
         rows = torch.zeros(1, 1, 2)
         pool.set_kv(1, Indices(torch.tensor([pool.num_slots]), IndexSpace.DEVICE_FULL),
                     rows, rows)
-        polls = service.stats.polls
-        wait_for(lambda: service.stats.polls > polls + 2)
+        assert put(service, [1, 1])  # a backup in flight: the thread polls it
+        wait_for(lambda: service.stats.polls >= 1 and not service.controller.num_in_flight)
         assert service.stats.background_errors == 0
         with pytest.raises(BoundsError, match=rf"slot {pool.num_slots} is out of range"):
             service.step()
-        assert service.step() == 0
+        assert service.step() == 1  # the backup's ack, which the thread queued
         service.check_integrity()

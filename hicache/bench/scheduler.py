@@ -199,24 +199,35 @@ def background_check_longest_hold(service: HiCacheService) -> float:
 
 def measure_thread_latency(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
     """p99 and max of a 2k-token match with the background thread off, then running (it
-    polls and runs its idle integrity check every 10 ms), once it made its first pass."""
+    runs its idle integrity check once the scheduler has made no call for 10 ms), each
+    after ``WARM_S`` of untimed matches: in the steady state of a busy scheduler, in which
+    the thread, finding it busy at every wake, has backed off to its longest sleep."""
     service = make_service(capacity_tokens=2 * size + 65_536, interval_s=0.01)
     try:
         workload = ChatWorkload(seed)
         fill(service, workload, size)
         prompt = workload.next_prompt()[:2048]
+        _busy(service, prompt, WARM_S)
         off = timed(lambda: service.match(prompt), repeats)
         service.start()
-        # steady state: the thread's first pass (a poll as it starts) is a one-off
-        deadline = time.monotonic() + 5.0
-        while service.stats.polls < 1 and time.monotonic() < deadline:
-            time.sleep(0.001)
+        _busy(service, prompt, WARM_S)
         on = timed(lambda: service.match(prompt), repeats)
         return {"2k match, background thread off (p99)": [_p99(off)],
                 "2k match, background thread on (p99)": [_p99(on)],
                 "2k match, background thread on (max)": [max(on)]}
     finally:
         service.stop()
+
+
+WARM_S = 2.0
+"""Untimed busy seconds before each phase of :func:`measure_thread_latency`: longer than
+the thread's backoff takes to reach its longest sleep at a 10 ms check interval (1.27 s)."""
+
+
+def _busy(service: HiCacheService, prompt: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        service.match(prompt)
 
 
 def _p99(values: list[float]) -> float:
