@@ -4,7 +4,9 @@ Bookkeeping only: plain CPU data, no stream, no device tensor. Requests are plac
 of consecutive pages wherever the free list allows (see ``try_alloc``), so copies of a page
 set are long (the copy engine needs contiguous host runs). Page 0 is reserved for padding
 and is never handed out. An index of the free runs (:class:`FreeRuns`) finds the run to use
-without scanning the pool, so an allocation or a free costs per run it touches.
+without scanning the pool, so an allocation or a free costs per run it touches; an
+allocation that would touch more runs than it leaves (a large load into scattered holes) is
+chosen from the free map in bulk instead (:mod:`.free_map_take`), the same pages.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 
 from .base import IndexSpace, Indices, check_page_multiple
+from .free_map_take import bulk_pays, take_longest_from_map
 from .free_runs import FreeRuns
 from .page_ids import page_ids, valid_pages
 from .page_runs import FEW_RUNS, expand_runs, pages_of_runs, runs_of
@@ -78,7 +81,8 @@ class PageAllocator:
         first among equals); if no run is long enough, the longest runs are taken first (lower
         first among equals) and the request gets their lowest pages, so a copy of the result
         needs as few contiguous pieces as the free list allows. Costs a
-        few sorted-index operations per run used, never a pass over the pool.
+        few sorted-index operations per run used, or, where that costs more, a few
+        vectorised passes over the free map.
 
         Returns:
             int64 CPU :class:`Indices` of shape ``[num_tokens]`` in ascending slot order, or
@@ -231,8 +235,18 @@ class PageAllocator:
         lowest ``num_pages`` pages of the fewest longest runs that cover them. The few runs
         of most allocations come back as ``(first page, length)`` runs ascending, each
         marked with a slice store; the many of a fragmented pool as their page ids
-        (ascending, int64), marked with one indexed store."""
-        starts, lengths = self._runs.take_longest(num_pages)
+        (ascending, int64), marked with one indexed store. When the runs taken outnumber
+        those left (a large load into scattered holes) the choice is made from the free map
+        in bulk and the run index rebuilt from what stays (:mod:`.free_map_take`)."""
+        runs = self._runs
+        taken = runs.runs_to_take(num_pages)
+        if bulk_pays(taken, len(runs) - taken, self.num_pages):
+            pages, left_starts, left_lengths = take_longest_from_map(self._is_free, num_pages)
+            runs.replace(left_starts, left_lengths)
+            self._is_free[pages] = False
+            self._num_free_pages -= num_pages
+            return pages
+        starts, lengths = runs.take_longest(num_pages)
         self._num_free_pages -= num_pages
         if len(starts) <= FEW_RUNS:
             runs = sorted(zip(starts, lengths, strict=True))

@@ -17,6 +17,8 @@ import operator
 
 import numpy as np
 
+from .free_map_take import index_of_runs, runs_to_take
+
 
 class FreeRuns:
     """Maximal runs of consecutive free pages among pages ``[1, num_pages]``.
@@ -99,6 +101,17 @@ class FreeRuns:
             lengths[top] -= surplus
             self._insert(starts[top] + lengths[top], surplus)
         return starts, lengths
+
+    def runs_to_take(self, num_pages: int) -> int:
+        """How many runs :meth:`take_longest` of ``num_pages`` (free, and more than any run
+        holds) would take: a step per length class, nothing changed."""
+        return runs_to_take(self._lengths, self._counts, num_pages)
+
+    def replace(self, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Hold exactly the runs ``(starts, lengths)`` (disjoint, none touching another,
+        any order): the index rebuilt in bulk, at a cost per run held."""
+        (self._length_of, self._start_of_end, self._lengths, self._starts,
+         self._counts) = index_of_runs(starts, lengths)
 
     def add_many(self, starts: list[int], lengths: list[int]) -> None:
         """:meth:`add` of runs none of which touches another (the maximal runs of a set of

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import random
+from unittest import mock
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.pools.free_map_take import bulk_pays
 
 
 class ScanModel:
@@ -63,6 +66,21 @@ def test_allocator_matches_the_scan_model(num_pages: int, page_size: int,
                                           data: st.DataObject) -> None:
     """Random allocs and scattered, unordered frees give the model's pages, counts and
     runs."""
+    _model_steps(num_pages, page_size, data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_pages=st.integers(1, 64), page_size=st.integers(1, 4), data=st.data())
+def test_allocator_from_the_free_map_matches_the_scan_model(num_pages: int, page_size: int,
+                                                            data: st.DataObject) -> None:
+    """The same with every allocation that no single run holds chosen from the free map in
+    bulk and the run index rebuilt from the runs left (the path of large loads into
+    scattered holes, which small pools never reach by cost)."""
+    with mock.patch("hicache.pools.allocator.bulk_pays", lambda *_: True):
+        _model_steps(num_pages, page_size, data)
+
+
+def _model_steps(num_pages: int, page_size: int, data: st.DataObject) -> None:
     allocator = PageAllocator(num_pages, page_size, IndexSpace.HOST_FULL, "host")
     model = ScanModel(num_pages)
     used: list[int] = []
@@ -118,11 +136,26 @@ def test_long_churn_keeps_the_model_and_bounded_heaps() -> None:
     allocator.check_integrity()
 
 
-def test_fragmented_pool_bulk_allocs_and_frees_keep_the_model() -> None:
+@pytest.mark.parametrize("from_map", [None, True, False])
+def test_fragmented_pool_bulk_allocs_and_frees_keep_the_model(from_map: bool | None) -> None:
     """Allocations drawing on hundreds of runs and frees of hundreds of scattered pages (the
     run index's bulk paths: whole length classes taken, isolated runs joined per class,
     touching ones merged) give the model's pages and runs at every step, with the index
-    consistent and its heaps bounded by the pool's size."""
+    consistent and its heaps bounded by the pool's size. ``from_map``: every allocation
+    from many runs chosen from the free map in bulk with the index rebuilt (True), none
+    (False), or as the cost rule picks (None: both happen)."""
+    chose: list[bool] = []
+
+    def pick(*args: int) -> bool:
+        chose.append(bulk_pays(*args) if from_map is None else from_map)
+        return chose[-1]
+
+    with mock.patch("hicache.pools.allocator.bulk_pays", pick):
+        _fragmented_churn()
+    assert (True in chose) is (from_map is not False) and (False in chose) is (not from_map)
+
+
+def _fragmented_churn() -> None:
     rng = random.Random(11)
     num_pages = 900
     allocator = PageAllocator(num_pages, 2, IndexSpace.DEVICE_FULL, "full")
