@@ -238,15 +238,15 @@ class PageAllocator:
         (ascending, int64), marked with one indexed store. When the runs taken outnumber
         those left (a large load into scattered holes) the choice is made from the free map
         in bulk and the run index rebuilt from what stays (:mod:`.free_map_take`)."""
-        runs = self._runs
-        taken = runs.runs_to_take(num_pages)
-        if bulk_pays(taken, len(runs) - taken, self.num_pages):
+        index = self._runs
+        taken = index.runs_to_take(num_pages)
+        if bulk_pays(taken, len(index) - taken, self.num_pages):
             pages, left_starts, left_lengths = take_longest_from_map(self._is_free, num_pages)
-            runs.replace(left_starts, left_lengths)
+            index.replace(left_starts, left_lengths)
             self._is_free[pages] = False
             self._num_free_pages -= num_pages
             return pages
-        starts, lengths = runs.take_longest(num_pages)
+        starts, lengths = index.take_longest(num_pages)
         self._num_free_pages -= num_pages
         if len(starts) <= FEW_RUNS:
             runs = sorted(zip(starts, lengths, strict=True))
