@@ -64,8 +64,8 @@ class HiCacheService(PrefetchCalls):
             starts one only after that long with neither a finished transfer nor a scheduler
             call; it holds the lock well under a millisecond at a time and gives up if the
             scheduler calls in between (see :mod:`hicache.integrity_slices`).
-        poll_interval_s: sleep of the background thread between polls while transfers are
-            in flight (idle, it sleeps until a transfer is queued or a check is due).
+        poll_interval_s: the background thread's sleep while transfers are in flight
+            (longer while the scheduler is busy: :mod:`hicache.background_poller`).
         metrics_address: ``(host, port)`` to serve Prometheus metrics on from :meth:`start`,
             or ``None`` for no endpoint.
         storage: the shared store's tier (L3), or ``None``; the service closes it at
