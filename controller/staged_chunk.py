@@ -28,12 +28,23 @@ from .layer_blocks import BlockShape, layer_blocks
 
 def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
     """Split sorted host slots into ``(start position, length)`` runs of consecutive slots."""
-    if host_slots.size == 0:
+    return runs_between(run_breaks(host_slots), 0, host_slots.size)
+
+
+def run_breaks(host_slots: np.ndarray) -> np.ndarray:
+    """Positions where a run of consecutive ``host_slots`` begins, the first excepted."""
+    return (host_slots[1:] - host_slots[:-1] != 1).nonzero()[0] + 1
+
+
+def runs_between(breaks: np.ndarray, start: int, end: int) -> list[tuple[int, int]]:
+    """:func:`host_runs` of positions ``[start, end)`` (counted from ``start``) of slots
+    whose :func:`run_breaks` are ``breaks``: found once an op, cut per chunk."""
+    if end <= start:
         return []
-    breaks = np.flatnonzero(np.diff(host_slots) != 1) + 1
-    starts = np.concatenate(([0], breaks))
-    ends = np.concatenate((breaks, [host_slots.size]))
-    return [(int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+    inner = breaks[breaks.searchsorted(start, "right"): breaks.searchsorted(end, "left")]
+    firsts = [0, *(inner - start).tolist()]
+    lasts = [*firsts[1:], end - start]
+    return [(first, last - first) for first, last in zip(firsts, lasts, strict=True)]
 
 
 class ChunkSlots:
@@ -41,7 +52,8 @@ class ChunkSlots:
     derive from the host slots (runs of consecutive slots, or the pages of a
     ``page_first_direct`` host). None of it depends on the layers moved."""
 
-    def __init__(self, moved: MovedTransfer, start: int, end: int) -> None:
+    def __init__(self, moved: MovedTransfer, start: int, end: int,
+                 breaks: np.ndarray | None) -> None:
         self.device_index = moved.device_index[start:end]
         self.host_slots = moved.host_index.numpy()[start:end]
         host = moved.source.host_pool
@@ -50,7 +62,8 @@ class ChunkSlots:
         if host.layout is HostLayout.PAGE_FIRST_DIRECT:
             self.pages = PagePlan(self.host_slots, host.page_size)
         else:
-            self.runs = host_runs(self.host_slots)
+            assert breaks is not None, "the op's run breaks: StagedMove.slots finds them"
+            self.runs = runs_between(breaks, start, end)
 
 
 class StagedMove:
@@ -71,6 +84,7 @@ class StagedMove:
         self.rows = _wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
         self.num_pairs = int(moved.host_index.numel())
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
+        self._breaks: np.ndarray | None = None  # of the whole op's host slots, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
 
     def chunks(self, moved: MovedTransfer, chunk_tokens: int, shape: BlockShape,
@@ -92,7 +106,11 @@ class StagedMove:
         """The :class:`ChunkSlots` of pairs ``[start, end)``, shared by every layer shape."""
         slots = self._slots.get((start, end))
         if slots is None:
-            slots = self._slots[(start, end)] = ChunkSlots(moved, start, end)
+            breaks = self._breaks
+            if breaks is None and moved.source.host_pool.layout is not \
+                    HostLayout.PAGE_FIRST_DIRECT:
+                breaks = self._breaks = run_breaks(moved.host_index.numpy())
+            slots = self._slots[(start, end)] = ChunkSlots(moved, start, end, breaks)
         return slots
 
 

@@ -271,9 +271,9 @@ def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
     init = staged_chunk.ChunkSlots.__init__
 
     def counted(self: staged_chunk.ChunkSlots, moved: MovedTransfer, start: int,
-                end: int) -> None:
+                end: int, breaks: np.ndarray | None) -> None:
         made.append((start, end))
-        init(self, moved, start, end)
+        init(self, moved, start, end, breaks)
 
     ctrl = make_controller(StagedBackend(CHUNK), page_size=2, layout=layout, num_layers=6)
     # a budget of 6 * CHUNK tokens of one layer: two balanced chunks of 3 * CHUNK + 2
@@ -286,6 +286,24 @@ def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
     assert ctrl.load(host) is not None  # 6 layers: one group per layer
     ctrl.drain()
     assert made == [(0, 3 * CHUNK + 2), (3 * CHUNK + 2, 6 * CHUNK + 4)]
+
+
+def test_chunk_runs_cut_from_the_op_breaks_equal_the_chunk_own() -> None:
+    """An op's run breaks are found once and each chunk's runs cut from them: for random
+    sorted slots with runs of every length and random chunks (empty, one slot, on a break,
+    between breaks, the whole op), the same runs as splitting the chunk's own slots."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        lengths = rng.integers(1, 6, size=rng.integers(1, 12))
+        gaps = rng.integers(1, 4, size=lengths.size)
+        slots = np.concatenate([np.arange(start, start + length) for start, length in
+                                zip(np.cumsum(lengths + gaps) - lengths, lengths, strict=True)])
+        breaks = staged_chunk.run_breaks(slots)
+        for start, end in [(0, slots.size), (0, 0), *(sorted(rng.integers(0, slots.size + 1,
+                                                                        size=2))
+                                                       for _ in range(5))]:
+            assert staged_chunk.runs_between(breaks, int(start), int(end)) == \
+                host_runs(slots[start:end]), (slots, start, end)
 
 
 def test_op_holds_the_staging_buffers_once() -> None:
