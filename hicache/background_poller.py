@@ -36,13 +36,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_POLL_BACKOFF = 64
-"""Most times the poll interval that the thread sleeps while transfers are in flight and
-the scheduler polls them itself."""
-
-BUSY_IDLE_WAKE_S = 1.0
-"""Longest sleep of a thread with nothing in flight whose scheduler is busy, when its
-check interval is shorter (the check waits for an idle scheduler anyway)."""
+BUSY_WAKE_S = 1.0
+"""Longest sleep of the thread while its scheduler is busy: polling the transfers in flight
+itself, or making calls with nothing in flight (a longer check interval is not shortened).
+Every pass finding it so doubles the sleep up to this (from the poll interval, about ten
+passes; from a 10 ms check interval, seven)."""
 
 
 class BackgroundPoller:
@@ -108,7 +106,7 @@ class BackgroundPoller:
 
     def _on_queued(self, *_: object) -> None:
         """A transfer was queued: a thread in an idle sleep polls again (on the scheduler
-        thread). One that sleeps with transfers in flight passes within 64 poll intervals
+        thread). One that sleeps with transfers in flight passes within :data:`BUSY_WAKE_S`
         anyway, and a wake per queued transfer would undo its backoff."""
         if self._wake_wanted and not self._wake.is_set():
             self._wake.set()
@@ -152,7 +150,7 @@ class BackgroundPoller:
                 # Read without the lock: a stale count only moves one pass, and a transfer
                 # queued after the read wakes the thread.
                 in_flight = self._controller.num_in_flight
-                if in_flight:  # a sleep of at most 64 poll intervals: no wake needed
+                if in_flight:  # a sleep of at most BUSY_WAKE_S: no wake needed
                     self._wake_wanted = False
                 calls, collects = self._gate.num_calls, self._collects
                 # A busy scheduler: with transfers in flight, it polled since the last pass
@@ -177,8 +175,7 @@ class BackgroundPoller:
                     # and launching the forward that reads it (measured on the H100: the
                     # scheduler thread is the host hit's critical path). A busy scheduler
                     # queues transfers all the time: then as many intervals as the backoff.
-                    self._stopping.wait(
-                        self._poll_interval_s * min(backoff, MAX_POLL_BACKOFF))
+                    self._stopping.wait(self._busy_sleep_s(self._poll_interval_s, backoff))
         except BaseException as exc:  # recorded and raised on the scheduler thread
             self._gate.fail(exc)
             self._stats.background_errors += 1
@@ -191,20 +188,25 @@ class BackgroundPoller:
 
         Each wake takes the GIL, and one that comes while the scheduler thread is busy
         slows its calls for up to a millisecond or two (see the README). So a pass that
-        found the scheduler busy doubles the next sleep (``backoff`` times the base):
-        while it polls, the poll interval, up to :data:`MAX_POLL_BACKOFF` times; while it
-        makes calls with nothing in flight, the check interval, up to
-        :data:`BUSY_IDLE_WAKE_S` (a longer check interval is not shortened). A pass that
-        found it quiet starts again from one interval."""
+        found the scheduler busy doubles the next sleep (``backoff`` times the base: the
+        poll interval while it polls, the check interval while it makes calls with nothing
+        in flight), up to :data:`BUSY_WAKE_S`. A pass that found it quiet starts again
+        from one interval."""
         if self._check.in_progress:
             return min(self._poll_interval_s, 0.0002)
         if in_flight:
-            return self._poll_interval_s * min(backoff, MAX_POLL_BACKOFF)
+            return self._busy_sleep_s(self._poll_interval_s, backoff)
         idle_since = max(last_event, self._gate.last_call_s)
         due_s = max(self._poll_interval_s, self._check_interval_s - (now - idle_since))
         if backoff == 1:
             return due_s
-        return max(due_s, min(self._check_interval_s * backoff, BUSY_IDLE_WAKE_S))
+        return max(due_s, self._busy_sleep_s(self._check_interval_s, backoff))
+
+    @staticmethod
+    def _busy_sleep_s(base_s: float, backoff: int) -> float:
+        """``backoff`` times ``base_s``, but no more than :data:`BUSY_WAKE_S` (or the base,
+        if that is longer)."""
+        return min(base_s * backoff, max(base_s, BUSY_WAKE_S))
 
     def _poll_once(self) -> bool:
         with self._gate.lock:
