@@ -147,15 +147,16 @@ def _measure(args: argparse.Namespace) -> tuple[list[Figure], list[RequestsRow]]
 
 def render(figures: list[Figure], sizes: Sequence[int]) -> str:
     """One row per figure and tree size: min / median / max, target, slope."""
-    lines = [f"{'figure':<42} {'tree':>9} {'min':>10} {'median':>10} {'max':>10} "
-             f"{'target':>8} {'slope':>6}", "-" * 101]
+    width = max([42, *(len(figure.name) for figure in figures)])
+    lines = [f"{'figure':<{width}} {'tree':>9} {'min':>10} {'median':>10} {'max':>10} "
+             f"{'target':>8} {'slope':>6}", "-" * (width + 59)]
     for figure in figures:
         slope = figure.slope()
         for size in sorted(figure.by_size):
             low, mid, high = figure.summary(size)
             target = "-" if figure.target_us is None else f"{figure.target_us:g}"
             tree = "-" if size == 0 else str(size)
-            lines.append(f"{figure.name:<42} {tree:>9} {low:>10.1f} {mid:>10.1f} "
+            lines.append(f"{figure.name:<{width}} {tree:>9} {low:>10.1f} {mid:>10.1f} "
                          f"{high:>10.1f} {target:>8} "
                          f"{'' if slope is None else f'{slope:.2f}':>6}")
     lines.append("(microseconds, except bytes per cached page; slope: log-log of the median "
