@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .page_runs import runs_of_sorted
+
 BULK_MIN_RUNS = 64
 """Fewer runs taken than this go through the run index one by one (the bulk path's fixed
 cost, a few numpy calls, is larger)."""
@@ -44,20 +46,6 @@ def runs_to_take(lengths: list[int], counts: dict[int, int], num_pages: int) -> 
     return taken
 
 
-def free_runs_of_map(is_free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, lengths)`` of the maximal runs of True in ``is_free``, ascending; int64."""
-    free = np.flatnonzero(is_free)
-    if not free.size:
-        return free, free
-    breaks = np.flatnonzero(free[1:] - free[:-1] != 1)
-    firsts = np.empty(breaks.size + 1, dtype=np.intp)
-    firsts[0], firsts[1:] = 0, breaks + 1
-    lasts = np.empty_like(firsts)
-    lasts[:-1], lasts[-1] = breaks, free.size - 1
-    starts = free[firsts]
-    return starts, free[lasts] - starts + 1
-
-
 def take_longest_from_map(is_free: np.ndarray, num_pages: int
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The lowest ``num_pages`` pages of the fewest longest free runs of ``is_free`` (lower
@@ -70,7 +58,7 @@ def take_longest_from_map(is_free: np.ndarray, num_pages: int
         ``(pages, starts, lengths)``: the pages taken, ascending, and the runs that stay
         free (in no particular order); int64.
     """
-    starts, lengths = free_runs_of_map(is_free)
+    starts, lengths = runs_of_sorted(np.flatnonzero(is_free))
     order = np.lexsort((starts, -lengths))
     covered = np.cumsum(lengths[order])
     last = int(np.searchsorted(covered, num_pages))

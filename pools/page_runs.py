@@ -57,9 +57,24 @@ def runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
         starts = [int(pages[0]), *pages[breaks + 1].tolist()]
         ends = [*pages[breaks].tolist(), int(pages[-1])]
         return starts, [end - start + 1 for start, end in zip(starts, ends, strict=True)]
+    first_pages, lengths = _bounds(pages, breaks)
+    return first_pages.tolist(), lengths.tolist()
+
+
+def runs_of_sorted(pages: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of the runs of consecutive pages among ascending, distinct
+    ``pages`` (a free map's ``flatnonzero``), as int64 arrays (vectorised; none for none)."""
+    if not pages.size:
+        return pages, pages
+    return _bounds(pages, (pages[1:] - pages[:-1] != 1).nonzero()[0])
+
+
+def _bounds(pages: np.ndarray, breaks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First pages and lengths of the runs of ascending ``pages`` that end at ``breaks``
+    (positions of each run's last page but the final one)."""
     firsts = np.empty(breaks.size + 1, dtype=np.intp)
     firsts[0], firsts[1:] = 0, breaks + 1
     lasts = np.empty_like(firsts)
     lasts[:-1], lasts[-1] = breaks, pages.size - 1
     first_pages = pages[firsts]
-    return first_pages.tolist(), (pages[lasts] - first_pages + 1).tolist()
+    return first_pages, pages[lasts] - first_pages + 1

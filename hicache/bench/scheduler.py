@@ -220,21 +220,19 @@ def measure_thread_latency(size: int, repeats: int, seed: int) -> dict[str, list
             prompts.append(workload.next_prompt()[-2048:])
 
         gc.collect()  # the filling workload's young lists, walked once (see measure_tree)
-        out: dict[str, list[float]] = {}
-        for thread in ("off", "on"):
-            if thread == "on":
-                service.start()
-            for name, call in (("2k match", match), ("one request's cycle", cycle)):
-                _busy(call, draw if call is cycle else None, WARM_S)
-                times = timed(call, repeats, before=draw if call is cycle else None)
-                out[f"{name}, background thread {thread} (p99)"] = [_p99(times)]
-                if thread == "on" and call is match:
-                    out["2k match, background thread on (max)"] = [max(times)]
-        order = ["2k match, background thread off (p99)", "2k match, background thread on (p99)",
-                 "2k match, background thread on (max)",
-                 "one request's cycle, background thread off (p99)",
-                 "one request's cycle, background thread on (p99)"]
-        return {name: out[name] for name in order}
+
+        def phase(call: Callable[[], None], before: Callable[[], None] | None) -> list[float]:
+            _busy(call, before, WARM_S)
+            return timed(call, repeats, before=before)
+
+        match_off, cycle_off = phase(match, None), phase(cycle, draw)
+        service.start()
+        match_on, cycle_on = phase(match, None), phase(cycle, draw)
+        return {"2k match, background thread off (p99)": [_p99(match_off)],
+                "2k match, background thread on (p99)": [_p99(match_on)],
+                "2k match, background thread on (max)": [max(match_on)],
+                "one request's cycle, background thread off (p99)": [_p99(cycle_off)],
+                "one request's cycle, background thread on (p99)": [_p99(cycle_on)]}
     finally:
         service.stop()
 
