@@ -122,14 +122,20 @@ def test_factory_builds_plain_and_hybrid_services() -> None:
 
 
 def scheduler_ops(service: HiCacheService, seed: int, num_ops: int, steps: bool = True
-                  ) -> None:
+                  ) -> int:
     """Random engine traffic on this thread; checks rows of every match as it goes. A batch
     that loads waits for every layer (as its forward pass would) before rows are read.
     Without ``steps`` the scheduler never polls: where it would step it sleeps a little (a
-    forward pass), and the background thread acknowledges every transfer."""
+    forward pass), and the background thread acknowledges every transfer; every
+    :data:`QUIET_EVERY` operations a longer pass with transfers in flight waits until the
+    thread polled them (it must within :data:`THREAD_POLL_DEADLINE_S`). Returns how many
+    such waits there were."""
     rng = random.Random(seed)
     locked: list[TreeNode] = []
-    for _ in range(num_ops):
+    waits = 0
+    for done in range(num_ops):
+        if not steps and done % QUIET_EVERY == QUIET_EVERY - 1:
+            waits += wait_for_thread_poll(service)
         tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 11))]
         op = rng.random()
         if op < 0.3:
@@ -157,36 +163,58 @@ def scheduler_ops(service: HiCacheService, seed: int, num_ops: int, steps: bool 
             time.sleep(0.0002)
     for node in locked:
         service.release(node)
+    return waits
+
+
+QUIET_EVERY = 100
+THREAD_POLL_DEADLINE_S = 30.0
+
+
+def wait_for_thread_poll(service: HiCacheService) -> int:
+    """A quiet scheduler with transfers in flight: the background thread must poll within
+    the deadline. 1 when there was something to wait for, else 0."""
+    if service.controller.num_in_flight == 0:
+        return 0
+    polls = service.stats.polls
+    deadline = time.monotonic() + THREAD_POLL_DEADLINE_S
+    while service.stats.polls == polls:
+        assert time.monotonic() < deadline, "the background thread never polled"
+        time.sleep(0.001)
+    return 1
 
 
 def run_random_traffic(service: HiCacheService, seed: int, num_ops: int, steps: bool = True
                        ) -> None:
     """Scheduler thread beside the background thread, then empty the cache: no slot leaked
     and none owned twice. Without ``steps`` (see :func:`scheduler_ops`) the thread's polls
-    run beside the scheduler's calls."""
+    run beside the scheduler's calls. The service is stopped whatever happens, so that a
+    failure here leaves no thread behind for the tests after it."""
     service.start()
-    errors: list[BaseException] = []
+    try:
+        errors: list[BaseException] = []
+        waits: list[int] = []
 
-    def run() -> None:
-        try:
-            scheduler_ops(service, seed=seed, num_ops=num_ops, steps=steps)
-        except BaseException as exc:
-            errors.append(exc)
+        def run() -> None:
+            try:
+                waits.append(scheduler_ops(service, seed=seed, num_ops=num_ops, steps=steps))
+            except BaseException as exc:
+                errors.append(exc)
 
-    scheduler = threading.Thread(target=run)
-    scheduler.start()
-    scheduler.join()
-    assert not errors, errors
-    service.check_integrity()
-    assert service.stats.background_passes > 0 and service.stats.integrity_checks > 0
-    if not steps:
-        assert service.stats.polls > 0
-    empty_everything(service)
-    service.check_integrity()
-    assert not list(service.tree.nodes()) and service.engine_held_tokens == 0
-    for space, allocator in service.tree.io.allocators().items():
-        assert allocator.num_free_tokens == allocator.capacity_tokens, f"{space} leaked"
-    service.stop()
+        scheduler = threading.Thread(target=run)
+        scheduler.start()
+        scheduler.join()
+        assert not errors, errors
+        service.check_integrity()
+        assert service.stats.background_passes > 0 and service.stats.integrity_checks > 0
+        if not steps:  # each wait saw a poll; some of the seed's quiet passes had work
+            assert waits[0] > 0 and service.stats.polls >= waits[0]
+        empty_everything(service)
+        service.check_integrity()
+        assert not list(service.tree.nodes()) and service.engine_held_tokens == 0
+        for space, allocator in service.tree.io.allocators().items():
+            assert allocator.num_free_tokens == allocator.capacity_tokens, f"{space} leaked"
+    finally:
+        service.stop()
     assert service.stats.background_errors == 0
 
 
@@ -196,8 +224,11 @@ def run_random_traffic(service: HiCacheService, seed: int, num_ops: int, steps: 
     ("write_back", True, 5, False),
 ])
 def test_random_traffic_beside_the_background_thread(policy: str, hybrid: bool, seed: int,
-                                                     steps: bool) -> None:
-    """Thousands of operations on a CPU."""
+                                                     steps: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Thousands of operations on a CPU. The thread's busy backoff is capped at 20 ms here, so
+    that it passes often beside the scheduler's calls and a quiet pass's wait is short."""
+    monkeypatch.setattr("hicache.background_poller.BUSY_WAKE_S", 0.02)
     config = make_config(policy, hybrid, interval_s=0.005)
     run_random_traffic(build_service(config), seed, 2500, steps)
 
@@ -209,9 +240,11 @@ def test_random_traffic_beside_the_background_thread(policy: str, hybrid: bool, 
     ("write_through_selective", False, "staged", True), ("write_through", True, "auto", False),
     ("write_back", True, "torch", True),
 ])
-def test_random_traffic_on_a_gpu(policy: str, hybrid: bool, backend: str, steps: bool
-                                 ) -> None:
-    """The same traffic with real asynchronous copies; loaded rows checked after the waits."""
+def test_random_traffic_on_a_gpu(policy: str, hybrid: bool, backend: str, steps: bool,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same traffic with real asynchronous copies; loaded rows checked after the waits.
+    The thread's busy backoff is capped at 20 ms, as on the CPU."""
+    monkeypatch.setattr("hicache.background_poller.BUSY_WAKE_S", 0.02)
     config = make_config(policy, hybrid, interval_s=0.005, device="cuda", io_backend=backend)
     run_random_traffic(build_service(config), seed=5, num_ops=scaled(1500, 300), steps=steps)
 
