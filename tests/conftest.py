@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from gpu_shapes import SANITIZER_ENV, under_sanitizer
 from storage_helpers import own_server, redis_cluster, redis_server  # noqa: F401 (fixtures)
+from thread_helpers import note_threads_before_test, service_threads
 
 
 @pytest.fixture
@@ -20,3 +23,16 @@ def pytest_report_header() -> str | None:
     if under_sanitizer():
         return f"{SANITIZER_ENV}=1: GPU tests use their small (sanitizer) shapes"
     return None
+
+
+@pytest.fixture(autouse=True)
+def no_service_thread_left_behind() -> Iterator[None]:
+    """A test that leaves a service thread running (a service never stopped) fails at its
+    teardown, naming the threads; later tests do not count that thread as theirs."""
+    note_threads_before_test()
+    yield
+    deadline = time.monotonic() + 5.0  # a stop in another thread may still be joining
+    while service_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    left = service_threads()
+    assert not left, f"the test left {[t.name for t in left]} running: stop its service"

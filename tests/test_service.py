@@ -13,6 +13,7 @@ import pytest
 import torch
 from gpu_shapes import scaled
 from radix_helpers import expected_rows, read_rows, write_rows
+from thread_helpers import service_thread_names
 
 from hicache.config import HiCacheConfig, config_from_dict
 from hicache.controller import HybridCacheController
@@ -114,7 +115,7 @@ def test_factory_builds_plain_and_hybrid_services() -> None:
         assert controller.device_allocator.capacity_tokens == 32
         assert controller.host_pool.allocator.capacity_tokens == 64
         assert service.device_pool._layer_waiter == controller.wait_until
-        assert not any(t.name == "hicache-service" for t in threading.enumerate())
+        assert "hicache-service" not in service_thread_names()
         service.stop()
 
 
@@ -422,9 +423,9 @@ def test_alloc_device_evicts_when_full(plain: HiCacheService) -> None:
 
 def test_context_manager_stops_the_thread_and_stop_is_idempotent() -> None:
     with build_service(make_config()) as service:
-        assert any(t.name == "hicache-service" for t in threading.enumerate())
+        assert "hicache-service" in service_thread_names()
         assert put(service, [1, 1])
-    assert not any(t.name == "hicache-service" for t in threading.enumerate())
+    assert "hicache-service" not in service_thread_names()
     service.stop()
     with pytest.raises(RuntimeError, match="stopped"):
         service.match([1, 1])
@@ -456,7 +457,6 @@ def test_interrupt_inside_start_stops_what_started(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr("hicache.service.threading.Thread", InterruptedThread)
     with pytest.raises(KeyboardInterrupt), service:
         pass
-    names = {thread.name for thread in threading.enumerate()}
-    assert "hicache-metrics-http" not in names and "hicache-service" not in names
+    assert not service_thread_names()
     with pytest.raises(RuntimeError, match="stopped"):
         service.match([1, 2])

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from test_service import make_config as service_config
+from thread_helpers import service_threads
 
 from hicache.config import HiCacheConfig
 from hicache.factory import build_service
@@ -330,11 +330,6 @@ def taken_port() -> Iterator[socket.socket]:
     blocker.listen()
     yield blocker
     blocker.close()
-
-
-def service_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name in ("hicache-service",
-                                                          "hicache-metrics-http")]
 
 
 def test_start_on_a_taken_metrics_port_names_it_and_the_fix(taken_port: socket.socket

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pexpect
 import pytest
+from thread_helpers import service_thread_names
 
 from hicache.cli import main
 from hicache.config import default_config_text
@@ -140,7 +141,6 @@ def test_interrupt_stops_the_service(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["demo", "--config", str(config)]) == 130
     watcher.join()
     assert capsys.readouterr().err == "hicache: interrupted\n"
-    names = {thread.name for thread in threading.enumerate()}
-    assert not names & {"hicache-service", "hicache-metrics-http"}, names
+    assert not service_thread_names(), service_thread_names()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
