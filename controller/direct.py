@@ -20,8 +20,11 @@ and only when its runs average at least :data:`DIRECT_MIN_RUN_TOKENS` tokens
 (:func:`worth_direct`). ``page_first`` and ``page_first_direct`` hosts are served correctly
 (each run's views are planned as 2D copies like any other block) but ``auto`` never picks
 it for them: one layer of a ``page_first`` run is rows a token apart, which the copy engine
-moves at about a third of the link's rate, and a ``page_first_direct`` run is one copy per
-page-sized block of every component and layer.
+moves at about a third of the link's rate. A run of whole ``page_first_direct`` pages is one
+2D copy per component and layer (each of its rows a page's ``page_size`` rows of that layer,
+a host page apart), which alone reaches the link's rate, but the layer-wise host hits of
+``hicache bench e2e`` came out slower through it than through the table's choice at 2k and
+32k tokens (see the README), so that layout follows the table.
 
 Plans: a run's copies depend on its length and the layers moved, not on where it starts, so
 each run shape is planned once per pool pair (:class:`RunPlans`) as byte offsets from host
