@@ -15,12 +15,15 @@ from gpu_shapes import scaled, under_sanitizer
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from hicache.bench.e2e import measure
+from hicache.bench.e2e.bare import pool_sources
 from hicache.bench.e2e.cli import main
 from hicache.bench.e2e.measure import E2EOptions, run_e2e
-from hicache.bench.e2e.model import TINY, DecoderSpec, attend
+from hicache.bench.e2e.model import TINY, Decoder, DecoderSpec, attend
 from hicache.bench.e2e.report import COLUMNS
+from hicache.bench.e2e.setup import Buffers, put_prefix, service_config
 from hicache.bench.workload import BenchmarkError
 from hicache.cli import main as cli_main
+from hicache.factory import build_service
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -70,6 +73,39 @@ def test_page_first_direct_host_layout_loads_the_same_rows() -> None:
     """The other host layout (pages of 16 side by side) gives the same output."""
     rows = run_e2e(tiny_options(cached_tokens=(48,), new_tokens=1, layout="page_first_direct"))
     assert rows[0].outputs_equal and rows[0].recompute_rel_diff < 1e-5
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_bare_copy_reads_the_prefix_bytes_in_the_host_pool(layout: str) -> None:
+    """The bare pipeline's pieces are views of the host pool's buffer holding exactly the
+    prefix's K and V rows (each layer's own on layer_first, the prefix's pages cut in equal
+    pieces elsewhere), so bare and host hit read the same memory."""
+    options = tiny_options(cached_tokens=(48,), layout=layout)
+    config = service_config(options.spec, options.device, options.capacity_tokens,
+                            options.page_size, options.backend, layout)
+    model = Decoder(options.spec, options.device, options.seed)
+    buffers = Buffers(options.spec, options.device, 48, options.new_tokens)
+    with build_service(config) as service:
+        tokens = list(range(100, 148))
+        x = torch.randn(48, options.spec.hidden)
+        put_prefix(service, model, buffers, tokens, x)
+        sources = pool_sources(service, tokens, options.spec.num_layers)
+        pool = service.controller.host_pool.data
+        low, high = pool.data_ptr(), pool.data_ptr() + pool.numel() * pool.element_size()
+        layers = options.spec.num_layers
+        assert len(sources) == layers
+        for piece in (p for pieces in sources for p in pieces):
+            assert low <= piece.data_ptr() < high and piece.numel() == 48 * options.spec.kv_size
+        got = torch.cat([p for pieces in sources for p in pieces])
+        rows = buffers.host[:, :, :48].reshape(layers * 2 * 48, -1)  # [layer, K/V, token]
+        if layout == "layer_first":  # each layer's K, then V rows, in token order
+            assert torch.equal(got, rows.reshape(-1))
+        else:  # the same rows, in the pool's order
+            pool_rows = got.view(-1, options.spec.kv_size)
+            assert sorted(map(tuple, pool_rows.tolist())) == sorted(map(tuple, rows.tolist()))
+        service.evict_host(48)  # the prefix's slots are gone: nothing to read in place
+        with pytest.raises(BenchmarkError, match="48-token prefix has 0 host slots"):
+            pool_sources(service, tokens, layers)
 
 
 def test_wrong_loaded_rows_fail_the_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,6 +23,7 @@ from hicache.factory import build_service
 from hicache.service import HiCacheService
 
 from ..workload import BenchmarkError
+from .bare import BareSources, pool_sources
 from .host_hit import HostHit
 from .kv import DenseKV
 from .model import Decoder, DecoderSpec, OwnKV
@@ -136,6 +137,7 @@ class E2EBench:
         opts, model, buffers = self.opts, self.model, self.buffers
         tokens, x = self.request(num_cached)
         put_prefix(self.service, model, buffers, tokens[:num_cached], x[:num_cached])
+        sources = pool_sources(self.service, tokens[:num_cached], model.spec.num_layers)
         new = x[num_cached:]
         prefix_ms, _ = self.median_ms(lambda: model.forward(x[:num_cached], 0, OwnKV()))
         recompute_ms, full = self.median_ms(lambda: model.forward(x, 0, OwnKV()))
@@ -144,7 +146,7 @@ class E2EBench:
         (resident_ms, resident), (bare_ms, bare), (hit_ms, out) = self.interleaved_ms([
             (lambda: model.forward(new, num_cached,
                                    DenseKV(buffers.keys, buffers.values, num_cached)), None),
-            (lambda: self.bare_forward(new, num_cached), None),
+            (lambda: self.bare_forward(new, num_cached, sources), None),
             (hit.run, hit.reset)])
         rows_ok, gathered = hit.rows_match(buffers, num_cached), hit.gathered
         hit.reset()
@@ -195,20 +197,24 @@ class E2EBench:
                 times.append(self.timer(copy)[0])
         return min(times) * 1e3
 
-    def bare_forward(self, new: torch.Tensor, num_cached: int) -> torch.Tensor:
-        """The new tokens' forward overlapped with a bare layer-wise copy of the prefix's KV
-        from pinned memory (K then V of each layer, an event after each layer)."""
+    def bare_forward(self, new: torch.Tensor, num_cached: int, sources: BareSources
+                     ) -> torch.Tensor:
+        """The new tokens' forward overlapped with a bare layer-wise copy of the prefix's
+        KV bytes from the host pool's own pages (``sources``, :mod:`.bare`) to a device
+        scratch buffer: K then V of each layer, an event after each layer. The forward
+        reads the dense buffers, which hold the prefix's rows."""
         buffers, stream = self.buffers, self.buffers.copy_stream
         ready: list[torch.cuda.Event] | None = None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream())  # the last forward read them
             ready = []
+        scratch, offset = buffers.scratch, 0
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for layer, (k, v) in enumerate(zip(buffers.keys, buffers.values, strict=True)):
-                k[:num_cached].flatten(1).copy_(buffers.host[layer, 0, :num_cached],
-                                                non_blocking=True)
-                v[:num_cached].flatten(1).copy_(buffers.host[layer, 1, :num_cached],
-                                                non_blocking=True)
+            for pieces in sources:
+                for piece in pieces:
+                    size = piece.numel()
+                    scratch[offset:offset + size].copy_(piece, non_blocking=True)
+                    offset += size
                 if ready is not None:
                     ready.append(torch.cuda.Event())
                     ready[-1].record()

@@ -8,7 +8,8 @@ Times are milliseconds, medians of the repeats (the contiguous copy: the best, a
 - ``copy_ms``: one contiguous pinned host-to-device copy of the ``N`` tokens' KV bytes;
 - ``resident_ms``: the forward of the ``M`` new tokens with the prefix's KV on the device;
 - ``bare_ms``: the same forward overlapped with a bare layer-wise copy of the prefix's KV
-  (two ``copy_`` per layer on a side stream, one event per layer);
+  bytes from the host pool's own pages (two ``copy_`` per layer on a side stream, one
+  event per layer; :mod:`.bare`);
 - ``hit_ms``: the time to first token of the host hit through hicache: match, load-back,
   ``start_loading``, the forward waiting for each layer in the pool's accessors.
 """

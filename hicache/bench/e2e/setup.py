@@ -44,8 +44,10 @@ class Buffers:
 
     ``keys`` / ``values``: per layer ``[max_cached + max_new, kv_heads, head_dim]`` on the
     device (the prefix's rows, then a chunk's). ``host``: ``[layers, 2, max_cached,
-    kv_heads * head_dim]`` in pinned memory (on a GPU), the prefix's rows for the bare copies.
-    ``scratch``: as many device bytes as ``host``, the destination of the contiguous copy.
+    kv_heads * head_dim]`` in pinned memory (on a GPU), the prefix's rows for the contiguous
+    copy (the ceiling). ``scratch``: as many device bytes as ``host``, the destination of
+    the contiguous copy and of the bare pipeline's copies (which read the host pool's pages,
+    :mod:`.bare`).
     """
 
     def __init__(self, spec: DecoderSpec, device: torch.device, max_cached: int,
