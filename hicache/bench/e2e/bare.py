@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from hicache.pools import HostLayout
-from hicache.radix import TreeNode
+from hicache.pools import HostLayout, IndexSpace
+from hicache.radix.load_back import host_span
+from hicache.radix.node import cat_indices
+from hicache.radix.tree import slots_of
 from hicache.service import HiCacheService
 
 from ..workload import BenchmarkError
@@ -31,17 +33,15 @@ BareSources = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def prefix_host_slots(service: HiCacheService, tokens: list[int]) -> torch.Tensor:
-    """The host slots of the cached ``tokens`` (a host-only prefix), in token order.
+    """The host slots of the cached ``tokens`` (a host-only prefix), in token order: those
+    a load-back of it would read (:func:`~hicache.radix.load_back.host_span`).
 
     Raises:
         BenchmarkError: the tokens are not all on the host.
     """
-    node: TreeNode | None = service.match(tokens).last_host_node
-    parts = []
-    while node is not None and node.host is not None:
-        parts.append(node.host.tensor)
-        node = node.parent
-    slots = torch.cat(parts[::-1]) if parts else torch.zeros(0, dtype=torch.int64)
+    tree = service.tree
+    span = host_span(tree, service.match(tokens).last_host_node)
+    slots = cat_indices([slots_of(node, "host") for node in span], IndexSpace.HOST_FULL).tensor
     if slots.numel() != len(tokens):
         raise BenchmarkError(f"the {len(tokens)}-token prefix has {slots.numel()} host slots")
     return slots
