@@ -49,14 +49,34 @@ class PagePlan:
     """How a chunk's host slots (sorted; int64 numpy, repeats allowed) split into pieces of
     one page each and segments of whole pages, with slots of ``page_size`` per page. It does
     not depend on the layers moved: a layer-wise load makes it once per chunk of the op and
-    every layer group's :class:`DirectStaging` reuses it."""
+    every layer group's :class:`DirectStaging` reuses it.
 
-    def __init__(self, host_slots: np.ndarray, page_size: int) -> None:
+    Args:
+        segments: the chunk's segments when known (cut from the op's:
+            :func:`hicache.controller.chunk_slots.segments_between`); else found here.
+    """
+
+    def __init__(self, host_slots: np.ndarray, page_size: int,
+                 segments: list[Segment] | None = None) -> None:
         self.page_size = page_size
         self.num_pairs = int(host_slots.size)
-        self.starts, self.lengths = _pieces(host_slots, page_size)
-        self.whole_pages = bool((self.lengths == page_size).all())
-        self.segments = _segments(host_slots, self.starts, self.lengths, page_size)
+        if segments is None:
+            segments = page_segments(host_slots, *page_pieces(host_slots, page_size),
+                                     page_size)
+        self.segments = segments
+        # a piece of a whole page's length is the whole page
+        self.whole_pages = all(segment.length == page_size for segment in segments)
+
+    def pieces(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, lengths)`` of the pieces, in pair positions (:func:`page_pieces`)."""
+        segments = self.segments
+        counts = np.array([segment.num_pages for segment in segments], dtype=np.int64)
+        lengths = np.repeat(np.array([segment.length for segment in segments],
+                                     dtype=np.int64), counts)
+        firsts = np.repeat(np.array([segment.position for segment in segments],
+                                    dtype=np.int64), counts)
+        in_segment = np.arange(lengths.size) - np.repeat(np.cumsum(counts) - counts, counts)
+        return firsts + in_segment * lengths, lengths
 
 
 class DirectStaging:
@@ -74,7 +94,7 @@ class DirectStaging:
         self.page_size, self.row_elems = pages.page_size, row_elems
         self.shape = (num_components, num_layers)
         self.num_pairs = pages.num_pairs
-        self.starts, self.lengths = pages.starts, pages.lengths
+        self.pages = pages
         self.whole_pages = pages.whole_pages
         self.segments = pages.segments
         self._target_rows: torch.Tensor | None = None
@@ -163,8 +183,9 @@ class DirectStaging:
         if self._target_rows is not None:
             return self._target_rows
         c, n = self.shape
-        lengths = np.repeat(self.lengths, self.lengths)
-        piece_starts = np.repeat(self.starts, self.lengths)
+        starts, piece_lengths = self.pages.pieces()
+        lengths = np.repeat(piece_lengths, piece_lengths)
+        piece_starts = np.repeat(starts, piece_lengths)
         base = piece_starts * c * n + (np.arange(self.num_pairs) - piece_starts)
         grid = np.arange(c * n)[:, None] * lengths[None, :] + base[None, :]
         if device.type == "cuda":  # pinned, so the copy does not wait for the stream
@@ -174,7 +195,7 @@ class DirectStaging:
         return self._target_rows
 
 
-def _pieces(host_slots: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+def page_pieces(host_slots: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(starts, lengths)`` of the runs of consecutive slots within one page each."""
     if host_slots.size == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -185,7 +206,7 @@ def _pieces(host_slots: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndar
     return starts, lengths
 
 
-def _segments(host_slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
+def page_segments(host_slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
               page_size: int) -> list[Segment]:
     """Pieces joined into runs of consecutive whole pages; partial pages stay alone."""
     if starts.size == 0:

@@ -33,9 +33,10 @@ for 16 tokens of 2 KiB rows) and a write of all layers one contiguous copy per r
 On a CPU device pool there is no copy engine; the same chunking and run logic runs with
 plain ``copy_`` calls, so it is tested without a GPU.
 
-Issue cost: an op plans each chunk once per layer shape (its host runs as 2D copies, byte
-offsets from the host buffer and a staging buffer), and every layer group of a layer-wise
-load issues those copies at its layers' offset; copies and events name their streams (the
+Issue cost: an op finds its host runs (or pages) once, plans each chunk once per layer shape
+(its host runs as 2D copies, byte offsets from the host buffer and a staging buffer, shifted
+from templates the backend keeps per run shape across ops), and every layer group of a
+layer-wise load issues those copies at its layers' offset; copies and events name their streams (the
 side stream is looked up once per op), so a chunk issues its copies, one index kernel and
 four event operations with no stream lookup. The plans and the data movement of one chunk
 are in :mod:`hicache.controller.staged_chunk`; this module holds the backend and its staging
@@ -52,8 +53,10 @@ import torch
 from hicache.pools import DeviceKVPool, HostKVPool
 
 from .base import Direction, MovedTransfer, TransferBackend
+from .chunk_copies import CopyTemplates
+from .chunk_slots import host_runs
 from .events import Event
-from .staged_chunk import LayerGroup, StagedMove, host_runs, move_chunk
+from .staged_chunk import LayerGroup, StagedMove, move_chunk
 
 __all__ = ["StagedBackend", "host_runs"]
 
@@ -76,6 +79,7 @@ class StagedBackend(TransferBackend):
         # Keyed by the side stream that issues the move (write and load streams each get their
         # own staging and auxiliary stream, so the two directions never share a buffer).
         self._lanes: dict[tuple[int, torch.dtype], _Lane] = {}
+        self.templates = CopyTemplates()  # every op's chunk copies, by run shape
 
     def staging_bytes(self, token_bytes: int, page_size: int) -> int:
         """Device memory the staging buffers of one side stream take for rows of
@@ -129,7 +133,8 @@ class StagedBackend(TransferBackend):
         chunk_tokens = self.chunk_tokens(move.device_pool.num_layers, group.num_layers,
                                          move.num_pairs, page_size)
         buffers, free, staged, aux = lane.buffers, lane.free, lane.staged, lane.aux
-        for plan in move.chunks(moved, chunk_tokens, group.shape, buffers[0]):
+        for plan in move.chunks(moved, chunk_tokens, group.shape, buffers[0],
+                                self.templates):
             number = lane.next
             lane.next = 1 - number
             move_chunk(plan, group, to_host, buffers[number], aux, free[number],

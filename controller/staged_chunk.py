@@ -6,64 +6,27 @@ streams :class:`~hicache.controller.staged.StagedBackend` gives it).
 A chunk's copies depend on its host slots and how many layers move in which blocks, not on
 which layers: every layer of the host, and of the staging buffer, is laid out alike. A chunk
 is planned once per op and layer shape (:class:`ChunkPlan`) as byte offsets from the host
-and staging buffers (:func:`~hicache.controller.copy2d.plan_copies`); each layer group
-issues those copies with one pointer addition per block of layers.
+and staging buffers, each run's copies shifted from a template planned once per run shape
+(:mod:`~hicache.controller.chunk_copies`), its runs or pages cut from the op's
+(:mod:`~hicache.controller.chunk_slots`); each layer group issues those copies with one
+pointer addition per block of layers.
 
 On a CPU pool (no streams, no copy engine) the same plans run as strided CPU copies
 (:func:`~hicache.controller.copy2d.emulate_copies`): chunks and plans are tested on a CPU."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hicache.pools import HostLayout
 
 from . import copy2d
 from .base import MovedTransfer
-from .direct_staging import DirectStaging, PagePlan
+from .chunk_copies import CopyTemplates, run_copies, segment_copies
+from .chunk_slots import ChunkSlots, OpSlots
+from .direct_staging import DirectStaging
 from .events import Event
 from .layer_blocks import BlockShape, layer_blocks
-
-
-def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
-    """Split sorted host slots into ``(start position, length)`` runs of consecutive slots."""
-    return runs_between(run_breaks(host_slots), 0, host_slots.size)
-
-
-def run_breaks(host_slots: np.ndarray) -> np.ndarray:
-    """Positions where a run of consecutive ``host_slots`` begins, the first excepted."""
-    return (host_slots[1:] - host_slots[:-1] != 1).nonzero()[0] + 1
-
-
-def runs_between(breaks: np.ndarray, start: int, end: int) -> list[tuple[int, int]]:
-    """:func:`host_runs` of positions ``[start, end)`` (counted from ``start``) of slots
-    whose :func:`run_breaks` are ``breaks``: found once an op, cut per chunk."""
-    if end <= start:
-        return []
-    inner = breaks[breaks.searchsorted(start, "right"): breaks.searchsorted(end, "left")]
-    firsts = [0, *(inner - start).tolist()]
-    lasts = [*firsts[1:], end - start]
-    return [(first, last - first) for first, last in zip(firsts, lasts, strict=True)]
-
-
-class ChunkSlots:
-    """Pairs ``[start, end)`` of ``moved``: their device index, host slots and what the copies
-    derive from the host slots (runs of consecutive slots, or the pages of a
-    ``page_first_direct`` host). None of it depends on the layers moved."""
-
-    def __init__(self, moved: MovedTransfer, start: int, end: int,
-                 breaks: np.ndarray | None) -> None:
-        self.device_index = moved.device_index[start:end]
-        self.host_slots = moved.host_index.numpy()[start:end]
-        host = moved.source.host_pool
-        self.pages: PagePlan | None = None
-        self.runs: list[tuple[int, int]] = []
-        if host.layout is HostLayout.PAGE_FIRST_DIRECT:
-            self.pages = PagePlan(self.host_slots, host.page_size)
-        else:
-            assert breaks is not None, "the op's run breaks: StagedMove.slots finds them"
-            self.runs = runs_between(breaks, start, end)
 
 
 class StagedMove:
@@ -84,21 +47,20 @@ class StagedMove:
         self.rows = _wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
         self.num_pairs = int(moved.host_index.numel())
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
-        self._breaks: np.ndarray | None = None  # of the whole op's host slots, found once
+        self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
 
     def chunks(self, moved: MovedTransfer, chunk_tokens: int, shape: BlockShape,
-               buffer: torch.Tensor) -> list[ChunkPlan]:
+               buffer: torch.Tensor, templates: CopyTemplates) -> list[ChunkPlan]:
         """The plans of every chunk of ``chunk_tokens`` pairs of ``moved`` (this move's) for
         layers in ``shape``, made on first use, with 2D copies relative to the staging
-        ``buffer`` (either buffer of a lane: they are laid out alike)."""
+        ``buffer`` (either buffer of a lane: they are laid out alike) from ``templates``."""
         plans = self._plans.get((chunk_tokens, shape))
         if plans is None:
-            planner = copy2d.CopyPlanner(self.host_ptr, buffer.data_ptr())
             plans = self._plans[(chunk_tokens, shape)] = [
                 ChunkPlan(self, self.slots(moved, start, min(start + chunk_tokens,
                                                              self.num_pairs)),
-                          shape, buffer, planner)
+                          shape, buffer, templates)
                 for start in range(0, self.num_pairs, chunk_tokens)]
         return plans
 
@@ -106,11 +68,10 @@ class StagedMove:
         """The :class:`ChunkSlots` of pairs ``[start, end)``, shared by every layer shape."""
         slots = self._slots.get((start, end))
         if slots is None:
-            breaks = self._breaks
-            if breaks is None and moved.source.host_pool.layout is not \
-                    HostLayout.PAGE_FIRST_DIRECT:
-                breaks = self._breaks = run_breaks(moved.host_index.numpy())
-            slots = self._slots[(start, end)] = ChunkSlots(moved, start, end, breaks)
+            op_slots = self._op_slots
+            if op_slots is None:
+                op_slots = self._op_slots = OpSlots(moved)
+            slots = self._slots[(start, end)] = ChunkSlots(moved, start, end, op_slots)
         return slots
 
 
@@ -143,7 +104,7 @@ class ChunkPlan:
     """
 
     def __init__(self, move: StagedMove, slots: ChunkSlots, shape: BlockShape,
-                 buffer: torch.Tensor, planner: copy2d.CopyPlanner) -> None:
+                 buffer: torch.Tensor, templates: CopyTemplates) -> None:
         self.slots, self.device_index = slots, slots.device_index
         self.host, self.token_major = move.host, move.token_major  # not ``move``: no cycle
         geometry = move.device_pool.geometry
@@ -158,14 +119,30 @@ class ChunkPlan:
         self.numel = n * c * layers * r
         self.wide_shape = (*self.shape[:-1], move.rows.shape[-1])
         self.copies: list[list[copy2d.Copy2D]] | None = None
+        self._rows: dict[int, torch.Tensor] = {}  # by the staging buffer's address
         if not buffer.is_cuda or copy2d.have_2d_copies():
             staged = self.staged(buffer)  # host layer 0: a group adds its layers' offset
-            self.copies = [[planned for views in self.views(staged, offset, 0, count)
-                            for planned in planner.plan(*views)] for offset, count in shape]
+            if slots.pages is not None:
+                self.copies = [segment_copies(templates, self.host, staged,
+                                              slots.pages.segments, c, layers, offset, count)
+                               for offset, count in shape]
+            else:
+                self.copies = [run_copies(templates, self.host, staged, self.token_major,
+                                          slots.runs, slots.host_slots, offset, count)
+                               for offset, count in shape]
 
     def staged(self, buffer: torch.Tensor) -> torch.Tensor:
         """This chunk's staging view of ``buffer`` in the pool's dtype."""
         return buffer[: self.numel].view(self.shape)
+
+    def rows(self, buffer: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
+        """This chunk's staging view of ``buffer`` as ``wide`` rows (the device rows'
+        elements), made once per buffer: every layer group of the op moves it again."""
+        rows = self._rows.get(buffer.data_ptr())
+        if rows is None:
+            rows = self._rows[buffer.data_ptr()] = buffer[: self.numel].view(wide).view(
+                self.wide_shape)
+        return rows
 
     def views(self, staged: torch.Tensor, block_offset: int, begin: int, end: int
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -204,7 +181,7 @@ def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: torch.
     kernels and temporaries), and the side stream, current on entry, is made current again.
     """
     side = group.side
-    rows = buffer[: plan.numel].view(group.move.rows.dtype).view(plan.wide_shape)
+    rows = plan.rows(buffer, group.move.rows.dtype)
     if not to_host:
         free.wait(aux)
         _copy(plan, group, buffer, False, aux)

@@ -13,12 +13,14 @@ from hicache.controller import (
     CacheController,
     TorchBackend,
     TransferBackend,
+    chunk_slots,
     copy2d,
     staged_chunk,
 )
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
+from hicache.controller.chunk_slots import host_runs
 from hicache.controller.copy2d import Copy2D
-from hicache.controller.staged import StagedBackend, host_runs
+from hicache.controller.staged import StagedBackend
 from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices, RowGeometry
 
 CHUNK = 8
@@ -271,9 +273,9 @@ def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
     init = staged_chunk.ChunkSlots.__init__
 
     def counted(self: staged_chunk.ChunkSlots, moved: MovedTransfer, start: int,
-                end: int, breaks: np.ndarray | None) -> None:
+                end: int, op: chunk_slots.OpSlots) -> None:
         made.append((start, end))
-        init(self, moved, start, end, breaks)
+        init(self, moved, start, end, op)
 
     ctrl = make_controller(StagedBackend(CHUNK), page_size=2, layout=layout, num_layers=6)
     # a budget of 6 * CHUNK tokens of one layer: two balanced chunks of 3 * CHUNK + 2
@@ -298,11 +300,11 @@ def test_chunk_runs_cut_from_the_op_breaks_equal_the_chunk_own() -> None:
         gaps = rng.integers(1, 4, size=lengths.size)
         slots = np.concatenate([np.arange(start, start + length) for start, length in
                                 zip(np.cumsum(lengths + gaps) - lengths, lengths, strict=True)])
-        breaks = staged_chunk.run_breaks(slots)
+        breaks = chunk_slots.run_breaks(slots)
         for start, end in [(0, slots.size), (0, 0), *(sorted(rng.integers(0, slots.size + 1,
                                                                         size=2))
                                                        for _ in range(5))]:
-            assert staged_chunk.runs_between(breaks, int(start), int(end)) == \
+            assert chunk_slots.runs_between(breaks, int(start), int(end)) == \
                 host_runs(slots[start:end]), (slots, start, end)
 
 

@@ -14,7 +14,7 @@ from controller_helpers import make_controller
 
 from hicache.controller import CacheController, TorchBackend, TransferBackend, staged_chunk
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
-from hicache.controller.copy2d import CopyPlanner
+from hicache.controller.chunk_copies import CopyTemplates
 from hicache.controller.layer_blocks import BlockShape
 from hicache.controller.staged import StagedBackend
 from hicache.controller.staged_chunk import ChunkPlan, ChunkSlots, StagedMove
@@ -64,9 +64,9 @@ def plans_made(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[BlockShape]]:
     init = staged_chunk.ChunkPlan.__init__
 
     def counted(self: ChunkPlan, move: StagedMove, slots: ChunkSlots, shape: BlockShape,
-                buffer: torch.Tensor, planner: CopyPlanner) -> None:
+                buffer: torch.Tensor, templates: CopyTemplates) -> None:
         made.append(shape)
-        init(self, move, slots, shape, buffer, planner)
+        init(self, move, slots, shape, buffer, templates)
 
     monkeypatch.setattr(staged_chunk.ChunkPlan, "__init__", counted)
     yield made

@@ -1,0 +1,121 @@
+"""A staged op's host slots as its chunks see them: runs of consecutive slots (a
+``layer_first`` or ``page_first`` host) or segments of whole pages and partial pages (a
+``page_first_direct`` host), found once for the whole op (:class:`OpSlots`) and cut per chunk
+(:class:`ChunkSlots`) with two binary searches. Finding them anew per chunk scanned every
+slot of the op once per chunking: a 32k-token layer-wise load chunks its pairs several ways
+(one per layer-group size), and the scans took about 1 ms of the issue of a
+``page_first_direct`` load on an H100 host (measured)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hicache.pools import HostLayout
+
+from .base import MovedTransfer
+from .direct_staging import PagePlan, Segment, page_pieces, page_segments
+
+
+def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
+    """Split sorted host slots into ``(start position, length)`` runs of consecutive slots."""
+    return runs_between(run_breaks(host_slots), 0, host_slots.size)
+
+
+def run_breaks(host_slots: np.ndarray) -> np.ndarray:
+    """Positions where a run of consecutive ``host_slots`` begins, the first excepted."""
+    return (host_slots[1:] - host_slots[:-1] != 1).nonzero()[0] + 1
+
+
+def runs_between(breaks: np.ndarray, start: int, end: int) -> list[tuple[int, int]]:
+    """:func:`host_runs` of positions ``[start, end)`` (counted from ``start``) of slots
+    whose :func:`run_breaks` are ``breaks``: found once an op, cut per chunk."""
+    if end <= start:
+        return []
+    inner = breaks[breaks.searchsorted(start, "right"): breaks.searchsorted(end, "left")]
+    firsts = [0, *(inner - start).tolist()]
+    lasts = [*firsts[1:], end - start]
+    return [(first, last - first) for first, last in zip(firsts, lasts, strict=True)]
+
+
+def segments_between(segments: list[Segment], positions: np.ndarray, start: int, end: int
+                     ) -> list[Segment]:
+    """The segments (:func:`~hicache.controller.direct_staging.page_segments`) of positions
+    ``[start, end)`` (counted from ``start``) of slots whose segments are ``segments``, which
+    start at ``positions``: a segment cut by either end keeps its part inside, as a partial
+    page, whole pages, and a partial page."""
+    if end <= start:
+        return []
+    first = int(positions.searchsorted(start, "right")) - 1
+    last = int(positions.searchsorted(end, "left"))
+    if last - first == 1:
+        return _cut(segments[first], start, end, start)
+    head, tail = segments[first], segments[last - 1]
+    return [*_cut(head, start, head.position + head.num_pages * head.length, start),
+            *(segment._replace(position=segment.position - start)
+              for segment in segments[first + 1: last - 1]),
+            *_cut(tail, tail.position, end, start)]
+
+
+def _cut(segment: Segment, low: int, high: int, base: int) -> list[Segment]:
+    """Positions ``[low, high)`` (inside ``segment``) of ``segment``, counted from
+    ``base``."""
+    length, begin = segment.length, low - segment.position
+    stop = high - segment.position
+    first_page, last_page = begin // length, (stop - 1) // length
+    if first_page == last_page:
+        return [Segment(low - base, segment.page + first_page,
+                        segment.offset + begin - first_page * length, 1, stop - begin)]
+    cut = []
+    whole_first, whole_last = first_page, last_page
+    if begin % length:
+        cut.append(Segment(low - base, segment.page + first_page,
+                           segment.offset + begin % length, 1, length - begin % length))
+        whole_first += 1
+    if stop % length:
+        whole_last -= 1
+    if whole_first <= whole_last:
+        cut.append(Segment(segment.position + whole_first * length - base,
+                           segment.page + whole_first, segment.offset,
+                           whole_last - whole_first + 1, length))
+    if stop % length:
+        cut.append(Segment(segment.position + last_page * length - base,
+                           segment.page + last_page, segment.offset, 1, stop % length))
+    return cut
+
+
+class OpSlots:
+    """The run breaks (:func:`run_breaks`) or the page pieces of all of an op's host slots."""
+
+    def __init__(self, moved: MovedTransfer) -> None:
+        host = moved.source.host_pool
+        slots = moved.host_index.numpy()
+        self.page_size = host.page_size
+        self.breaks: np.ndarray | None = None
+        self.segments: list[Segment] | None = None
+        if host.layout is HostLayout.PAGE_FIRST_DIRECT:
+            self.segments = page_segments(slots, *page_pieces(slots, host.page_size),
+                                          host.page_size)
+            self.positions = np.array([segment.position for segment in self.segments],
+                                      dtype=np.int64)
+        else:
+            self.breaks = run_breaks(slots)
+
+
+class ChunkSlots:
+    """Pairs ``[start, end)`` of ``moved``: their device index, host slots and what the copies
+    derive from the host slots (runs of consecutive slots, or the pages of a
+    ``page_first_direct`` host), cut from the op's :class:`OpSlots`. None of it depends on
+    the layers moved."""
+
+    def __init__(self, moved: MovedTransfer, start: int, end: int, op: OpSlots) -> None:
+        self.device_index: torch.Tensor = moved.device_index[start:end]
+        self.host_slots = moved.host_index.numpy()[start:end]
+        self.pages: PagePlan | None = None
+        self.runs: list[tuple[int, int]] = []
+        if op.segments is not None:
+            self.pages = PagePlan(self.host_slots, op.page_size,
+                                  segments_between(op.segments, op.positions, start, end))
+        else:
+            assert op.breaks is not None, "an op's slots have breaks or pieces"
+            self.runs = runs_between(op.breaks, start, end)
