@@ -17,19 +17,16 @@ to plan every chunk from views (about 1 ms of CPU per op on an H100 host, measur
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from . import copy2d
-from .copy2d import Copy2D
+from .copy2d import Copy2D, shifted
 from .direct_staging import Segment
 
 MAX_TEMPLATES = 4096  # run shapes kept (a few per pool geometry and layer shape in practice)
-
-Views = tuple[torch.Tensor, torch.Tensor]
-
 
 class CopyTemplates:
     """Copies planned for runs of one shape at offset 0, by a key that names the shape (the
@@ -39,23 +36,19 @@ class CopyTemplates:
         self._known: dict[tuple[object, ...], list[Copy2D]] = {}
         self.planned = 0  # read by tests: templates made
 
-    def get(self, key: tuple[object, ...], views: Callable[[], Views], host_base: int,
-            staged_base: int) -> list[Copy2D]:
-        """The template of ``key``; planned from ``views()`` (the run at offset 0: host
-        view, staged view) relative to ``host_base`` and ``staged_base`` on first use."""
-        known = self._known.get(key)
-        if known is None:
-            if len(self._known) >= MAX_TEMPLATES:
-                self._known.clear()
-            known = self._known[key] = copy2d.plan_copies(*views(), host_base, staged_base)
-            self.planned += 1
+    def get(self, key: tuple[object, ...]) -> list[Copy2D] | None:
+        """The template of ``key``, or ``None`` before :meth:`plan` made it."""
+        return self._known.get(key)
+
+    def plan(self, key: tuple[object, ...], host: torch.Tensor, staged: torch.Tensor,
+             host_base: int, staged_base: int) -> list[Copy2D]:
+        """Plan and keep the template of ``key`` from the run at offset 0 (its ``host`` and
+        ``staged`` views), relative to ``host_base`` and ``staged_base``."""
+        if len(self._known) >= MAX_TEMPLATES:
+            self._known.clear()
+        known = self._known[key] = copy2d.plan_copies(host, staged, host_base, staged_base)
+        self.planned += 1
         return known
-
-
-def shifted(template: list[Copy2D], host_shift: int, staged_shift: int) -> list[Copy2D]:
-    """``template``'s copies moved by ``host_shift`` and ``staged_shift`` bytes."""
-    return [(host + host_shift, host_pitch, staged + staged_shift, staged_pitch, width, height)
-            for host, host_pitch, staged, staged_pitch, width, height in template]
 
 
 def run_copies(templates: CopyTemplates, host: torch.Tensor, staged: torch.Tensor,
@@ -74,15 +67,15 @@ def run_copies(templates: CopyTemplates, host: torch.Tensor, staged: torch.Tenso
                 block_offset, count)
     copies: list[Copy2D] = []
     for position, length in runs:
-
-        def views(length: int = length) -> Views:
+        template = templates.get((geometry, length))
+        if template is None:
             if token_major:
-                return (host[:length, :, :count],
-                        staged[:length, :, block_offset: block_offset + count])
-            return (host[:, :count, :length],
-                    staged[:, block_offset: block_offset + count, :length])
-
-        template = templates.get((geometry, length), views, host_base, staged_base)
+                views = (host[:length, :, :count],
+                         staged[:length, :, block_offset: block_offset + count])
+            else:
+                views = (host[:, :count, :length],
+                         staged[:, block_offset: block_offset + count, :length])
+            template = templates.plan((geometry, length), *views, host_base, staged_base)
         copies += shifted(template, int(host_slots[position]) * host_step,
                           position * staged_step)
     return copies
@@ -106,13 +99,13 @@ def segment_copies(templates: CopyTemplates, host: torch.Tensor, rows: torch.Ten
     copies: list[Copy2D] = []
     for segment in segments:
         pages, length = segment.num_pages, segment.length
-
-        def views(pages: int = pages, length: int = length) -> Views:
+        template = templates.get((geometry, pages, length))
+        if template is None:
             staged = rows[: pages * length * c * n].view(pages, c, n, length, row)
-            return (host[:pages, :, :count, :length],
-                    staged[:, :, block_offset: block_offset + count])
-
-        template = templates.get((geometry, pages, length), views, host_base, staged_base)
+            template = templates.plan((geometry, pages, length),
+                                      host[:pages, :, :count, :length],
+                                      staged[:, :, block_offset: block_offset + count],
+                                      host_base, staged_base)
         copies += shifted(template, segment.page * page_step + segment.offset * slot_step,
                           segment.position * position_step)
     return copies

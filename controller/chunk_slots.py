@@ -85,7 +85,8 @@ def _cut(segment: Segment, low: int, high: int, base: int) -> list[Segment]:
 
 
 class OpSlots:
-    """The run breaks (:func:`run_breaks`) or the page pieces of all of an op's host slots."""
+    """The run breaks (:func:`run_breaks`) of all of an op's host slots, or on a
+    ``page_first_direct`` host their segments (and the position each starts at)."""
 
     def __init__(self, moved: MovedTransfer) -> None:
         host = moved.source.host_pool
@@ -93,6 +94,7 @@ class OpSlots:
         self.page_size = host.page_size
         self.breaks: np.ndarray | None = None
         self.segments: list[Segment] | None = None
+        self.positions = np.zeros(0, dtype=np.int64)
         if host.layout is HostLayout.PAGE_FIRST_DIRECT:
             self.segments = page_segments(slots, *page_pieces(slots, host.page_size),
                                           host.page_size)
@@ -117,5 +119,5 @@ class ChunkSlots:
             self.pages = PagePlan(self.host_slots, op.page_size,
                                   segments_between(op.segments, op.positions, start, end))
         else:
-            assert op.breaks is not None, "an op's slots have breaks or pieces"
+            assert op.breaks is not None, "an op's slots have breaks or segments"
             self.runs = runs_between(op.breaks, start, end)

@@ -149,9 +149,13 @@ class CopyPlanner:
         known = self._known.get(key)
         if known is None:
             known = self._known[key] = plan_copies(host, staged, host_ptr, staged_ptr)
-        host_start, staged_start = host_ptr - self.host_base, staged_ptr - self.staged_base
-        return [(h + host_start, hp, s + staged_start, sp, width, height)
-                for h, hp, s, sp, width, height in known]
+        return shifted(known, host_ptr - self.host_base, staged_ptr - self.staged_base)
+
+
+def shifted(copies: list[Copy2D], host_shift: int, staged_shift: int) -> list[Copy2D]:
+    """``copies`` moved by ``host_shift`` and ``staged_shift`` bytes on their two sides."""
+    return [(host + host_shift, host_pitch, staged + staged_shift, staged_pitch, width, height)
+            for host, host_pitch, staged, staged_pitch, width, height in copies]
 
 
 def issue_copies(copies: list[Copy2D], host_ptr: int, staged_ptr: int, to_host: bool,
