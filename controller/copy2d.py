@@ -134,8 +134,7 @@ def plan_copies(host: torch.Tensor, staged: torch.Tensor, host_base: int,
 
 class CopyPlanner:
     """:func:`plan_copies` from fixed bases, planning each pair of view shapes and strides
-    once: the runs of a chunk are views of the same two tensors that mostly differ only in
-    where they start, and their copies differ by as much."""
+    once: views that differ only in where they start have :func:`shifted` copies."""
 
     def __init__(self, host_base: int, staged_base: int) -> None:
         self.host_base, self.staged_base = host_base, staged_base
