@@ -8,6 +8,8 @@ the repeats, and the log-log slope of the median against the tree size (0: flat;
 
 The workload is chat-like: system prompts of ``SYSTEM_TOKENS`` shared by conversations whose
 turns extend their history, cut into whole pages, inserted until the tree holds the target.
+A request's cycle and an insert are timed on requests of ``REQUEST_TOKENS``: a system prompt
+the tree caches and new tokens (:meth:`ChatWorkload.request`), as in the end-to-end figure.
 """
 
 from __future__ import annotations
@@ -24,12 +26,17 @@ from collections.abc import Callable
 import torch
 
 from hicache.config import config_from_dict
+from hicache.controller import CacheController
 from hicache.factory import build_service
 from hicache.pools import IndexSpace, Indices
+from hicache.radix import MatchResult, TokenKey
 from hicache.service import HiCacheService
+
+from .copy_clock import CopyClock
 
 PAGE = 16
 SYSTEM_TOKENS = 1024
+REQUEST_TOKENS = 2048  # the cycle's, the insert's and the end-to-end figure's requests
 TURN_TOKENS = 512
 VOCAB = 50_000
 
@@ -93,24 +100,80 @@ class ChatWorkload:
         history += self._tokens(TURN_TOKENS)
         return list(history)
 
+    def request(self, systems: list[list[int]]) -> list[int]:
+        """A ``REQUEST_TOKENS``-token request with a shared prefix: one of ``systems`` (the
+        system prompts the tree caches) followed by new tokens, as a chat's new
+        conversation reaches the engine."""
+        return self.rng.choice(systems) + self._tokens(REQUEST_TOKENS - SYSTEM_TOKENS)
+
+    def cached_systems(self, service: HiCacheService) -> list[list[int]]:
+        """The system prompts ``service`` caches on the device in full."""
+        cached = [system for system in self.systems
+                  if service.match(system).device_hit_tokens == SYSTEM_TOKENS]
+        assert cached, "the tree caches no system prompt: fill it first"
+        return cached
+
 
 def serve(service: HiCacheService, tokens: list[int]) -> int:
     """One request's bookkeeping cycle: key (token checks), match, lock, alloc, insert,
     release, apply acks. Returns the tokens the match found on the device."""
+    key, match, slots = admit(service, tokens)
+    service.insert(key, slots)
+    complete(service, len(tokens), match, slots)
+    return match.device_hit_tokens
+
+
+def admit(service: HiCacheService, tokens: list[int]) -> tuple[TokenKey, MatchResult, Indices]:
+    """A request's calls before its insert: key, match, lock of the match, allocation of
+    the new tokens' slots; returns the key, the match and the slots of every token."""
     key = service.key(tokens)
     match = service.match(key)
     service.lock(match.last_device_node)
-    have = match.device_hit_tokens
-    new = service.alloc_device(len(tokens) - have)
+    new = service.alloc_device(len(tokens) - match.device_hit_tokens)
     assert new is not None, "the benchmark's device pool is too small"
     slots = Indices(torch.cat([match.device_indices.tensor, new.tensor]), IndexSpace.DEVICE_FULL)
-    service.insert(key, slots)
-    whole = len(tokens) // PAGE * PAGE
+    return key, match, slots
+
+
+def complete(service: HiCacheService, num_tokens: int, match: MatchResult,
+             slots: Indices) -> None:
+    """A request's calls after its insert: the partial page's slots freed (the tree keeps
+    whole pages), the match released, the step that applies acknowledgements."""
+    whole = num_tokens // PAGE * PAGE
     if len(slots) > whole:
         service.free_device(Indices(slots.tensor[whole:], IndexSpace.DEVICE_FULL))
     service.release(match.last_device_node)
     service.step()
-    return have
+
+
+def measure_insert(service: HiCacheService, workload: ChatWorkload, systems: list[list[int]],
+                   repeats: int) -> dict[str, list[float]]:
+    """The insert of a request (:meth:`ChatWorkload.request`: a cached system prompt and
+    1024 new tokens, the cycle's requests), its other calls untimed around it. Under
+    write-through the insert queues and issues the backup of its new nodes; the issue's
+    figure counts that bookkeeping with the backup queued, so the CPU
+    pool's synchronous row copy is timed apart (:class:`CopyClock`) and excluded, and the
+    insert with it is reported beside it."""
+    controller = service.controller
+    assert isinstance(controller, CacheController), "the benchmark's model has no SWA layers"
+    clock = CopyClock(controller)
+    whole: list[float] = []
+    bookkeeping: list[float] = []
+    try:
+        for _ in range(repeats):
+            tokens = workload.request(systems)
+            key, match, slots = admit(service, tokens)
+            copied = clock.ns
+            start = time.perf_counter_ns()
+            service.insert(key, slots)
+            elapsed = time.perf_counter_ns() - start
+            whole.append(elapsed / 1e3)
+            bookkeeping.append((elapsed - (clock.ns - copied)) / 1e3)
+            complete(service, len(tokens), match, slots)
+    finally:
+        clock.close()
+    return {"insert of a 2k-token prompt, with its copy": whole,
+            "insert of a 2k-token prompt, copy excluded": bookkeeping}
 
 
 def fill(service: HiCacheService, workload: ChatWorkload, target_tokens: int) -> None:
@@ -158,6 +221,7 @@ def measure_tree(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
         # all, 12-18 ms that stop every thread under the GIL wherever they fall. An engine
         # pays that once per batch of new long-lived objects, not per call: start the
         # clocks with them promoted, as after an engine's warm-up.
+        systems = workload.cached_systems(service)
         gc.collect()
         prompts: list[list[int]] = []
         out = {
@@ -167,11 +231,12 @@ def measure_tree(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
             "match of a 2k-token prompt": timed(lambda: service.match(key_2k), repeats),
             "match of a 32k-token prompt": timed(lambda: service.match(key_32k),
                                                  max(3, repeats // 10)),
-            # the prompt is drawn before the clock starts: the workload's generator is not
-            # the cache's cost
+            # a cached system prompt and 1024 new tokens, drawn before the clock starts
+            # (the workload's generator is not the cache's cost)
             "one request's cycle (2k tokens)": timed(
                 lambda: serve(service, prompts.pop()), repeats,
-                before=lambda: prompts.append(workload.next_prompt()[-2048:])),
+                before=lambda: prompts.append(workload.request(systems))),
+            **measure_insert(service, workload, systems, repeats),
             # evict() takes whole leaves; a request served between calls keeps the size
             "evict one page": timed(lambda: service.evict(PAGE), repeats,
                                     before=lambda: serve(service, workload.next_prompt())),
@@ -195,63 +260,3 @@ def background_check_longest_hold(service: HiCacheService) -> float:
     while not check.step():
         pass
     return check.stats.longest_slice_s
-
-
-def measure_thread_latency(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
-    """p99 of a 2k-token match and of a request's cycle (its write-through backup in flight
-    until the cycle's step) with the background thread off, then running (it runs its idle
-    integrity check once the scheduler has made no call for 10 ms), each after ``WARM_S``
-    of the same calls untimed: in the steady state of a busy scheduler, in which the
-    thread, finding it busy at every wake, has backed off to its longest sleep."""
-    service = make_service(capacity_tokens=2 * size + 65_536, interval_s=0.01)
-    try:
-        workload = ChatWorkload(seed)
-        fill(service, workload, size)
-        prompt = workload.next_prompt()[:2048]
-        prompts: list[list[int]] = []
-
-        def match() -> None:
-            service.match(prompt)
-
-        def cycle() -> None:
-            serve(service, prompts.pop())
-
-        def draw() -> None:  # before the clock: the workload's generator is not the cache's
-            prompts.append(workload.next_prompt()[-2048:])
-
-        gc.collect()  # the filling workload's young lists, walked once (see measure_tree)
-
-        def phase(call: Callable[[], None], before: Callable[[], None] | None) -> list[float]:
-            _busy(call, before, WARM_S)
-            return timed(call, repeats, before=before)
-
-        match_off, cycle_off = phase(match, None), phase(cycle, draw)
-        service.start()
-        match_on, cycle_on = phase(match, None), phase(cycle, draw)
-        return {"2k match, background thread off (p99)": [_p99(match_off)],
-                "2k match, background thread on (p99)": [_p99(match_on)],
-                "2k match, background thread on (max)": [max(match_on)],
-                "one request's cycle, background thread off (p99)": [_p99(cycle_off)],
-                "one request's cycle, background thread on (p99)": [_p99(cycle_on)]}
-    finally:
-        service.stop()
-
-
-WARM_S = 2.0
-"""Untimed busy seconds before each phase of :func:`measure_thread_latency`: longer than
-the thread's backoff takes to reach its longest sleep (1.27 s from a 10 ms check interval,
-about 1 s from the 1 ms poll interval)."""
-
-
-def _busy(call: Callable[[], object], before: Callable[[], object] | None,
-          seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if before is not None:
-            before()
-        call()
-
-
-def _p99(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]

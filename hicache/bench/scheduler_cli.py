@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the measuring modules import torch: only a run loads them
 TARGETS_US = {
     "match of a 2k-token prompt": 20.0,
     "match of a 32k-token prompt": 300.0,
+    "insert of a 2k-token prompt, copy excluded": 50.0,
     "one request's cycle (2k tokens)": 60.0,
     "evict one page": 50.0,
     "evict 10% of the tree": 3000.0,
@@ -122,9 +123,10 @@ def _measure(args: argparse.Namespace) -> tuple[list[Figure], list[RequestsRow]]
     size's figures, in the same process state; ``5 * repeats`` requests, so a collection
     of the garbage collector or a stray wake-up weighs as it does in a sustained run, not
     in one short window)."""
-    from .scheduler import Figure, measure_thread_latency, measure_tree
+    from .scheduler import Figure, measure_tree
     from .scheduler_ops import measure_allocator, measure_controller
     from .scheduler_requests import measure_requests
+    from .scheduler_thread import measure_thread_latency
 
     figures: dict[str, Figure] = {}
     end_to_end: list[RequestsRow] = []

@@ -18,9 +18,16 @@ import random
 import time
 from dataclasses import dataclass
 
-from .scheduler import SYSTEM_TOKENS, VOCAB, ChatWorkload, fill, make_service, serve
+from .scheduler import (
+    REQUEST_TOKENS,
+    SYSTEM_TOKENS,
+    VOCAB,
+    ChatWorkload,
+    fill,
+    make_service,
+    serve,
+)
 
-REQUEST_TOKENS = 2048
 TARGET_REQUESTS_PER_S = 2000.0  # the scheduler-path issue's end-to-end target
 
 
