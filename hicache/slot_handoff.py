@@ -83,7 +83,8 @@ def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices:
     pages = service._engine.insertable(tree, key, device_indices, num_tokens)
     finish_window_backups(service, device_indices)
     # Every page is the engine's (so allocated) or the tree's own: what take_slots checks
-    slots = Indices(device_indices.tensor[:num_tokens].to(torch.int64, copy=True),
+    given = device_indices.tensor[:num_tokens]  # the tree's own copy (clone: half of to())
+    slots = Indices(given.clone() if given.dtype is torch.int64 else given.to(torch.int64),
                     IndexSpace.DEVICE_FULL)
     cached = tree.insert_checked(key.data, slots)
     if tree.io.is_hybrid:  # copies of duplicate pages, which the tree freed

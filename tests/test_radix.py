@@ -114,6 +114,22 @@ def test_insert_frees_duplicate_slots() -> None:
     rig.tree.check_integrity()
 
 
+def test_insert_frees_only_the_fresh_pages_among_the_trees_own() -> None:
+    """One node's pages handed back partly as the tree's own, partly fresh: only the
+    fresh pages are duplicates (freed); the node keeps its own slots and rows."""
+    rig = Rig()
+    _, own = rig.put(A)  # one node of four pages: slots 2..9
+    fresh = rig.alloc(4)  # slots 10..13
+    given = own.tensor.clone()
+    given[2:4], given[6:8] = fresh.tensor[:2], fresh.tensor[2:]  # pages 2 and 4 replaced
+    free = rig.allocator.num_free_tokens
+    assert rig.tree.insert(A, full_indices(given.tolist())) == 8
+    assert rig.tree.stats.duplicate_tokens == 4
+    assert rig.allocator.num_free_tokens == free + 4 and not rig.allocator.is_allocated(fresh)
+    assert ids(rig.tree.device_prefix(A)) == ids(own) and rig.device_rows_ok(A, own)
+    rig.tree.check_integrity()
+
+
 def test_insert_reattaches_an_evicted_node() -> None:
     """A host-only node gets the caller's new device slots and keeps its host copy."""
     rig = Rig(write_policy=WT)
