@@ -98,7 +98,8 @@ class TransferOp:
     ``layer_events`` (loads only) has one event per model layer; ``finish_event`` is the
     last one for loads and a dedicated event for writes (on a CPU, where a move is done
     when issued, one completed event the controller shares between ops). ``held`` lists
-    the pages of every queued call this op carries (one call's, or every merged call's):
+    the pages of every queued call this op carries (one call's, or every merged call's), and
+    ``after`` the events its writes wait on, recorded where those calls were queued:
     the in-flight counts are taken and given back per entry, where no page repeats,
     whereas the merged ``transfers`` may name a host slot twice (two loads of one page).
     ``tokens_by_pool`` / ``bytes_by_pool`` are what its :class:`Ack` reports, counted when
@@ -118,6 +119,7 @@ class TransferOp:
     layer_events: list[Event] = field(default_factory=list)
     event_set: int | None = None
     held: list[HeldCall] = field(default_factory=list)
+    after: list[Event] = field(default_factory=list)  # marks of the queuing callers' streams
     tokens_by_pool: dict[str, int] = field(default_factory=dict)
     bytes_by_pool: dict[str, int] = field(default_factory=dict)
 

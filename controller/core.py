@@ -206,6 +206,10 @@ class TransferCore:
         """Ops queued or issued and not yet acknowledged."""
         return self._ops.num_ops
 
+    @property
+    def has_queued_writes(self) -> bool:  # issued by start_writing()
+        return self._ops.num_queued(Direction.DEVICE_TO_HOST) > 0
+
     # ---- eviction -----------------------------------------------------------------------
 
     def evict_device(self, device_indices: Indices) -> None:
@@ -275,7 +279,9 @@ class TransferCore:
 
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
                pages: Sequence[TransferPages] | None = None, owned: bool = False) -> None:
-        self._ops.queue(direction, transfers, tag, pages, owned)
+        # a write issued later (a service's backups, at its step) waits on the stream now
+        after = self._streams.mark_caller() if direction is Direction.DEVICE_TO_HOST else None
+        self._ops.queue(direction, transfers, tag, pages, owned, after)
 
     def _submitted(self, op: TransferOp) -> None:
         self._ops.issued(op)

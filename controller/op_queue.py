@@ -18,6 +18,7 @@ import numpy as np
 from hicache.pools import DeviceKVPool, HostKVPool, Indices
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
+from .events import Event
 from .index_moves import cat_parts, move_checked, owned_copy
 from .inflight import HeldCall, InFlightPages, pages_of_slots
 
@@ -38,6 +39,7 @@ class QueuedCall(NamedTuple):
     tag: object
     held: HeldCall
     may_pad: bool  # its slots may name the padding slot (no entry check gave their pages)
+    after: Event | None  # recorded on the caller's stream when queued (CUDA writes)
 
 
 class OpQueue:
@@ -56,7 +58,8 @@ class OpQueue:
         self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
 
     def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
-              pages: Sequence[TransferPages] | None = None, owned: bool = False) -> None:
+              pages: Sequence[TransferPages] | None = None, owned: bool = False,
+              after: Event | None = None) -> None:
         """Queue one call's transfers (their pages are held from now on) and tell the
         observers. The op keeps its own copies of the slots: a caller that changes its
         index tensors after the call (or the host slots it got back) cannot change what the
@@ -64,7 +67,9 @@ class OpQueue:
 
         ``pages``: per transfer, the (host, device) page ids its slots' entry checks or
         allocations gave; found from the slots when ``None``. ``owned``: the transfers'
-        index tensors are already int64 copies made for the queue (not copied again)."""
+        index tensors are already int64 copies made for the queue (not copied again).
+        ``after``: an event the op waits on before it reads anything (the caller's stream
+        when the call was queued)."""
         if not owned:
             transfers = [owned_copy(t) for t in transfers]
         may_pad = pages is None
@@ -77,7 +82,7 @@ class OpQueue:
             parts.append((transfer.device_indices.space, device_pages))
         held = HeldCall(direction, tuple(parts))
         self.held.take(held)
-        self._queued[direction].append(QueuedCall(transfers, tag, held, may_pad))
+        self._queued[direction].append(QueuedCall(transfers, tag, held, may_pad, after))
         if self.observers:
             for observer in list(self.observers):
                 observer(direction, transfers, tag)
@@ -120,6 +125,8 @@ class OpQueue:
         may_pad = False
         for call in queued:
             may_pad |= call.may_pad
+            if call.after is not None:
+                op.after.append(call.after)
         op.moved = move_op_indices(op, may_pad)
         return op
 

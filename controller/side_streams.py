@@ -2,7 +2,10 @@
 
 Stream rules (DESIGN section 4): before a write the write stream waits on an event recorded
 on every registered producer stream and on the caller's stream; before a load the load
-stream does the same, so loads into reused slots never race the forward pass. Every tensor
+stream does the same, so loads into reused slots never race the forward pass. A write also
+waits on the stream that was current where each of its calls was queued (:meth:`SideStreams.
+mark_caller`): a backup queued by ``insert`` and issued at a later ``step()`` reads the rows
+the inserting caller's stream wrote, whichever stream is current at the step. Every tensor
 a side stream reads (moved indices and temporaries) is recorded on that stream and held by
 its op until the op is acknowledged. On a CPU device there are no streams: copies run at
 once, in order.
@@ -45,6 +48,27 @@ class SideStreams:
         if not self.on_cuda:
             self._done = Event(device)
             self._done.record()
+        # mark_caller: events waited on already (free to record again), and the caller
+        # streams by raw handle (torch.cuda.current_stream() costs microseconds a call)
+        self._free_marks: list[Event] = []
+        self._callers: dict[int, torch.cuda.Stream] = {}
+        self._index = device.index if device.index is not None else (
+            torch.cuda.current_device() if self.on_cuda else -1)
+
+    def mark_caller(self) -> Event | None:
+        """An event recorded now on the caller's current stream, for an op queued now and
+        issued later to wait on (``None`` on a CPU). The events come from a free list: one
+        goes back once the op that waited on it was issued (a wait holds the record made
+        before it, so recording the event again afterwards is safe)."""
+        if not self.on_cuda:
+            return None
+        event = self._free_marks.pop() if self._free_marks else Event(self.device)
+        raw = torch._C._cuda_getCurrentRawStream(self._index)
+        stream = self._callers.get(raw)
+        if stream is None:
+            stream = self._callers[raw] = torch.cuda.current_stream(self.device)
+        event.record(stream)
+        return event
 
     def register_producer(self, stream: torch.cuda.Stream) -> None:
         """Add a stream that writes KV; every later op waits on it."""
@@ -101,6 +125,10 @@ class SideStreams:
             event = Event(self.device)
             event.record(stream)
             event.wait(side_stream)
+        for mark in op.after:  # the streams current where its calls were queued
+            mark.wait(side_stream)
+            self._free_marks.append(mark)
+        op.after = []
         if side_stream is not None:
             caller = torch.cuda.current_stream(self.device)
             assert caller != side_stream, "_begin must run on the caller's stream"
