@@ -1,11 +1,12 @@
 """The service's background thread, and the acks it collects for the scheduler.
 
 The thread polls finished ops (event ``query()`` only, under the service lock) and puts
-their acks on a queue; it never touches the tree. The scheduler thread collects them with
-:meth:`BackgroundPoller.collect` (queued acks first, then whatever the controller finished
-since) and applies them to the tree with :meth:`BackgroundPoller.apply`. When nothing
-happened for an interval (no ack, no scheduler call, no check) the thread runs the sliced
-integrity check (:mod:`hicache.integrity_slices`). With nothing in flight it sleeps until
+their acks on a queue; it never touches the tree. Backups that ``insert`` queued with no
+``step()`` after them (a quiet scheduler) it issues before it polls. The scheduler thread
+collects acks with :meth:`BackgroundPoller.collect` (queued acks first, then whatever the
+controller finished since) and applies them to the tree with :meth:`BackgroundPoller.apply`.
+When nothing happened for an interval (no ack, no scheduler call, no check) the thread runs
+the sliced integrity check (:mod:`hicache.integrity_slices`). With nothing in flight it sleeps until
 that check may be due; a queued transfer wakes it (a controller observer). It polls only
 where the scheduler did not: a pass that finds the scheduler polled since the last one
 (with transfers in flight) or made calls (with none) does nothing and sleeps twice as long
@@ -23,6 +24,8 @@ import queue
 import threading
 import time
 from typing import TYPE_CHECKING
+
+import torch
 
 from hicache.controller import Ack
 from hicache.metrics import MetricsExporter
@@ -210,6 +213,8 @@ class BackgroundPoller:
 
     def _poll_once(self) -> bool:
         with self._gate.lock:
+            if self._controller.has_queued_writes:  # backups queued with no step after them
+                self._issue_writes()
             acks = self._controller.poll_acks()  # bounds errors go to step(), not this thread
             self._stats.polls += 1
             if self._exporter is not None:
@@ -217,6 +222,16 @@ class BackgroundPoller:
         for ack in acks:
             self._acks.put(ack)
         return bool(acks)
+
+    def _issue_writes(self) -> None:
+        """Issue the queued writes, on the controller's device (this thread's current device
+        is its own). Each waits on the stream that was current where it was queued."""
+        device = self._controller.device
+        if device.type != "cuda":
+            self._controller.start_writing()
+            return
+        with torch.cuda.device(device):
+            self._controller.start_writing()
 
     def _step_check(self) -> bool:
         """One slice of the background integrity check; True when it completed a check."""

@@ -6,11 +6,11 @@ Thread ownership (the rules every caller relies on):
   (``match``, ``load_back``, ``start_loading``, ``insert``, ``lock``/``release``,
   ``alloc_device``, ``free_device``, ``evict``, ``evict_host``, ``step``) runs there, and
   only those calls mutate bookkeeping.
-- One service lock (``service_lock``) serialises access to the controller. Every API call holds it;
-  the background thread holds it only while it polls finished ops (event ``query()`` only)
-  or runs an idle integrity check; a metrics scrape holds it while it reads the counters.
-  It is never held across a GPU wait: ``wait_until`` is a GPU-side wait and takes no lock,
-  and ``stop`` drains (which blocks) only after the background thread has been joined.
+- One service lock (``service_lock``) serialises access to the controller. Every API call
+  holds it; the background thread only while it polls finished ops (event ``query()``;
+  first it issues backups queued with no ``step`` since) or runs an idle integrity check;
+  a metrics scrape while it reads the counters. It is never held across a GPU wait
+  (``wait_until`` takes no lock; ``stop`` drains only after the thread was joined).
 - The background thread never mutates the tree: it puts acks on a queue that ``step``
   applies on the scheduler thread.
 - An exception in the background thread is never swallowed: it is logged, counted in
@@ -23,10 +23,9 @@ they are inserted or given back with :meth:`HiCacheService.free_device`, so the 
 check can prove that every device slot is free, owned by a tree node or held by the engine.
 
 Parts: :mod:`hicache.slot_handoff` moves slots between the engine and the tree;
-:class:`~hicache.call_gate.CallGate` admits every scheduler call;
-:class:`~hicache.background_poller.BackgroundPoller` is the background thread and its ack
-queue; :mod:`hicache.lifecycle` starts and stops them; :mod:`hicache.prefetch_calls` holds
-the shared store's calls.
+:class:`~hicache.call_gate.CallGate` admits every scheduler call; the background thread and
+its ack queue are :class:`~hicache.background_poller.BackgroundPoller`; :mod:`.lifecycle`
+starts and stops them; :mod:`hicache.prefetch_calls` holds the shared store's calls.
 """
 
 from __future__ import annotations
@@ -57,7 +56,8 @@ class HiCacheService(PrefetchCalls):
     """Scheduler-facing cache service (see the module docstring for the threading rules).
 
     Args:
-        tree: the radix tree, with its controller.
+        tree: the radix tree, with its controller; the backups its ``insert`` and ``match``
+            queue are issued by :meth:`step` (``issue_backups`` is turned off).
         device_pool: the pool the engine writes KV into (plain or hybrid).
         host_pools: host pools to close (unpin) at :meth:`stop`.
         integrity_check_interval_s: seconds between integrity checks of the thread, which
@@ -84,6 +84,7 @@ class HiCacheService(PrefetchCalls):
         storage: StorageTier | None = None,
     ) -> None:
         self.tree = tree
+        tree.issue_backups = False  # issued by step() (see above)
         self.storage = storage
         self.controller = tree.controller
         self.device_pool = device_pool
@@ -224,8 +225,7 @@ class HiCacheService(PrefetchCalls):
             slot_handoff.release_window(self, device_indices)
 
     def evict_swa(self, num_tokens: int) -> int:
-        """:meth:`HiRadixCache.evict_swa`: device SWA tokens freed (the nodes keep their
-        full rows; a load-back restores the SWA rows of a reused window from the host)."""
+        """:meth:`HiRadixCache.evict_swa`: device SWA tokens freed (nodes keep full rows)."""
         with self._gate.call():
             return self.tree.evict_swa(num_tokens)
 
@@ -241,7 +241,8 @@ class HiCacheService(PrefetchCalls):
             return self.tree.evict_host(num_tokens)
 
     def step(self) -> int:
-        """Apply finished ops (queued by the thread, or polled here); returns how many.
+        """Issue the backups queued since the last step (one op for all of them; the thread
+        does when no step comes), then apply finished ops; returns how many.
 
         Raises:
             BoundsError: a CUDA bounds check of a device pool (``set_kv``, a translation, a
@@ -251,6 +252,7 @@ class HiCacheService(PrefetchCalls):
         """
         with self._gate.call():
             self.controller.raise_if_tripped()
+            self.controller.start_writing()  # the backups queued since the last step
             acks = self._poller.collect()
             self._poller.apply(acks)
             if self.storage is not None:
@@ -263,9 +265,8 @@ class HiCacheService(PrefetchCalls):
         self.controller.wait_until(layer)
 
     def check_integrity(self) -> None:
-        """Conservation of every slot (tree, engine-held, free); ``RuntimeError`` if broken.
-        Also allowed after :meth:`stop`. The device copy of the hybrid map is compared after
-        the lock is released (it waits for the GPU; only this thread changes the map)."""
+        """Conservation of every slot (tree, engine-held, free); ``RuntimeError`` if broken;
+        also after :meth:`stop`. The hybrid map's device copy is compared outside the lock."""
         with self.service_lock:  # CPU state only: no wait for the GPU while the lock is held
             self.tree.check_integrity(engine_device=self._engine.as_indices(), sync_device=False)
             self.stats.integrity_checks += 1
@@ -279,9 +280,8 @@ class HiCacheService(PrefetchCalls):
     # ---- life cycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the background thread (and the metrics endpoint); no-op when running;
-        ``OSError`` when the metrics address cannot be bound (then nothing is started).
-        See :func:`hicache.lifecycle.start`."""
+        """Start the background thread and metrics endpoint (:func:`.lifecycle.start`); no-op
+        when running; ``OSError`` when the metrics address cannot be bound (nothing starts)."""
         lifecycle.start(self)
 
     def stop(self) -> None:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # the measuring modules import torch: only a run loads them
 TARGETS_US = {
     "match of a 2k-token prompt": 20.0,
     "match of a 32k-token prompt": 300.0,
-    "insert of a 2k-token prompt, copy excluded": 50.0,
+    "insert of a 2k-token prompt (backup queued)": 50.0,
     "one request's cycle (2k tokens)": 60.0,
     "evict one page": 50.0,
     "evict 10% of the tree": 3000.0,

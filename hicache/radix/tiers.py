@@ -72,6 +72,9 @@ class TieredRadixTree(RadixTree):
         self.backup_hits = {WritePolicy.WRITE_THROUGH: 1, WritePolicy.WRITE_BACK: None,
                             WritePolicy.WRITE_THROUGH_SELECTIVE: write_through_hits}[write_policy]
         self.stats = CacheStats()
+        # Backups queued by insert and match are issued at once; a service turns this off
+        # and issues them at its step() instead, all of a scheduler step as one op.
+        self.issue_backups = True
         self.storage: StorageHooks | None = None  # the shared store's tier (hicache.l3)
         key = eviction_key(eviction_policy)
         self._device_candidates = CandidateHeap(key, self._can_evict_device)
@@ -147,7 +150,8 @@ class TieredRadixTree(RadixTree):
 
     def _backup_nodes(self, nodes: list[TreeNode], path: list[TreeNode]) -> None:
         """Back up those of ``nodes`` that have no host copy, with ``path`` locked so that a
-        host eviction made for room cannot remove part of it; then issue the writes."""
+        host eviction made for room cannot remove part of it; then issue the writes (unless
+        :attr:`issue_backups` is off: the caller issues them later)."""
         todo = [n for n in nodes if n.on_device and n.host is None and n.load_op is None]
         if not todo:
             return
@@ -157,7 +161,8 @@ class TieredRadixTree(RadixTree):
                 self._backup(node, evict_after=False)
         finally:
             self.unlock(path[-1])
-        self.controller.start_writing()
+        if self.issue_backups:
+            self.controller.start_writing()
 
     def _backup(self, node: TreeNode, *, evict_after: bool) -> bool:
         """Queue a backup of ``node`` (the caller issues it with ``start_writing``); on a
