@@ -12,7 +12,7 @@ from .scheduler import ChatWorkload, fill, make_service, serve, timed
 
 
 def measure_thread_latency(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
-    """p99 of a 2k-token match and of a request's cycle (its write-through backup in flight
+    """p99 of a 2k-token match and of a request's cycle (its write-through backup queued
     until the cycle's step) with the background thread off, then running (it runs its idle
     integrity check once the scheduler has made no call for 10 ms), each after ``WARM_S``
     of the same calls untimed: in the steady state of a busy scheduler, in which the
