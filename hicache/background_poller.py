@@ -19,8 +19,8 @@ An exception in the thread is never swallowed: it is recorded in the
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -79,7 +79,9 @@ class BackgroundPoller:
         self._check = check
         self._check_interval_s = check_interval_s
         self._poll_interval_s = poll_interval_s
-        self._acks: queue.Queue[Ack] = queue.Queue()
+        # a deque: append and popleft are single C calls, safe between the two threads and
+        # holding no Python-level lock a Ctrl-C could leave held (queue.Queue's can be)
+        self._acks: collections.deque[Ack] = collections.deque()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         # set when a transfer is queued (or at stop): ends an idle sleep
@@ -116,12 +118,10 @@ class BackgroundPoller:
 
     def drain(self) -> list[Ack]:
         """Every ack the thread queued so far, oldest first."""
-        acks = []
-        while True:
-            try:
-                acks.append(self._acks.get_nowait())
-            except queue.Empty:
-                return acks
+        acks, queued = [], self._acks
+        while queued:
+            acks.append(queued.popleft())
+        return acks
 
     def collect(self) -> list[Ack]:
         """Queued acks first (older), then whatever the controller finished since; on the
@@ -220,7 +220,7 @@ class BackgroundPoller:
             if self._exporter is not None:
                 self._exporter.refresh()
         for ack in acks:
-            self._acks.put(ack)
+            self._acks.append(ack)
         return bool(acks)
 
     def _issue_writes(self) -> None:

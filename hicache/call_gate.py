@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 
 class CallGate:
@@ -38,9 +36,15 @@ class CallGate:
         self._error: BaseException | None = None
         self._error_raised = False
 
-    @contextmanager
-    def call(self) -> Iterator[None]:
-        """Admit one scheduler call and hold the service lock for its body.
+    def call(self) -> threading.Lock:
+        """Admit one scheduler call: the service lock, for the call to hold as a ``with``
+        statement's context manager for its body.
+
+        The lock itself, not a generator context manager around it: a Ctrl-C that lands in
+        a Python ``__exit__`` before it resumed the generator would leave the generator, and
+        so the lock, held while the interrupt's traceback lives, and ``stop()`` (which runs
+        while it propagates) would wait for the lock forever. The lock's own ``__enter__``
+        and ``__exit__`` run in C.
 
         Raises:
             ServiceError: the background thread failed (see :meth:`raise_if_failed`).
@@ -51,8 +55,7 @@ class CallGate:
             raise RuntimeError("the service was stopped")
         self.last_call_s = time.monotonic()
         self.num_calls += 1  # before the lock: a background check between slices sees it
-        with self.lock:
-            yield
+        return self.lock
 
     def fail(self, exc: BaseException) -> None:
         """Record the background thread's exception; every later call raises it."""
