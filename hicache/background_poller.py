@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import queue
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -83,9 +84,13 @@ class BackgroundPoller:
         # holding no Python-level lock a Ctrl-C could leave held (queue.Queue's can be)
         self._acks: collections.deque[Ack] = collections.deque()
         self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        # set when a transfer is queued (or at stop): ends an idle sleep
-        self._wake = threading.Event()
+        # Bells the scheduler thread rings and this thread sleeps on: SimpleQueues, whose
+        # put and get run in C, where a threading.Event's set() runs Python code under a
+        # lock that a Ctrl-C landing there could leave held (and stop() would wait on).
+        self._stop_requested = False
+        self._stop_bell: queue.SimpleQueue[None] = queue.SimpleQueue()  # rung by stop()
+        # rung when a transfer is queued (or at stop): ends an idle sleep
+        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._collects = 0  # scheduler polls (collect calls), written by the scheduler only
         self._wake_wanted = True  # the thread sleeps until a check is due: wake it to poll
 
@@ -102,8 +107,9 @@ class BackgroundPoller:
 
     def stop(self) -> None:
         """Tell the thread to end and join it; it is not started again."""
-        self._stopping.set()
-        self._wake.set()
+        self._stop_requested = True
+        self._stop_bell.put(None)
+        self._wake.put(None)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
@@ -113,8 +119,8 @@ class BackgroundPoller:
         """A transfer was queued: a thread in an idle sleep polls again (on the scheduler
         thread). One that sleeps with transfers in flight passes within :data:`BUSY_WAKE_S`
         anyway, and a wake per queued transfer would undo its backoff."""
-        if self._wake_wanted and not self._wake.is_set():
-            self._wake.set()
+        if self._wake_wanted and self._wake.empty():
+            self._wake.put(None)
 
     def drain(self) -> list[Ack]:
         """Every ack the thread queued so far, oldest first."""
@@ -144,9 +150,9 @@ class BackgroundPoller:
         calls_seen, collects_seen = self._gate.num_calls, self._collects
         try:
             while True:
-                self._wake.clear()  # before the in-flight count is read: no wake is lost
+                _silence(self._wake)  # before the in-flight count is read: no wake is lost
                 self._wake_wanted = True  # the same
-                if self._stopping.is_set():  # read after the clear: stop's wake is not lost
+                if self._stop_requested:  # read after the silence: stop's wake is not lost
                     break
                 now = time.monotonic()
                 self._stats.background_passes += 1
@@ -171,14 +177,14 @@ class BackgroundPoller:
                     last_check = now
                 backoff = min(2 * backoff, 1 << 20) if busy else 1
                 sleep_s = self._sleep_s(now, max(last_ack, last_check), backoff, in_flight)
-                if self._wake.wait(sleep_s):
+                if _rang(self._wake, sleep_s):
                     # Woken by a transfer being queued: it cannot have finished yet. Poll
                     # one interval later, not now, so that the thread does not take the
                     # GIL and the lock while the scheduler is still issuing the transfer
                     # and launching the forward that reads it (measured on the H100: the
                     # scheduler thread is the host hit's critical path). A busy scheduler
                     # queues transfers all the time: then as many intervals as the backoff.
-                    self._stopping.wait(self._busy_sleep_s(self._poll_interval_s, backoff))
+                    _rang(self._stop_bell, self._busy_sleep_s(self._poll_interval_s, backoff))
         except BaseException as exc:  # recorded and raised on the scheduler thread
             self._gate.fail(exc)
             self._stats.background_errors += 1
@@ -242,3 +248,18 @@ class BackgroundPoller:
         if done:
             self._stats.integrity_checks += 1
         return done
+
+
+def _rang(bell: queue.SimpleQueue[None], timeout_s: float) -> bool:
+    """Sleep until ``bell`` rings (True) or ``timeout_s`` passed (False)."""
+    try:
+        bell.get(timeout=timeout_s)
+    except queue.Empty:
+        return False
+    return True
+
+
+def _silence(bell: queue.SimpleQueue[None]) -> None:
+    """Forget the rings so far (this thread is the bell's only reader)."""
+    while not bell.empty():
+        bell.get_nowait()
