@@ -11,7 +11,7 @@ import pytest
 
 from hicache.bench.scheduler import SYSTEM_TOKENS
 from hicache.bench.scheduler_cli import main
-from hicache.bench.scheduler_requests import REQUEST_TOKENS, measure_requests
+from hicache.bench.scheduler_requests import BATCH, REQUEST_TOKENS, measure_requests
 from hicache.bench.trace import TraceRequest, lru_hit_rate, read_trace, replay
 from hicache.cli import main as cli_main
 
@@ -101,8 +101,8 @@ def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
         len(v) == 2 and min(v) > 0 for v in inserts.values())
     assert saved["replay"][0]["input_tokens"] == TOKENS
     assert "end to end: 2048-token requests with shared prefixes" in printed
-    assert [(r["tree_tokens"], r["requests"]) for r in saved["requests"]] == [(1000, 10),
-                                                                             (2000, 10)]
+    assert [(r["tree_tokens"], r["requests"], r["per_step"]) for r in saved["requests"]] == [
+        (1000, 10, 1), (1000, 10, BATCH), (2000, 10, 1), (2000, 10, BATCH)]
     assert all(r["requests_per_s"] > 0 for r in saved["requests"])
 
 
@@ -117,9 +117,19 @@ def test_end_to_end_requests_hit_their_shared_prefix() -> None:
     assert row.seconds > 0 and row.requests_per_s == pytest.approx(20 / row.seconds)
 
 
+def test_end_to_end_requests_in_steps_of_several() -> None:
+    """Eight requests between two steps (the last step serves four): each finds exactly its
+    system prompt on the device, as when served one a step."""
+    row = measure_requests(5_000, 20, seed=3, per_step=8)
+    assert (row.requests, row.per_step) == (20, 8)
+    assert row.device_hit_tokens == 20 * SYSTEM_TOKENS
+
+
 def test_end_to_end_requests_refuse_no_requests() -> None:
-    with pytest.raises(ValueError, match="count must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="count and per_step must be >= 1, got 0 and 1"):
         measure_requests(1_000, 0, seed=0)
+    with pytest.raises(ValueError, match="got 5 and 0"):
+        measure_requests(1_000, 5, seed=0, per_step=0)
 
 
 def test_cli_dispatches_bench_scheduler(capsys: pytest.CaptureFixture[str]) -> None:

@@ -125,7 +125,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[Figure], list[RequestsRow]]
     in one short window)."""
     from .scheduler import Figure, measure_tree
     from .scheduler_ops import measure_allocator, measure_controller
-    from .scheduler_requests import measure_requests
+    from .scheduler_requests import BATCH, measure_requests
     from .scheduler_thread import measure_thread_latency
 
     figures: dict[str, Figure] = {}
@@ -140,6 +140,7 @@ def _measure(args: argparse.Namespace) -> tuple[list[Figure], list[RequestsRow]]
         print(f"  tree of {size} tokens ...", file=sys.stderr, flush=True)
         add(size, measure_tree(size, args.repeats, args.seed))
         end_to_end.append(measure_requests(size, 5 * args.repeats, args.seed))
+        end_to_end.append(measure_requests(size, 5 * args.repeats, args.seed, BATCH))
     largest = max(args.sizes)
     add(largest, measure_thread_latency(largest, 10 * args.repeats, args.seed))
     add(0, measure_allocator(args.repeats))
