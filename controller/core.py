@@ -207,7 +207,8 @@ class TransferCore:
         return self._ops.num_ops
 
     @property
-    def has_queued_writes(self) -> bool:  # issued by start_writing()
+    def has_queued_writes(self) -> bool:
+        """Writes queued and not issued yet (:meth:`start_writing` issues them)."""
         return self._ops.num_queued(Direction.DEVICE_TO_HOST) > 0
 
     # ---- eviction -----------------------------------------------------------------------
@@ -279,7 +280,6 @@ class TransferCore:
 
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
                pages: Sequence[TransferPages] | None = None, owned: bool = False) -> None:
-        # a write issued later (a service's backups, at its step) waits on the stream now
         after = self._streams.mark_caller() if direction is Direction.DEVICE_TO_HOST else None
         self._ops.queue(direction, transfers, tag, pages, owned, after)
 

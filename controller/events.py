@@ -125,25 +125,44 @@ class LayerEventRing:
         self._waits.wait(self._sets[self.consumer][layer])
 
 
-class StreamWaits:
-    """Waits of the current stream on events, each made once per stream and record.
-
-    A forward asks for one layer several times (``set_kv``, ``key_buffer``,
-    ``value_buffer``) and the layers of a load group share one event; a stream that already
-    waits on an event's latest record needs no second wait, because a wait holds for all
-    later work of that stream. The current stream is found by its raw handle, and its
+class CurrentStreams:
+    """The calling thread's current CUDA stream on one device, found by its raw handle, its
     ``torch.cuda.Stream`` made once per handle: ``torch.cuda.current_stream()`` costs
-    microseconds per call, three times a layer.
-
-    Safe from any thread: a mark is stored only after its wait was enqueued, so a thread
-    that finds it enqueues its work after that wait.
-    """
+    microseconds per call."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
         self._index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" else -1)
         self._streams: dict[int, torch.cuda.Stream] = {}
+
+    def raw(self) -> int:
+        """The current stream's raw handle."""
+        return torch._C._cuda_getCurrentRawStream(self._index)
+
+    def stream(self, raw: int) -> torch.cuda.Stream:
+        """The current stream, whose handle :meth:`raw` just gave."""
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self._device)
+        return stream
+
+
+class StreamWaits:
+    """Waits of the current stream on events, each made once per stream and record.
+
+    A forward asks for one layer several times (``set_kv``, ``key_buffer``,
+    ``value_buffer``) and the layers of a load group share one event; a stream that already
+    waits on an event's latest record needs no second wait, because a wait holds for all
+    later work of that stream. The current stream is found by its raw handle
+    (:class:`CurrentStreams`): three lookups a layer.
+
+    Safe from any thread: a mark is stored only after its wait was enqueued, so a thread
+    that finds it enqueues its work after that wait.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._current = CurrentStreams(device)
         self._waited: dict[int, tuple[Event, int]] = {}  # raw handle -> last mark waited on
 
     def wait(self, event: Event) -> None:
@@ -151,12 +170,9 @@ class StreamWaits:
         source, generation = event.mark()
         if source._cuda is None or not source.is_recorded:
             return
-        raw = torch._C._cuda_getCurrentRawStream(self._index)
+        raw = self._current.raw()
         waited = self._waited.get(raw)
         if waited is not None and waited[0] is source and waited[1] == generation:
             return
-        stream = self._streams.get(raw)
-        if stream is None:
-            stream = self._streams[raw] = torch.cuda.current_stream(self._device)
-        source._cuda.wait(stream)
+        source._cuda.wait(self._current.stream(raw))
         self._waited[raw] = (source, generation)

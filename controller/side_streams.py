@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from .base import TransferBackend, TransferOp
-from .events import Event
+from .events import CurrentStreams, Event
 from .index_moves import record_on_stream
 from .load_groups import local_groups, plan_load_groups
 
@@ -48,26 +48,20 @@ class SideStreams:
         if not self.on_cuda:
             self._done = Event(device)
             self._done.record()
-        # mark_caller: events waited on already (free to record again), and the caller
-        # streams by raw handle (torch.cuda.current_stream() costs microseconds a call)
+        # mark_caller: events waited on already (free to record again), the caller's stream
         self._free_marks: list[Event] = []
-        self._callers: dict[int, torch.cuda.Stream] = {}
-        self._index = device.index if device.index is not None else (
-            torch.cuda.current_device() if self.on_cuda else -1)
+        self._callers = CurrentStreams(device) if self.on_cuda else None
 
     def mark_caller(self) -> Event | None:
         """An event recorded now on the caller's current stream, for an op queued now and
         issued later to wait on (``None`` on a CPU). The events come from a free list: one
         goes back once the op that waited on it was issued (a wait holds the record made
         before it, so recording the event again afterwards is safe)."""
-        if not self.on_cuda:
+        callers = self._callers
+        if callers is None:
             return None
         event = self._free_marks.pop() if self._free_marks else Event(self.device)
-        raw = torch._C._cuda_getCurrentRawStream(self._index)
-        stream = self._callers.get(raw)
-        if stream is None:
-            stream = self._callers[raw] = torch.cuda.current_stream(self.device)
-        event.record(stream)
+        event.record(callers.stream(callers.raw()))
         return event
 
     def register_producer(self, stream: torch.cuda.Stream) -> None:

@@ -6,11 +6,12 @@ their acks on a queue; it never touches the tree. Backups that ``insert`` queued
 collects acks with :meth:`BackgroundPoller.collect` (queued acks first, then whatever the
 controller finished since) and applies them to the tree with :meth:`BackgroundPoller.apply`.
 When nothing happened for an interval (no ack, no scheduler call, no check) the thread runs
-the sliced integrity check (:mod:`hicache.integrity_slices`). With nothing in flight it sleeps until
-that check may be due; a queued transfer wakes it (a controller observer). It polls only
-where the scheduler did not: a pass that finds the scheduler polled since the last one
-(with transfers in flight) or made calls (with none) does nothing and sleeps twice as long
-as the one before, so a busy scheduler's thread seldom wakes (each wake takes the GIL).
+the sliced integrity check (:mod:`hicache.integrity_slices`). With nothing in flight it
+sleeps until that check may be due; a queued transfer wakes it (a controller observer). It
+polls only where the scheduler did not: a pass that finds the scheduler polled since the
+last one (with transfers in flight) or made calls (with none) does nothing and sleeps twice
+as long as the one before, so a busy scheduler's thread seldom wakes (each wake takes the
+GIL).
 
 An exception in the thread is never swallowed: it is recorded in the
 :class:`~hicache.call_gate.CallGate`, which raises it on the scheduler thread, counted in

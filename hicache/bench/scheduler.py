@@ -134,13 +134,18 @@ def admit(service: HiCacheService, tokens: list[int]) -> tuple[TokenKey, MatchRe
 
 def complete(service: HiCacheService, num_tokens: int, match: MatchResult,
              slots: Indices) -> None:
-    """A request's calls after its insert: the partial page's slots freed (the tree keeps
-    whole pages), the match released, the step that applies acknowledgements."""
+    """A request's calls after its insert: the partial page's slots freed, the match
+    released, the step that issues the backup and applies acknowledgements."""
+    free_tail(service, num_tokens, slots)
+    service.release(match.last_device_node)
+    service.step()
+
+
+def free_tail(service: HiCacheService, num_tokens: int, slots: Indices) -> None:
+    """Free the slots of ``num_tokens``' partial last page (the tree keeps whole pages)."""
     whole = num_tokens // PAGE * PAGE
     if len(slots) > whole:
         service.free_device(Indices(slots.tensor[whole:], IndexSpace.DEVICE_FULL))
-    service.release(match.last_device_node)
-    service.step()
 
 
 def measure_insert(service: HiCacheService, workload: ChatWorkload, systems: list[list[int]],

@@ -20,17 +20,16 @@ import random
 import time
 from dataclasses import dataclass
 
-from hicache.pools import IndexSpace, Indices
 from hicache.service import HiCacheService
 
 from .scheduler import (
-    PAGE,
     REQUEST_TOKENS,
     SYSTEM_TOKENS,
     VOCAB,
     ChatWorkload,
     admit,
     fill,
+    free_tail,
     make_service,
     serve,
 )
@@ -98,9 +97,7 @@ def serve_step(service: HiCacheService, prompts: list[list[int]]) -> int:
     for tokens in prompts:
         key, match, slots = admit(service, tokens)
         service.insert(key, slots)
-        whole = len(tokens) // PAGE * PAGE
-        if len(slots) > whole:
-            service.free_device(Indices(slots.tensor[whole:], IndexSpace.DEVICE_FULL))
+        free_tail(service, len(tokens), slots)
         matches.append(match)
     for match in matches:
         service.release(match.last_device_node)
