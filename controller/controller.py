@@ -36,12 +36,15 @@ Thread ownership: one thread (the engine's scheduler) calls everything here, exc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from hicache.pools import Indices
 
 from .base import Direction
 from .core import TransferCore
+from .events import Event
 from .index_moves import owned_indices
 from .op_queue import TransferObserver
 
@@ -51,8 +54,17 @@ __all__ = ["CacheController", "TransferObserver"]
 class CacheController(TransferCore):
     """Moves pages of one full-attention pool pair (constructor: :class:`TransferCore`)."""
 
+    def mark_caller(self) -> Event | None:
+        """An event recorded now on the caller's current stream (``None`` on a CPU): pass it
+        to a later :meth:`write` of rows that stream writes (``marks``) when that write is
+        called with another stream current (the radix tree's backups, queued at insert
+        and written at the scheduler's step)."""
+        marks = self._streams.mark_caller()
+        return marks[0] if marks else None
+
     def write(self, device_indices: Indices, tag: object = None, *,
-              pages: np.ndarray | None = None) -> Indices | None:
+              pages: np.ndarray | None = None, marks: Sequence[Event] = ()
+              ) -> Indices | None:
         """Allocate host slots for ``device_indices`` and queue a device-to-host op.
 
         Args:
@@ -60,6 +72,8 @@ class CacheController(TransferCore):
             tag: returned in the op's :class:`Ack` (e.g. a tree node id).
             pages: the page ids of ``device_indices`` from a caller holding slots already
                 checked as whole pages (the radix tree); as for :meth:`evict_device`.
+            marks: events from :meth:`mark_caller` the copy also waits on (it always waits
+                on the stream current now).
         Returns:
             ``[n]`` CPU int64 ``HOST_FULL`` slots aligned with ``device_indices``, or
             ``None`` when the host pool is full (nothing queued). Empty in, empty out.
@@ -78,7 +92,7 @@ class CacheController(TransferCore):
         if device_pages.size:
             transfer = self._full_transfer(owned_indices(host), owned_indices(device_indices))
             self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
-                        owned=True)
+                        owned=True, marks=marks)
         return host
 
     def load(self, host_indices: Indices, tag: object = None) -> Indices | None:

@@ -17,7 +17,7 @@ import torch
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices, PageAllocator
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
-from .events import LayerEventRing
+from .events import Event, LayerEventRing
 from .index_moves import move_checked
 from .op_queue import OpQueue, TransferObserver, TransferPages, acknowledgement, move_op_indices
 from .side_streams import SideStreams
@@ -136,8 +136,8 @@ class TransferCore:
         place. A GPU-side wait: the CPU is not blocked. No-op when nothing was loaded.
 
         Safe from any thread without the service lock: it only reads. It raises rather than
-        starting queued loads itself, because a transfer issued from inside a pool accessor
-        would run unlocked on whatever thread reads and would hide the ordering bug. O(1).
+        start queued loads itself: issued from inside a pool accessor, a transfer would run
+        unlocked on whatever thread reads and hide the ordering bug. O(1).
 
         Raises:
             RuntimeError: loads are queued but not started (their rows are not there yet).
@@ -279,18 +279,17 @@ class TransferCore:
         )
 
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
-               pages: Sequence[TransferPages] | None = None, owned: bool = False) -> None:
-        after = self._streams.mark_caller() if direction is Direction.DEVICE_TO_HOST else None
+               pages: Sequence[TransferPages] | None = None, owned: bool = False,
+               marks: Sequence[Event] = ()) -> None:
+        after = self._streams.mark_caller(marks) if direction is Direction.DEVICE_TO_HOST else ()
         self._ops.queue(direction, transfers, tag, pages, owned, after)
 
     def _submitted(self, op: TransferOp) -> None:
         self._ops.issued(op)
         self.stats.on_submit(op)
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "issued %s op %d: %d tokens, %d pools, backend %s",
-                op.direction.value, op.op_id, op.num_tokens, len(op.transfers), op.backend,
-            )
+            logger.debug("issued %s op %d: %d tokens, %d pools, backend %s", op.direction.value,
+                         op.op_id, op.num_tokens, len(op.transfers), op.backend)
 
     def _acknowledge(self, op: TransferOp) -> Ack:
         if op.event_set is not None:

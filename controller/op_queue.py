@@ -39,7 +39,7 @@ class QueuedCall(NamedTuple):
     tag: object
     held: HeldCall
     may_pad: bool  # its slots may name the padding slot (no entry check gave their pages)
-    after: Event | None  # recorded on the caller's stream when queued (CUDA writes)
+    after: tuple[Event, ...]  # recorded on the callers' streams when queued (CUDA writes)
 
 
 class OpQueue:
@@ -59,7 +59,7 @@ class OpQueue:
 
     def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
               pages: Sequence[TransferPages] | None = None, owned: bool = False,
-              after: Event | None = None) -> None:
+              after: tuple[Event, ...] = ()) -> None:
         """Queue one call's transfers (their pages are held from now on) and tell the
         observers. The op keeps its own copies of the slots: a caller that changes its
         index tensors after the call (or the host slots it got back) cannot change what the
@@ -68,8 +68,8 @@ class OpQueue:
         ``pages``: per transfer, the (host, device) page ids its slots' entry checks or
         allocations gave; found from the slots when ``None``. ``owned``: the transfers'
         index tensors are already int64 copies made for the queue (not copied again).
-        ``after``: an event the op waits on before it reads anything (the caller's stream
-        when the call was queued)."""
+        ``after``: events the op waits on before it reads anything (the caller's stream
+        when the call was queued, and any the caller marked earlier)."""
         if not owned:
             transfers = [owned_copy(t) for t in transfers]
         may_pad = pages is None
@@ -125,8 +125,7 @@ class OpQueue:
         may_pad = False
         for call in queued:
             may_pad |= call.may_pad
-            if call.after is not None:
-                op.after.append(call.after)
+            op.after.extend(call.after)
         op.moved = move_op_indices(op, may_pad)
         return op
 

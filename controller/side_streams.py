@@ -52,17 +52,18 @@ class SideStreams:
         self._free_marks: list[Event] = []
         self._callers = CurrentStreams(device) if self.on_cuda else None
 
-    def mark_caller(self) -> Event | None:
-        """An event recorded now on the caller's current stream, for an op queued now and
-        issued later to wait on (``None`` on a CPU). The events come from a free list: one
-        goes back once the op that waited on it was issued (a wait holds the record made
-        before it, so recording the event again afterwards is safe)."""
+    def mark_caller(self, earlier: Sequence[Event] = ()) -> tuple[Event, ...]:
+        """``earlier`` and an event recorded now on the caller's current stream, for an op
+        queued now and issued later to wait on (``earlier`` alone on a CPU). The events come
+        from a free list: one goes back once the op that waited on it was issued (a wait
+        holds the record made before it, so recording the event again afterwards is
+        safe)."""
         callers = self._callers
         if callers is None:
-            return None
+            return tuple(earlier)
         event = self._free_marks.pop() if self._free_marks else Event(self.device)
         event.record(callers.stream(callers.raw()))
-        return event
+        return (*earlier, event)
 
     def register_producer(self, stream: torch.cuda.Stream) -> None:
         """Add a stream that writes KV; every later op waits on it."""
@@ -119,7 +120,9 @@ class SideStreams:
             event = Event(self.device)
             event.record(stream)
             event.wait(side_stream)
-        for mark in op.after:  # the streams current where its calls were queued
+        # the streams current where its calls were queued; calls queued together may share
+        # one event, which goes back to the free list once
+        for mark in {id(mark): mark for mark in op.after}.values():
             mark.wait(side_stream)
             self._free_marks.append(mark)
         op.after = []

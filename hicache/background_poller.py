@@ -1,8 +1,8 @@
 """The service's background thread, and the acks it collects for the scheduler.
 
 The thread polls finished ops (event ``query()`` only, under the service lock) and puts
-their acks on a queue; it never touches the tree. Backups that ``insert`` queued with no
-``step()`` after them (a quiet scheduler) it issues before it polls. The scheduler thread
+their acks on a queue. Backups that ``insert`` queued with no ``step()`` after them (a quiet
+scheduler) it issues before it polls: the only change it makes to the tree. The scheduler thread
 collects acks with :meth:`BackgroundPoller.collect` (queued acks first, then whatever the
 controller finished since) and applies them to the tree with :meth:`BackgroundPoller.apply`.
 When nothing happened for an interval (no ack, no scheduler call, no check) the thread runs
@@ -103,6 +103,7 @@ class BackgroundPoller:
     def start(self) -> None:
         """Start the thread (the caller makes sure it is not running)."""
         self._controller.add_observer(self._on_queued)
+        self._tree.on_backup_queued = self._on_queued
         self._thread = threading.Thread(target=self._run, name="hicache-service", daemon=True)
         self._thread.start()
 
@@ -115,11 +116,12 @@ class BackgroundPoller:
             self._thread.join()
             self._thread = None
             self._controller.remove_observer(self._on_queued)
+            self._tree.on_backup_queued = None
 
     def _on_queued(self, *_: object) -> None:
-        """A transfer was queued: a thread in an idle sleep polls again (on the scheduler
-        thread). One that sleeps with transfers in flight passes within :data:`BUSY_WAKE_S`
-        anyway, and a wake per queued transfer would undo its backoff."""
+        """A transfer or a tree backup was queued: a thread in an idle sleep polls again (on
+        the scheduler thread). One that sleeps with transfers in flight passes within
+        :data:`BUSY_WAKE_S` anyway, and a wake per queued transfer would undo its backoff."""
         if self._wake_wanted and self._wake.empty():
             self._wake.put(None)
 
@@ -159,7 +161,7 @@ class BackgroundPoller:
                 self._stats.background_passes += 1
                 # Read without the lock: a stale count only moves one pass, and a transfer
                 # queued after the read wakes the thread.
-                in_flight = self._controller.num_in_flight
+                in_flight = self._controller.num_in_flight + len(self._tree.queued_backups)
                 if in_flight:  # a sleep of at most BUSY_WAKE_S: no wake needed
                     self._wake_wanted = False
                 calls, collects = self._gate.num_calls, self._collects
@@ -220,8 +222,8 @@ class BackgroundPoller:
 
     def _poll_once(self) -> bool:
         with self._gate.lock:
-            if self._controller.has_queued_writes:  # backups queued with no step after them
-                self._issue_writes()
+            if self._tree.has_queued_backups or self._controller.has_queued_writes:
+                self._issue_writes()  # backups queued with no step after them
             acks = self._controller.poll_acks()  # bounds errors go to step(), not this thread
             self._stats.polls += 1
             if self._exporter is not None:
@@ -231,14 +233,20 @@ class BackgroundPoller:
         return bool(acks)
 
     def _issue_writes(self) -> None:
-        """Issue the queued writes, on the controller's device (this thread's current device
-        is its own). Each waits on the stream that was current where it was queued."""
+        """Issue the tree's queued backups (allocating their host slots: the one change this
+        thread makes to the tree, under the service lock, so a sliced check in progress
+        starts over) and the controller's queued writes, on the controller's device (this
+        thread's current device is its own). Each write waits on the stream that was
+        current where it was queued."""
+        if self._tree.has_queued_backups and self._check.in_progress:
+            self._check.abandon()
+            self._stats.integrity_checks_abandoned += 1
         device = self._controller.device
         if device.type != "cuda":
-            self._controller.start_writing()
+            self._tree.issue_queued_backups()
             return
         with torch.cuda.device(device):
-            self._controller.start_writing()
+            self._tree.issue_queued_backups()
 
     def _step_check(self) -> bool:
         """One slice of the background integrity check; True when it completed a check."""

@@ -67,6 +67,13 @@ class SlicedIntegrityCheck:
     def in_progress(self) -> bool:
         return self._check is not None
 
+    def abandon(self) -> None:
+        """Give up the check in progress, if any (its caller is about to change the tree,
+        under the lock, between two slices); the next :meth:`step` starts a new one."""
+        if self._check is not None:
+            self._check = None
+            self.stats.abandoned += 1
+
     def step(self) -> bool:
         """Run one slice if the lock is free right now (never waits for the scheduler);
         returns ``True`` when this slice completed a check. Raises ``RuntimeError`` for an

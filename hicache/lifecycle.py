@@ -60,6 +60,7 @@ def stop(service: HiCacheService) -> None:
     if service.exporter is not None:
         service.exporter.stop()
     with gate.lock:
+        service.tree.issue_queued_backups()  # queued with no step after them
         acks = service._poller.drain() + service.controller.drain()
         service._poller.apply(acks)
         if service.storage is not None:  # after the acks: their backups are queued first

@@ -252,7 +252,7 @@ class HiCacheService(PrefetchCalls):
         """
         with self._gate.call():
             self.controller.raise_if_tripped()
-            self.controller.start_writing()  # the backups queued since the last step
+            self.tree.issue_queued_backups()  # those queued since the last step, as one op
             acks = self._poller.collect()
             self._poller.apply(acks)
             if self.storage is not None:

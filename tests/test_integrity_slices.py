@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from hicache.bench.scheduler import ChatWorkload, fill, make_service
+from hicache.bench.scheduler import ChatWorkload, admit, fill, free_tail, make_service
 from hicache.radix.node import slice_indices
 from hicache.service import HiCacheService
 
@@ -88,6 +88,31 @@ def test_a_scheduler_call_between_slices_makes_the_check_start_over() -> None:
         assert check.stats.abandoned == 1 and check.stats.completed == 0
         run_to_end(service)
         assert check.stats.completed == 1
+    finally:
+        service.stop()
+
+
+def test_the_thread_issuing_queued_backups_makes_the_check_start_over() -> None:
+    """The background thread allocates the host slots of backups no step issued (a change
+    to the tree, under the lock): a check it was walking starts over."""
+    service = filled()
+    try:
+        workload = ChatWorkload(seed=5, num_systems=2)
+        key, match, slots = admit(service, workload.next_prompt())
+        service.insert(key, slots)  # its backup queued, no step after it
+        check = service.background_check
+        check.step()
+        check.step()
+        assert check.in_progress and service.tree.has_queued_backups
+        service._poller._poll_once()  # the thread's pass: issues the backup, polls
+        assert not service.tree.has_queued_backups and not check.in_progress
+        assert check.stats.abandoned == 1 and service.stats.integrity_checks_abandoned == 1
+        run_to_end(service)
+        assert check.stats.completed == 1
+        free_tail(service, len(key), slots)
+        service.release(match.last_device_node)
+        service.step()
+        service.check_integrity()
     finally:
         service.stop()
 

@@ -23,7 +23,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precon
 from radix_helpers import HybridRig, Rig, ids
 
 from hicache.config import EvictionPolicy, WritePolicy
-from hicache.radix import HiRadixCache, TreeNode
+from hicache.radix import HiRadixCache, TreeNode, backups
 from hicache.radix.tree import slots_of, subtree
 
 TOKENS = st.lists(st.integers(0, 2), min_size=0, max_size=10)
@@ -54,7 +54,7 @@ class ScanTree(HiRadixCache):
                 freed += node.num_tokens
             elif self.write_policy is not WritePolicy.WRITE_BACK:
                 freed += self._scan_drop(node, "no_backup")
-            elif self._backup(node, evict_after=True):
+            elif backups.allocate_one(self, node, evict_after=True):
                 scheduled += node.num_tokens
                 continue
             else:

@@ -148,7 +148,11 @@ def _check_node(tree: TieredRadixTree, node: TreeNode) -> None:
         raise RuntimeError(f"{node!r} is on the device but its parent {parent!r} is not")
     if not node.on_device and not node.is_backed_up:
         raise RuntimeError(f"{node!r} is on neither tier (no device slots, no host copy)")
-    if node.write_op is not None and node.host is None:
+    if node.write_op is not None and node.write_op.queued:
+        if node.host is not None or not node.on_device or node.lock_count < 1:
+            raise RuntimeError(f"{node!r}: a queued backup needs a locked device node with "
+                               f"no host slots yet")
+    elif node.write_op is not None and node.host is None:
         raise RuntimeError(f"{node!r} has a backup in flight but no host slots")
     if node.evict_on_ack and node.write_op is None:
         raise RuntimeError(f"{node!r} waits to be evicted after a write that is not in flight")

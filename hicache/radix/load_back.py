@@ -50,7 +50,7 @@ def load_back(tree: HiRadixCache, node: TreeNode, device_quota_tokens: int) -> L
                 if tree.io.is_hybrid else None)
     if not tree.io.tail_has_swa(host_swa):
         return refuse(tree, Refusal.SWA_TAIL_MISSING, num_tokens)
-    op = PendingOp(Direction.HOST_TO_DEVICE, list(span), node)
+    op = PendingOp(Direction.HOST_TO_DEVICE, list(span), [node])
     tree.lock(node)  # held until the ack; also shields the span while we evict
     loaded = tree.io.load(host, host_swa, op, restore.slots)
     if loaded is None:

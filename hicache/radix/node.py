@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from hicache.controller import Direction
+from hicache.controller import Direction, Event
 from hicache.pools import IndexSpace, Indices
 
 from .key import TOKEN_BYTES, key_tokens
@@ -36,13 +36,20 @@ class PendingOp:
     """The tree's record of one controller op it issued; the op's ack carries it as its tag.
 
     ``nodes`` grows when a node in flight is split (both halves wait for the same ack).
-    ``lock_node`` is the node locked until the ack (write-through backups, load-backs), or
-    ``None`` (write-back evictions, which flag their nodes with ``evict_on_ack`` instead).
+    ``locks``: the nodes locked until the ack, one lock each (a write-through backup's
+    node, a load-back's last node; several for the backups of one step issued as one op),
+    or none (write-back evictions, which flag their nodes with ``evict_on_ack`` instead).
+    ``queued``: a backup that ``insert`` or ``match`` queued and the tree has not issued
+    yet; its nodes are on the device and locked, with no host slots until it is issued
+    (:meth:`~hicache.radix.tiers.TieredRadixTree.issue_queued_backups`). ``marks``: events
+    recorded on the streams current where it was queued, which its copy waits on (CUDA).
     """
 
     direction: Direction
     nodes: list[TreeNode]
-    lock_node: TreeNode | None
+    locks: list[TreeNode]
+    queued: bool = False
+    marks: tuple[Event, ...] = ()
 
 
 @dataclass(eq=False)

@@ -12,10 +12,18 @@ tree); frees go through the controller, which refuses slots that are still in fl
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
-from hicache.controller import CacheController, HybridCacheController, HybridSlots, TransferCore
+from hicache.controller import (
+    CacheController,
+    Event,
+    HybridCacheController,
+    HybridSlots,
+    TransferCore,
+)
 from hicache.pools import IndexSpace, Indices, PageAllocator
 from hicache.pools.page_ids import owned_page_ids
 
@@ -41,13 +49,19 @@ class NodeIO:
         """``[num_tokens]`` fresh ``DEVICE_FULL`` slots (whole pages) or ``None``."""
         return self.controller.device_allocator.try_alloc(num_tokens)
 
-    def backup(self, device: Indices, tag: object,
-               host_swa: Indices | None = None) -> SlotPair | None:
+    def backup(self, device: Indices, tag: object, host_swa: Indices | None = None,
+               marks: Sequence[Event] = ()) -> SlotPair | None:
         """Queue a device-to-host copy of ``device``; the host slots, or ``None`` if full.
         ``host_swa``: the SWA host copies the tokens already have (hybrid; kept, merged
-        into the returned SWA slots)."""
-        host = self.plain.write(device, tag, pages=self._pages(device))
+        into the returned SWA slots). ``marks``: events of :meth:`mark_caller` the copy
+        waits on (full-attention models: a backup queued earlier by the tree)."""
+        host = self.plain.write(device, tag, pages=self._pages(device), marks=marks)
         return None if host is None else (host, None)
+
+    def mark_caller(self) -> Event | None:
+        """An event on the caller's current stream for a later :meth:`backup` to wait on
+        (``None`` on a CPU)."""
+        return self.plain.mark_caller()
 
     def load(self, host: Indices, host_swa: Indices | None, tag: object,
              restore: SlotPair | None = None) -> SlotPair | None:
@@ -188,8 +202,9 @@ class HybridNodeIO(NodeIO):
     def try_alloc_device(self, num_tokens: int) -> Indices | None:
         return self.pool.try_alloc(num_tokens)
 
-    def backup(self, device: Indices, tag: object,
-               host_swa: Indices | None = None) -> SlotPair | None:
+    def backup(self, device: Indices, tag: object, host_swa: Indices | None = None,
+               marks: Sequence[Event] = ()) -> SlotPair | None:
+        assert not marks, "a hybrid tree allocates its backups where it queues them"
         have = None if host_swa is None else host_swa.tensor != 0
         slots = self.hybrid.write(device, tag, swa_skip=have)
         if slots is None:

@@ -5,8 +5,9 @@ Invariants kept here (checked by ``check_integrity``):
 - device-resident nodes form an ancestor-closed set (a prefix is on the device or not);
 - a node not on the device has a complete host copy (``is_backed_up``); a node that would
   lose its device slots without one is dropped, with the host-only nodes below it;
-- a node with an op in flight is never evicted: write-through backups and load-backs lock
-  their node until the ack; write-back evictions flag theirs with ``evict_on_ack``.
+- a node with an op queued or in flight is never evicted: write-through backups and
+  load-backs lock their node until the ack; write-back evictions flag theirs with
+  ``evict_on_ack``.
 
 Eviction takes nodes from two :class:`~hicache.radix.eviction.CandidateHeap` (device,
 host), kept up to date from the nodes the tree reports as changed (``_touch``) and from the
@@ -14,7 +15,9 @@ changes eviction makes itself, so it never walks the tree.
 
 Write policies: ``write_through`` backs up on insert, ``write_through_selective`` once a
 node was matched ``write_through_hits`` times, ``write_back`` only when eviction picks a node
-that has no host copy; its device slots are freed when the write's ack is applied.
+that has no host copy; its device slots are freed when the write's ack is applied. The
+first two queue their backups, which :meth:`TieredRadixTree.issue_queued_backups` allocates
+and issues together (:mod:`hicache.radix.backups`).
 
 Applying an ack (``_finish_write``, ``_finish_load``) clears the op from its nodes and drops
 the lock it held; the nodes become eviction candidates again.
@@ -24,17 +27,18 @@ Thread ownership: the engine's scheduler thread is the only caller.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hicache.config import EvictionPolicy, WritePolicy
-from hicache.controller import CacheController, Direction, HybridCacheController, TransferCore
+from hicache.controller import CacheController, HybridCacheController, TransferCore
 from hicache.pools import IndexSpace, Indices
 
-from . import host_eviction
+from . import backups, host_eviction
 from .eviction import CandidateHeap, eviction_key
 from .node import CacheStats, PendingOp, TreeNode, cat_indices
 from .node_io import HybridNodeIO, NodeIO
 from .storage_hooks import StorageHooks
 from .tree import Clock, RadixTree, slots_of, subtree
-from .window_tail import evict_host_swa
 
 
 class TieredRadixTree(RadixTree):
@@ -75,6 +79,8 @@ class TieredRadixTree(RadixTree):
         # Backups queued by insert and match are issued at once; a service turns this off
         # and issues them at its step() instead, all of a scheduler step as one op.
         self.issue_backups = True
+        self.queued_backups: list[PendingOp] = []  # not issued yet (hicache.radix.backups)
+        self.on_backup_queued: Callable[[], None] | None = None  # told of each (a service's)
         self.storage: StorageHooks | None = None  # the shared store's tier (hicache.l3)
         key = eviction_key(eviction_policy)
         self._device_candidates = CandidateHeap(key, self._can_evict_device)
@@ -111,7 +117,7 @@ class TieredRadixTree(RadixTree):
                     released.append(self._take_device(node))
                 elif self.write_policy is not WritePolicy.WRITE_BACK:
                     released.append(self._drop(node, "no_backup"))
-                elif self._backup(node, evict_after=True):
+                elif backups.allocate_one(self, node, evict_after=True):
                     scheduled += node.num_tokens
                     continue
                 else:
@@ -146,50 +152,23 @@ class TieredRadixTree(RadixTree):
                 heap.offer(node)
             heap.compact_if_stale(self.num_nodes)
 
-    # ---- backups ------------------------------------------------------------------------
+    # ---- backups (hicache.radix.backups) ----------------------------------------------
 
     def _backup_nodes(self, nodes: list[TreeNode], path: list[TreeNode]) -> None:
-        """Back up those of ``nodes`` that have no host copy, with ``path`` locked so that a
-        host eviction made for room cannot remove part of it; then issue the writes (unless
-        :attr:`issue_backups` is off: the caller issues them later)."""
-        todo = [n for n in nodes if n.on_device and n.host is None and n.load_op is None]
-        if not todo:
-            return
-        self.lock(path[-1])
-        try:
-            for node in todo:
-                self._backup(node, evict_after=False)
-        finally:
-            self.unlock(path[-1])
-        if self.issue_backups:
-            self.controller.start_writing()
+        """Queue backups of those of ``nodes`` that have no host copy (see
+        :func:`hicache.radix.backups.queue`)."""
+        backups.queue(self, nodes, path)
 
-    def _backup(self, node: TreeNode, *, evict_after: bool) -> bool:
-        """Queue a backup of ``node`` (the caller issues it with ``start_writing``); on a
-        full host evict host leaves and retry once. False (counted) when there is no room."""
-        op = PendingOp(Direction.DEVICE_TO_HOST, [node], None)
-        device = slots_of(node, "device")
-        # A host short of room evicts first: a write refused for room would have run
-        # every check of the device pages for nothing
-        evicted = self.io.host_free_tokens() < node.num_tokens and \
-            self.evict_host(node.num_tokens) > 0
-        slots = self.io.backup(device, op, node.host_swa)
-        if slots is None and not evicted and self.evict_host(node.num_tokens) > 0:
-            slots = self.io.backup(device, op, node.host_swa)
-        if slots is None and self.io.is_hybrid and \
-                evict_host_swa(self, node.num_tokens - self.io.host_swa_free_tokens()) > 0:
-            slots = self.io.backup(device, op, node.host_swa)  # the SWA host pool was short
-        if slots is None:
-            self.stats.refused_backups["host_full"] += node.num_tokens
-            return False
-        node.host, node.host_swa = slots
-        node.write_op = op
-        if evict_after:
-            node.evict_on_ack = True
-        else:
-            op.lock_node = node
-            self.lock(node)
-        return True
+    def issue_queued_backups(self) -> None:
+        """Allocate and queue, as one controller write, every backup queued since the last
+        call, then issue the controller's queued writes (see
+        :func:`hicache.radix.backups.issue_queued`)."""
+        backups.issue_queued(self)
+
+    @property
+    def has_queued_backups(self) -> bool:
+        """Backups queued by ``insert`` or ``match`` and not issued yet."""
+        return bool(self.queued_backups)
 
     # ---- acknowledgements ---------------------------------------------------------------
 
@@ -204,8 +183,8 @@ class TieredRadixTree(RadixTree):
         self.stats.backed_up_tokens += sum(node.num_tokens for node in op.nodes)
         if self.storage is not None:
             self.storage.host_copies_ready(op.nodes)
-        if op.lock_node is not None:
-            self.unlock(op.lock_node)
+        for node in op.locks:
+            self.unlock(node)
         for node in sorted(op.nodes, key=TreeNode.depth, reverse=True):
             if node.evict_on_ack:
                 node.evict_on_ack = False
@@ -218,8 +197,9 @@ class TieredRadixTree(RadixTree):
             assert node.load_op is op, f"{node!r} lost track of its load"
             node.load_op = None
             self._touch(node)
-        assert op.lock_node is not None, "a load-back always locks its last node"
-        self.unlock(op.lock_node)
+        assert op.locks, "a load-back always locks its last node"
+        for node in op.locks:
+            self.unlock(node)
 
     # ---- helpers ------------------------------------------------------------------------
 

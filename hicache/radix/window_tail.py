@@ -100,7 +100,7 @@ def back_up_window(tree: HiRadixCache, device: Indices) -> None:
     if not tree.io.keeps_swa_history:
         tree.io.release_swa(device)
         return
-    op = WindowBackupOp(Direction.DEVICE_TO_HOST, [], None, device=device)
+    op = WindowBackupOp(Direction.DEVICE_TO_HOST, [], [], device=device)
     host_swa = tree.io.write_swa(device, op)
     if host_swa is None and tree.evict_host(len(device)) > 0:
         host_swa = tree.io.write_swa(device, op)

@@ -1,0 +1,151 @@
+"""Backups of device nodes to the host: queued by ``insert`` and ``match``, issued per step.
+
+A write-through backup is queued where the policy asks for it: the node gets a queued
+:class:`~hicache.radix.node.PendingOp` and one lock, nothing else (no host slot, no
+controller call). :func:`issue_queued` then serves every backup queued since its last call
+at once: one host eviction for what the host lacks, one host allocation and one controller
+write for all their nodes, so a scheduler step of many requests pays for one of each. A
+service calls it at every ``step()`` (and its background thread when no step comes); a
+tree used on its own at every insert and match.
+
+Between the two the nodes are on the device and locked (never evicted), with no host copy:
+``check_integrity`` accepts that only for a queued op.
+
+Hybrid (SWA) trees allocate each backup where it is queued, as before: a node's host SWA
+slots are merged with the ones it already holds at that moment. Write-back evictions
+(:meth:`~hicache.radix.tiers.TieredRadixTree.evict`) allocate at once too: the device
+slots they free wait for that write.
+
+Plain functions of :class:`~hicache.radix.tiers.TieredRadixTree`, on the scheduler thread
+(or under the service lock).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from hicache.controller import Direction
+from hicache.pools import IndexSpace
+
+from .node import PendingOp, TreeNode, cat_indices, slice_indices
+from .tree import slots_of
+from .window_tail import evict_host_swa
+
+if TYPE_CHECKING:
+    from .tiers import TieredRadixTree
+
+
+def queue(tree: TieredRadixTree, nodes: list[TreeNode], path: list[TreeNode]) -> None:
+    """Queue backups of those of ``nodes`` on the device with no host copy and no op (one
+    lock each until the ack); a hybrid tree allocates them now, with ``path`` locked so
+    that a host eviction made for room cannot remove part of it. Issued at once when the
+    tree's :attr:`~hicache.radix.tiers.TieredRadixTree.issue_backups` is on."""
+    todo = [n for n in nodes if n.on_device and n.host is None and n.write_op is None
+            and n.load_op is None]
+    if not todo:
+        return
+    if tree.io.is_hybrid:
+        tree.lock(path[-1])
+        try:
+            for node in todo:
+                allocate_one(tree, node, evict_after=False)
+        finally:
+            tree.unlock(path[-1])
+    else:
+        # the rows may still be written on the caller's stream: the copy, issued later with
+        # another stream current (or on the service's thread), waits for it
+        mark = tree.io.mark_caller()
+        marks = () if mark is None else (mark,)
+        for node in todo:  # one op each: the host may have room for some of them only
+            node.write_op = PendingOp(Direction.DEVICE_TO_HOST, [node], [node], queued=True,
+                                      marks=marks)
+            tree.lock(node)
+            tree.queued_backups.append(node.write_op)
+    if tree.issue_backups:
+        issue_queued(tree)
+    elif tree.on_backup_queued is not None:
+        tree.on_backup_queued()
+
+
+def issue_queued(tree: TieredRadixTree) -> None:
+    """Allocate host slots for every backup queued since the last call and queue their
+    copies as one controller write, then issue the controller's queued writes. When the
+    host cannot take them all, even after evicting host leaves, as many as fit go (one op
+    each, in the order queued) and the rest are refused: counted in
+    ``stats.refused_backups["host_full"]``, their nodes unlocked and left without a copy."""
+    ops, tree.queued_backups = tree.queued_backups, []
+    if ops:
+        nodes = [node for op in ops for node in op.nodes]
+        short = sum(node.num_tokens for node in nodes) - tree.io.host_free_tokens()
+        if short > 0:
+            tree.evict_host(short)
+        batch = ops[0] if len(ops) == 1 else PendingOp(
+            Direction.DEVICE_TO_HOST, nodes, [lock for op in ops for lock in op.locks],
+            marks=tuple({id(mark): mark for op in ops for mark in op.marks}.values()))
+        if not _write(tree, batch):  # the host cannot take them all: as many as fit
+            for op in ops:
+                if len(ops) == 1 or not _write(tree, op):
+                    _refuse(tree, op)
+    tree.controller.start_writing()
+
+
+def _write(tree: TieredRadixTree, op: PendingOp) -> bool:
+    """Allocate host slots for the nodes of queued ``op`` and queue their copy (tagged
+    with ``op``); False, with nothing changed, when the host is full."""
+    nodes = op.nodes
+    device = cat_indices([slots_of(node, "device") for node in nodes], IndexSpace.DEVICE_FULL)
+    slots = tree.io.backup(device, op, marks=op.marks)
+    if slots is None:
+        return False
+    host = slots[0]
+    if len(nodes) == 1:
+        nodes[0].host = host
+    else:
+        at = 0
+        for node in nodes:
+            node.host = slice_indices(host, at, at + node.num_tokens)
+            at += node.num_tokens
+    for node in nodes:
+        node.write_op = op
+    op.queued, op.marks = False, ()
+    return True
+
+
+def _refuse(tree: TieredRadixTree, op: PendingOp) -> None:
+    """Give up queued ``op``: its nodes keep their device slots only, its locks drop."""
+    for node in op.nodes:
+        node.write_op = None
+        tree._touch(node)
+    for node in op.locks:
+        tree.unlock(node)
+    tree.stats.refused_backups["host_full"] += sum(node.num_tokens for node in op.nodes)
+
+
+def allocate_one(tree: TieredRadixTree, node: TreeNode, *, evict_after: bool) -> bool:
+    """Allocate host slots for ``node`` and queue its backup now (the caller issues it with
+    ``start_writing``); on a full host evict host leaves and retry once. False (counted)
+    when there is no room. ``evict_after``: a write-back eviction (the node is flagged to
+    leave the device at the ack) rather than a locked write-through backup."""
+    op = PendingOp(Direction.DEVICE_TO_HOST, [node], [])
+    device = slots_of(node, "device")
+    # A host short of room evicts first: a write refused for room would have run
+    # every check of the device pages for nothing
+    evicted = tree.io.host_free_tokens() < node.num_tokens and \
+        tree.evict_host(node.num_tokens) > 0
+    slots = tree.io.backup(device, op, node.host_swa)
+    if slots is None and not evicted and tree.evict_host(node.num_tokens) > 0:
+        slots = tree.io.backup(device, op, node.host_swa)
+    if slots is None and tree.io.is_hybrid and \
+            evict_host_swa(tree, node.num_tokens - tree.io.host_swa_free_tokens()) > 0:
+        slots = tree.io.backup(device, op, node.host_swa)  # the SWA host pool was short
+    if slots is None:
+        tree.stats.refused_backups["host_full"] += node.num_tokens
+        return False
+    node.host, node.host_swa = slots
+    node.write_op = op
+    if evict_after:
+        node.evict_on_ack = True
+    else:
+        op.locks.append(node)
+        tree.lock(node)
+    return True
