@@ -89,6 +89,8 @@ class TieredRadixTree(RadixTree):
         self._swa_candidates = CandidateHeap(key, self._is_swa_candidate)
         # host SWA copies that may leave on their own (the node keeps its full rows)
         self._host_swa_candidates = CandidateHeap(key, self._is_host_swa_candidate)
+        self._heaps = (self._device_candidates, self._host_candidates) + (
+            (self._swa_candidates, self._host_swa_candidates) if self.io.is_hybrid else ())
 
     # ---- eviction -----------------------------------------------------------------------
 
@@ -143,13 +145,14 @@ class TieredRadixTree(RadixTree):
         return host_eviction.evict_host_nodes(self, [node])
 
     def _refresh_candidates(self) -> None:
-        """Offer every node changed since the last eviction to both candidate heaps, and
-        drop their stale entries once those pile up."""
+        """Offer every node changed since the last eviction to the candidate heaps (those of
+        SWA rows only for a hybrid model: no other node has any), and drop their stale
+        entries once those pile up."""
         touched, self._touched = self._touched, {}
-        for heap in (self._device_candidates, self._host_candidates, self._swa_candidates,
-                     self._host_swa_candidates):
+        for heap in self._heaps:
+            offer = heap.offer
             for node in touched:
-                heap.offer(node)
+                offer(node)
             heap.compact_if_stale(self.num_nodes)
 
     # ---- backups (hicache.radix.backups) ----------------------------------------------
