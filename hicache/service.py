@@ -56,8 +56,8 @@ class HiCacheService(PrefetchCalls):
     """Scheduler-facing cache service (see the module docstring for the threading rules).
 
     Args:
-        tree: the radix tree, with its controller; the backups its ``insert`` and ``match``
-            queue are issued by :meth:`step` (``issue_backups`` is turned off).
+        tree: the radix tree, with its controller; :meth:`step` allocates and issues the
+            backups its ``insert`` and ``match`` queue, as one write (``issue_backups`` off).
         device_pool: the pool the engine writes KV into (plain or hybrid).
         host_pools: host pools to close (unpin) at :meth:`stop`.
         integrity_check_interval_s: seconds between integrity checks of the thread, which

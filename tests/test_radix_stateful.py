@@ -144,6 +144,7 @@ class RadixMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for node, _, _ in self.locked:
             self.tree.unlock(node)
+        self.tree.issue_queued_backups()  # what a stepped tree still holds queued
         self.tree.apply_acks(self.rig.controller.drain())
         for _ in range(4):
             self.tree.evict(10**6)
@@ -164,6 +165,24 @@ class WriteBack(RadixMachine):
     write_policy = WritePolicy.WRITE_BACK
 
 
+class SteppedWriteThrough(RadixMachine):
+    """As a service drives the tree: the backups insert and match queue wait (their nodes
+    locked, no host slots) until a step issues all of them as one write."""
+
+    def make_rig(self) -> Rig | HybridRig:
+        rig = super().make_rig()
+        rig.tree.issue_backups = False
+        return rig
+
+    @rule()
+    def step(self) -> None:
+        self.tree.issue_queued_backups()
+
+
+class SteppedWriteThroughSelective(SteppedWriteThrough):
+    write_policy = WritePolicy.WRITE_THROUGH_SELECTIVE
+
+
 class HybridWriteThrough(RadixMachine):
     def make_rig(self) -> Rig | HybridRig:
         return HybridRig(full_pages=10, swa_pages=6, host_pages=14)
@@ -173,7 +192,9 @@ TestWriteThrough = RadixMachine.TestCase
 TestWriteThroughSelectiveLFU = WriteThroughSelectiveLFU.TestCase
 TestWriteBack = WriteBack.TestCase
 TestHybridWriteThrough = HybridWriteThrough.TestCase
+TestSteppedWriteThrough = SteppedWriteThrough.TestCase
+TestSteppedWriteThroughSelective = SteppedWriteThroughSelective.TestCase
 for case in (TestWriteThrough, TestWriteThroughSelectiveLFU, TestWriteBack,
-             TestHybridWriteThrough):
+             TestHybridWriteThrough, TestSteppedWriteThrough, TestSteppedWriteThroughSelective):
     case.settings = SETTINGS
 del case
