@@ -277,26 +277,17 @@ def _backup_after_a_busy_stream(service: HiCacheService, tokens: list[int],
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["torch", "kernel", "staged", "auto"])
-def test_a_backup_issued_at_the_step_reads_the_inserting_streams_rows(backend: str) -> None:
-    service = build_service(make_config(device="cuda", io_backend=backend))
-    try:
-        tokens = [5, 5, 6, 6, 7, 7, 8, 8][:4 * PAGE]
-        rows = _backup_after_a_busy_stream(service, tokens)
-        assert torch.equal(rows, expected_rows(tokens, full_pool(service).num_layers))
-        service.check_integrity()
-    finally:
-        service.stop()
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("backend", ["torch", "staged"])
-def test_a_backup_the_thread_issues_reads_the_inserting_streams_rows(backend: str) -> None:
+@pytest.mark.parametrize(("backend", "by_thread"), [
+    ("torch", False), ("kernel", False), ("staged", False), ("auto", False),
+    ("torch", True), ("staged", True)])
+def test_a_backup_issued_later_reads_the_inserting_streams_rows(backend: str,
+                                                               by_thread: bool) -> None:
+    """Issued at the step (the default stream current) or by the background thread of a
+    quiet scheduler (its own current stream): either way after the inserting stream."""
     service = build_service(make_config(device="cuda", io_backend=backend, interval_s=0.01))
     try:
-        tokens = [4, 4, 2, 2, 6, 6]
-        rows = _backup_after_a_busy_stream(service, tokens, by_thread=True)
+        tokens = [5, 5, 6, 6, 7, 7, 8, 8][:4 * PAGE]
+        rows = _backup_after_a_busy_stream(service, tokens, by_thread)
         assert torch.equal(rows, expected_rows(tokens, full_pool(service).num_layers))
         service.check_integrity()
     finally:

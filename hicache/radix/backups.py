@@ -81,7 +81,7 @@ def issue_queued(tree: TieredRadixTree) -> None:
             tree.evict_host(short)
         batch = ops[0] if len(ops) == 1 else PendingOp(
             Direction.DEVICE_TO_HOST, nodes, [lock for op in ops for lock in op.locks],
-            marks=tuple({id(mark): mark for op in ops for mark in op.marks}.values()))
+            marks=tuple(mark for op in ops for mark in op.marks))  # shared: waited once
         if not _write(tree, batch):  # the host cannot take them all: as many as fit
             for op in ops:
                 if len(ops) == 1 or not _write(tree, op):
