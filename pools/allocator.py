@@ -17,7 +17,7 @@ import torch
 from .base import IndexSpace, Indices, check_page_multiple
 from .free_map_take import bulk_pays, take_longest_from_map
 from .free_runs import FreeRuns
-from .page_ids import page_ids, valid_pages
+from .page_ids import page_ids, single_page, valid_pages
 from .page_runs import FEW_RUNS, expand_runs, pages_of_runs, runs_of
 from .snapshot import AllocatorSnapshot, used_pages_of
 
@@ -141,18 +141,17 @@ class PageAllocator:
                 range, repeat a page, or name a page that is not allocated (a double free or
                 a slot this allocator never handed out). Nothing is freed then.
         """
+        page = single_page(indices, self.space, self.page_size, self.num_pages)
+        if page is not None:  # the common one-page free: no array
+            self._free_page(page)
+            return
         self.free_pages(self.pages_of(indices, op=f"free to pool '{self.name}'"))
 
     def free_pages(self, pages: np.ndarray) -> None:
         """:meth:`free` of page ids that :meth:`pages_of` returned (distinct, in range, not
         page 0): raises ``ValueError`` for a page that is not allocated, freeing nothing."""
         if pages.size == 1:  # the common single page: Python ints, no array calls
-            page = pages.item()
-            if self._is_free[page]:
-                self._raise_not_allocated(page)
-            self._is_free[page] = True
-            self._num_free_pages += 1
-            self._runs.add(page, 1)
+            self._free_page(pages.item())
             return
         if pages.size == 0:
             return
@@ -167,6 +166,13 @@ class PageAllocator:
                 self._runs.add(start, length)
         else:
             self._runs.add_many(starts, lengths)
+
+    def _free_page(self, page: int) -> None:
+        if self._is_free[page]:
+            self._raise_not_allocated(page)
+        self._is_free[page] = True
+        self._num_free_pages += 1
+        self._runs.add(page, 1)
 
     def _raise_not_allocated(self, page: int) -> None:
         raise ValueError(

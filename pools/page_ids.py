@@ -92,12 +92,8 @@ def valid_pages(
         return None
     size = tensor.numel()
     if size == page_size:  # one page, the common free and backup: no numpy calls
-        values = tensor.tolist()
-        first = values[0]
-        if first % page_size or values != list(range(first, first + page_size)):
-            return None
-        page = first // page_size
-        return np.array((page,), dtype=np.int64) if 1 <= page <= num_pages else None
+        page = _page_of(tensor, page_size, num_pages)
+        return None if page is None else np.array((page,), dtype=np.int64)
     if size == 0 or size % page_size:
         return None
     slots = tensor.numpy()
@@ -127,6 +123,32 @@ def valid_pages(
             return None
         low, high = ordered[0], ordered[-1]
     return pages if low >= 1 and high <= num_pages else None
+
+
+def single_page(indices: Indices, space: IndexSpace, page_size: int, num_pages: int
+                ) -> int | None:
+    """The page id of ``indices`` when they are exactly one whole valid page of ``space``
+    (what a one-page allocation handed out), else ``None`` (the caller takes the general
+    path, which names what is wrong): the single-page free without an array."""
+    if type(indices) is not Indices or indices.space is not space:
+        return None
+    tensor = indices.tensor
+    if (tensor.dtype not in _INDEX_DTYPES or tensor.dim() != 1 or not tensor.is_cpu
+            or tensor.numel() != page_size):
+        return None
+    return _page_of(tensor, page_size, num_pages)
+
+
+def _page_of(tensor: torch.Tensor, page_size: int, num_pages: int) -> int | None:
+    """The page of ``page_size`` slots ``tensor`` (1-D, CPU) when they are that whole page in
+    order and it is in ``[1, num_pages]``, else ``None``."""
+    values = tensor.tolist()
+    first = values[0]
+    if first % page_size or values[-1] != first + page_size - 1 or (
+            page_size > 2 and values != list(range(first, first + page_size))):
+        return None
+    page = first // page_size
+    return page if 1 <= page <= num_pages else None
 
 
 @functools.lru_cache(maxsize=8)

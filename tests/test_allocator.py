@@ -286,3 +286,29 @@ def test_integrity_detects_run_index_views_disagreeing() -> None:
     allocator._runs._start_of_end.clear()
     with pytest.raises(RuntimeError, match=r"pool 'full': free-run index views disagree"):
         allocator.check_integrity()
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 3, 4])
+def test_one_page_frees_are_checked_like_any_other(page_size: int) -> None:
+    """A one-page free takes a shorter path; every malformed page is still refused, by the
+    same message, and changes nothing, at every page size (1 and 2 compare only the ends)."""
+    allocator = PageAllocator(4, page_size, IndexSpace.DEVICE_FULL, "full")
+    first = allocator.try_alloc(page_size)
+    second = allocator.try_alloc(page_size)
+    assert first is not None and second is not None
+    base = page_size  # page 1's first slot
+    bad = [list(range(base + 1, base + 1 + page_size)) if page_size > 1  # misaligned
+           else [3],  # never handed out
+           [base] * page_size if page_size > 1 else [5 * page_size],  # repeated / out of range
+           list(reversed(range(base, base + page_size))) if page_size > 1 else [0]]
+    for slots in bad:
+        with pytest.raises(ValueError):
+            allocator.free(Indices(torch.tensor(slots), IndexSpace.DEVICE_FULL))
+        assert allocator.num_free_tokens == 2 * page_size
+    with pytest.raises(ValueError, match="takes indices in space DEVICE_FULL"):
+        allocator.free(Indices(first.tensor, IndexSpace.HOST_FULL))
+    allocator.free(Indices(first.tensor.to(torch.int32), IndexSpace.DEVICE_FULL))
+    with pytest.raises(ValueError, match="is not allocated: a double free"):
+        allocator.free(first)
+    assert allocator.num_free_tokens == 3 * page_size
+    allocator.check_integrity()

@@ -29,6 +29,7 @@ from hicache.controller import (
 from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import INTERPRET_ENV, kernel_available
 from hicache.controller.staged import StagedBackend
+from hicache.controller.stats import FOLD_EVERY
 from hicache.pools import AttentionKind, HostLayout, IndexSpace, Indices
 
 PAGE_COUNTS = [1, 7, 8, 9, 63, 64, 65]
@@ -357,6 +358,25 @@ def test_stats_count_tokens_and_bytes() -> None:
     row_bytes = 8 * 4  # 2 heads x 4 dims float32
     assert ctrl.stats.tokens[("device_to_host", "full")] == 4
     assert ctrl.stats.bytes[("device_to_host", "full")] == 4 * 3 * 2 * row_bytes
+
+
+def test_stats_fold_acks_when_read_and_in_batches() -> None:
+    """An ack is only appended on ``poll``; the counters read it (and drained durations)
+    all the same, and unread acks are folded every ``FOLD_EVERY``, so none pile up."""
+    ctrl = make_controller(TorchBackend(), num_layers=1, device_pages=8, host_pages=8)
+    device = ctrl.device_allocator.try_alloc(1)
+    assert device is not None
+    count = FOLD_EVERY + 5
+    for _ in range(count):
+        host = ctrl.write(device)
+        assert host is not None
+        ctrl.drain()
+        ctrl.evict_host(host)
+    assert len(ctrl.stats._unfolded) == 5  # the fold at FOLD_EVERY acks, then five more
+    assert ctrl.stats.ops_acknowledged["device_to_host"] == count
+    assert ctrl.stats.tokens[("device_to_host", "full")] == count
+    assert ctrl.stats.in_flight_ops == 0 and not ctrl.stats._unfolded
+    assert ctrl.stats.drain_durations() == []  # CPU ops carry no device timing
 
 
 def test_make_backend_choices() -> None:
