@@ -54,14 +54,6 @@ __all__ = ["CacheController", "TransferObserver"]
 class CacheController(TransferCore):
     """Moves pages of one full-attention pool pair (constructor: :class:`TransferCore`)."""
 
-    def mark_caller(self) -> Event | None:
-        """An event recorded now on the caller's current stream (``None`` on a CPU): pass it
-        to a later :meth:`write` of rows that stream writes (``marks``) when that write is
-        called with another stream current (the radix tree's backups, queued at insert
-        and written at the scheduler's step)."""
-        marks = self._streams.mark_caller()
-        return marks[0] if marks else None
-
     def write(self, device_indices: Indices, tag: object = None, *,
               pages: np.ndarray | None = None, marks: Sequence[Event] = ()
               ) -> Indices | None:

@@ -89,17 +89,22 @@ class TransferCore:
 
     def add_observer(self, observer: TransferObserver) -> None:
         """Call ``observer(direction, transfers, tag)`` for every call queued from now on
-        (``write``, ``load`` and the hybrid controller's calls), on the scheduler thread
-        right after the call's slots were allocated and before the op is issued:
-        ``transfers`` are its :class:`PoolTransfer` s (one per pool, aligned host and
-        device slots; a pool may have none). For audits, tracing and tests; an exception
-        in an observer propagates to the caller of the queuing call, after the op was
-        queued."""
+        (``write``, ``load`` and the hybrid controller's), on the scheduler thread once its
+        slots are allocated, before the op is issued: ``transfers`` are its
+        :class:`PoolTransfer` s (one per pool, aligned slots). For audits, tracing and
+        tests; an observer's exception reaches the caller, after the op was queued."""
         self._ops.observers.append(observer)
 
     def remove_observer(self, observer: TransferObserver) -> None:
         """Stop calling ``observer`` (``ValueError`` if it was not added)."""
         self._ops.observers.remove(observer)
+
+    def mark_caller(self) -> Event | None:
+        """An event recorded now on the caller's current stream (``None`` on a CPU) for a
+        later ``write`` of rows that stream writes, called with another stream current
+        (the tree's backups, queued at insert and written at the step): its ``marks``."""
+        marks = self._streams.mark_caller()
+        return marks[0] if marks else None
 
     # ---- issuing --------------------------------------------------------------------------
 
@@ -136,8 +141,7 @@ class TransferCore:
         place. A GPU-side wait: the CPU is not blocked. No-op when nothing was loaded.
 
         Safe from any thread without the service lock: it only reads. It raises rather than
-        start queued loads itself: issued from inside a pool accessor, a transfer would run
-        unlocked on whatever thread reads and hide the ordering bug. O(1).
+        start queued loads: issued from a pool accessor, a transfer would run unlocked. O(1).
 
         Raises:
             RuntimeError: loads are queued but not started (their rows are not there yet).
@@ -166,11 +170,8 @@ class TransferCore:
 
     def poll_acks(self) -> list[Ack]:
         """Acknowledge finished ops, FIFO per direction, using ``query()`` only; never
-        raises a pool's bounds error (for a background poller).
-
-        Acknowledging releases the op's tensors, its in-flight protection and (for loads)
-        its event set.
-        """
+        raises a pool's bounds error (for a background poller). Acknowledging releases the
+        op's tensors, its in-flight protection and (for loads) its event set."""
         return [self._acknowledge(op) for op in self._ops.pop_done()]
 
     def raise_if_tripped(self) -> None:

@@ -6,8 +6,7 @@ from the SWA host pool. Slots are exchanged as :class:`HybridSlots`, aligned tok
 with 0 meaning "no SWA slot", so a tree node can split its slots at any page boundary.
 
 Loads give SWA device slots only to the window tail (the last ``swa_tail_tokens`` tokens,
-rounded up to pages); if any allocation of an op fails, every allocation of that op is
-rolled back and ``None`` is returned.
+rounded up to pages); an op any of whose allocations fails rolls them all back (``None``).
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from hicache.pools import (
 
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .core import TransferCore
+from .events import Event
 from .slot_checks import owned_pages
 
 
@@ -64,9 +64,9 @@ class HybridCacheController(TransferCore):
             num_model_layers=hybrid_pool.num_layers,
         )
 
-    def write(
-        self, device_indices: Indices, tag: object = None, *, swa_skip: torch.Tensor | None = None
-    ) -> HybridSlots | None:
+    def write(self, device_indices: Indices, tag: object = None, *,
+              swa_skip: torch.Tensor | None = None, marks: Sequence[Event] = ()
+              ) -> HybridSlots | None:
         """Back up full rows of ``device_indices`` and SWA rows of those tokens that still
         have SWA slots.
 
@@ -74,6 +74,7 @@ class HybridCacheController(TransferCore):
             device_indices: ``[n]`` CPU ``DEVICE_FULL`` slots (whole pages).
             swa_skip: ``[n]`` bool, True for tokens whose SWA rows already have a host copy
                 (not backed up again; their returned SWA slot is 0).
+            marks: as for :meth:`CacheController.write`.
         Returns:
             host :class:`HybridSlots` (``HOST_FULL``, ``HOST_SWA`` with 0 for tokens without
             an SWA slot), or ``None`` when either host pool is full (nothing allocated).
@@ -110,7 +111,7 @@ class HybridCacheController(TransferCore):
                 self._full_transfer(host_full, device_indices),
                 self._swa_transfer(host_swa_part, swa_part),
             ]
-            self._queue(Direction.DEVICE_TO_HOST, transfers, tag)
+            self._queue(Direction.DEVICE_TO_HOST, transfers, tag, marks=marks)
         return HybridSlots(host_full, host_swa)
 
     def load(

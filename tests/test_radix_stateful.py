@@ -188,12 +188,23 @@ class HybridWriteThrough(RadixMachine):
         return HybridRig(full_pages=10, swa_pages=6, host_pages=14)
 
 
+class SteppedHybridWriteThrough(SteppedWriteThrough):
+    """A hybrid tree driven as a service drives it: a step writes the full and SWA rows of
+    all its queued backups in one op, with the SWA host room it makes."""
+
+    def make_rig(self) -> Rig | HybridRig:
+        rig = HybridRig(full_pages=10, swa_pages=6, host_pages=14)
+        rig.tree.issue_backups = False
+        return rig
+
+
 TestWriteThrough = RadixMachine.TestCase
 TestWriteThroughSelectiveLFU = WriteThroughSelectiveLFU.TestCase
 TestWriteBack = WriteBack.TestCase
 TestHybridWriteThrough = HybridWriteThrough.TestCase
 TestSteppedWriteThrough = SteppedWriteThrough.TestCase
 TestSteppedWriteThroughSelective = SteppedWriteThroughSelective.TestCase
+TestSteppedHybridWriteThrough = SteppedHybridWriteThrough.TestCase
 for case in (TestWriteThrough, TestWriteThroughSelectiveLFU, TestWriteBack,
              TestHybridWriteThrough, TestSteppedWriteThrough, TestSteppedWriteThroughSelective):
     case.settings = SETTINGS

@@ -11,10 +11,11 @@ tree used on its own at every insert and match.
 Between the two the nodes are on the device and locked (never evicted), with no host copy:
 ``check_integrity`` accepts that only for a queued op.
 
-Hybrid (SWA) trees allocate each backup where it is queued, as before: a node's host SWA
-slots are merged with the ones it already holds at that moment. Write-back evictions
-(:meth:`~hicache.radix.tiers.TieredRadixTree.evict`) allocate at once too: the device
-slots they free wait for that write.
+On a hybrid (SWA) tree a backup also copies the SWA rows its tokens still hold on the
+device and have no host copy of yet (a node may have adopted host copies of some: those are
+kept); the step's SWA host pool is made room for in the same way. Write-back evictions
+(:meth:`~hicache.radix.tiers.TieredRadixTree.evict`) allocate at once: the device slots they
+free wait for that write.
 
 Plain functions of :class:`~hicache.radix.tiers.TieredRadixTree`, on the scheduler thread
 (or under the service lock).
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from hicache.controller import Direction
-from hicache.pools import IndexSpace
+from hicache.pools import IndexSpace, Indices
 
 from .node import PendingOp, TreeNode, cat_indices, slice_indices
 from .tree import slots_of
@@ -35,32 +38,23 @@ if TYPE_CHECKING:
     from .tiers import TieredRadixTree
 
 
-def queue(tree: TieredRadixTree, nodes: list[TreeNode], path: list[TreeNode]) -> None:
+def queue(tree: TieredRadixTree, nodes: list[TreeNode]) -> None:
     """Queue backups of those of ``nodes`` on the device with no host copy and no op (one
-    lock each until the ack); a hybrid tree allocates them now, with ``path`` locked so
-    that a host eviction made for room cannot remove part of it. Issued at once when the
-    tree's :attr:`~hicache.radix.tiers.TieredRadixTree.issue_backups` is on."""
+    lock each until the ack). Issued at once when the tree's
+    :attr:`~hicache.radix.tiers.TieredRadixTree.issue_backups` is on."""
     todo = [n for n in nodes if n.on_device and n.host is None and n.write_op is None
             and n.load_op is None]
     if not todo:
         return
-    if tree.io.is_hybrid:
-        tree.lock(path[-1])
-        try:
-            for node in todo:
-                allocate_one(tree, node, evict_after=False)
-        finally:
-            tree.unlock(path[-1])
-    else:
-        # the rows may still be written on the caller's stream: the copy, issued later with
-        # another stream current (or on the service's thread), waits for it
-        mark = tree.io.mark_caller()
-        marks = () if mark is None else (mark,)
-        for node in todo:  # one op each: the host may have room for some of them only
-            node.write_op = PendingOp(Direction.DEVICE_TO_HOST, [node], [node], queued=True,
-                                      marks=marks)
-            tree.lock(node)
-            tree.queued_backups.append(node.write_op)
+    # the rows may still be written on the caller's stream: the copy, issued later with
+    # another stream current (or on the service's thread), waits for it
+    mark = tree.io.mark_caller()
+    marks = () if mark is None else (mark,)
+    for node in todo:  # one op each: the host may have room for some of them only
+        node.write_op = PendingOp(Direction.DEVICE_TO_HOST, [node], [node], queued=True,
+                                  marks=marks)
+        tree.lock(node)
+        tree.queued_backups.append(node.write_op)
     if tree.issue_backups:
         issue_queued(tree)
     elif tree.on_backup_queued is not None:
@@ -82,8 +76,9 @@ def issue_queued(tree: TieredRadixTree) -> None:
         batch = ops[0] if len(ops) == 1 else PendingOp(
             Direction.DEVICE_TO_HOST, nodes, [lock for op in ops for lock in op.locks],
             marks=tuple(mark for op in ops for mark in op.marks))  # shared: waited once
-        if not _write(tree, batch):  # the host cannot take them all: as many as fit
-            for op in ops:
+        if not _write(tree, batch) and not (
+                _room_for_swa(tree, batch) and _write(tree, batch)):
+            for op in ops:  # the host cannot take them all: as many as fit
                 if len(ops) == 1 or not _write(tree, op):
                     _refuse(tree, op)
     tree.controller.start_writing()
@@ -94,21 +89,57 @@ def _write(tree: TieredRadixTree, op: PendingOp) -> bool:
     with ``op``); False, with nothing changed, when the host is full."""
     nodes = op.nodes
     device = cat_indices([slots_of(node, "device") for node in nodes], IndexSpace.DEVICE_FULL)
-    slots = tree.io.backup(device, op, marks=op.marks)
+    slots = tree.io.backup(device, op, _host_swa(tree, nodes), marks=op.marks)
     if slots is None:
         return False
-    host = slots[0]
-    if len(nodes) == 1:
-        nodes[0].host = host
-    else:
-        at = 0
-        for node in nodes:
-            node.host = slice_indices(host, at, at + node.num_tokens)
-            at += node.num_tokens
+    host, host_swa = slots
+    at = 0
     for node in nodes:
+        end = at + node.num_tokens
+        one = len(nodes) == 1
+        node.host = host if one else slice_indices(host, at, end)
+        if host_swa is not None:
+            node.host_swa = host_swa if one else slice_indices(host_swa, at, end)
         node.write_op = op
+        at = end
     op.queued, op.marks = False, ()
     return True
+
+
+def _host_swa(tree: TieredRadixTree, nodes: list[TreeNode]) -> Indices | None:
+    """The host SWA copies ``nodes`` already have, aligned with their tokens (0 = none);
+    ``None`` when none has any (and always without SWA layers)."""
+    if not any(node.host_swa is not None for node in nodes):
+        return None
+    if len(nodes) == 1:
+        return nodes[0].host_swa
+    return cat_indices([node.host_swa if node.host_swa is not None else Indices(
+        torch.zeros(node.num_tokens, dtype=torch.int64), IndexSpace.HOST_SWA)
+        for node in nodes], IndexSpace.HOST_SWA)
+
+
+def _room_for_swa(tree: TieredRadixTree, op: PendingOp) -> bool:
+    """Make room in the SWA host pool for the SWA rows of ``op``'s nodes that need a copy
+    (a hybrid tree whose write of ``op`` was refused for SWA room, the full host having
+    been made room for): host-only leaves first, whole, as a single backup does (every
+    cached prefix stays reusable), then SWA copies on their own; True when any were freed."""
+    if not tree.io.is_hybrid:
+        return False
+    device = cat_indices([slots_of(node, "device") for node in op.nodes],
+                         IndexSpace.DEVICE_FULL)
+    swa = tree.io.swa_of(device)
+    assert swa is not None, "a hybrid tree maps every device slot"
+    needed = swa.tensor != 0
+    have = _host_swa(tree, op.nodes)
+    if have is not None:
+        needed &= have.tensor == 0
+    needed_tokens = int(needed.sum())
+    short = needed_tokens - tree.io.host_swa_free_tokens()
+    if short <= 0:
+        return False
+    freed = tree.evict_host(short) > 0
+    short = needed_tokens - tree.io.host_swa_free_tokens()
+    return (short > 0 and evict_host_swa(tree, short) > 0) or freed
 
 
 def _refuse(tree: TieredRadixTree, op: PendingOp) -> None:

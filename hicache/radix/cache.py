@@ -106,7 +106,7 @@ class HiRadixCache(TieredRadixTree):
             node.hit_count += 1
             self._touch(node)
         if self.backup_hits is not None:
-            self._backup_nodes([n for n in path if n.hit_count >= self.backup_hits], path)
+            self._backup_nodes([n for n in path if n.hit_count >= self.backup_hits])
         if self.storage is not None:
             self.storage.matched(path)
         result = self._result(path)
@@ -159,7 +159,7 @@ class HiRadixCache(TieredRadixTree):
         self.stats.inserted_tokens += num_tokens - cached
         self.stats.duplicate_tokens += len(duplicate)
         if self.write_policy is WritePolicy.WRITE_THROUGH:
-            self._backup_nodes(path, path)
+            self._backup_nodes(path)
         return cached
 
     def _insert_walk(

@@ -54,14 +54,14 @@ class NodeIO:
         """Queue a device-to-host copy of ``device``; the host slots, or ``None`` if full.
         ``host_swa``: the SWA host copies the tokens already have (hybrid; kept, merged
         into the returned SWA slots). ``marks``: events of :meth:`mark_caller` the copy
-        waits on (full-attention models: a backup queued earlier by the tree)."""
+        waits on (a backup the tree queued earlier)."""
         host = self.plain.write(device, tag, pages=self._pages(device), marks=marks)
         return None if host is None else (host, None)
 
     def mark_caller(self) -> Event | None:
         """An event on the caller's current stream for a later :meth:`backup` to wait on
         (``None`` on a CPU)."""
-        return self.plain.mark_caller()
+        return self.controller.mark_caller()
 
     def load(self, host: Indices, host_swa: Indices | None, tag: object,
              restore: SlotPair | None = None) -> SlotPair | None:
@@ -204,9 +204,8 @@ class HybridNodeIO(NodeIO):
 
     def backup(self, device: Indices, tag: object, host_swa: Indices | None = None,
                marks: Sequence[Event] = ()) -> SlotPair | None:
-        assert not marks, "a hybrid tree allocates its backups where it queues them"
         have = None if host_swa is None else host_swa.tensor != 0
-        slots = self.hybrid.write(device, tag, swa_skip=have)
+        slots = self.hybrid.write(device, tag, swa_skip=have, marks=marks)
         if slots is None:
             return None
         if host_swa is None or have is None:

@@ -157,10 +157,10 @@ class TieredRadixTree(RadixTree):
 
     # ---- backups (hicache.radix.backups) ----------------------------------------------
 
-    def _backup_nodes(self, nodes: list[TreeNode], path: list[TreeNode]) -> None:
+    def _backup_nodes(self, nodes: list[TreeNode]) -> None:
         """Queue backups of those of ``nodes`` that have no host copy (see
         :func:`hicache.radix.backups.queue`)."""
-        backups.queue(self, nodes, path)
+        backups.queue(self, nodes)
 
     def issue_queued_backups(self) -> None:
         """Allocate and queue, as one controller write, every backup queued since the last
