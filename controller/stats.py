@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import threading
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,8 @@ class TransferStats:
     _tokens: Counter[tuple[str, str]] = field(default_factory=Counter)
     _bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
     _durations: list[tuple[str, float]] = field(default_factory=list)
-    _unfolded: list[Ack] = field(default_factory=list)
+    _unfolded: deque[Ack] = field(default_factory=deque)
+    _fold_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def ops_acknowledged(self) -> Counter[str]:
@@ -95,33 +97,37 @@ class TransferStats:
     def on_ack(self, ack: Ack) -> None:
         """Count ``ack`` (folded into the counters when they are read)."""
         unfolded = self._unfolded
-        unfolded.append(ack)
+        unfolded.append(ack)  # a deque: appending while another thread folds is safe
         if len(unfolded) >= FOLD_EVERY:
             self._fold()
 
     def drain_durations(self) -> list[tuple[str, float]]:
         """Return and forget the measured durations."""
         self._fold()
-        drained, self._durations = self._durations, []
+        with self._fold_lock:
+            drained, self._durations = self._durations, []
         return drained
 
     def _fold(self) -> None:
-        """Move the appended acks into the counters. The list is swapped out first, so an
-        ack appended meanwhile (a reader without the scheduler's lock) waits for the next
-        fold rather than being lost or counted twice."""
-        if not self._unfolded:
+        """Move the appended acks into the counters, one at a time off the deque's front
+        (each is taken once, and one appended meanwhile, by the scheduler while a metrics
+        reader folds, is neither lost nor counted twice), one folding thread at a time."""
+        unfolded = self._unfolded
+        if not unfolded:
             return
-        acks, self._unfolded = self._unfolded, []
-        acked, tokens, size, durations = self._acked, self._tokens, self._bytes, self._durations
-        for ack in acks:
-            direction = _VALUES[ack.direction]
-            acked[direction] += 1
-            for pool, num_tokens in ack.tokens_by_pool.items():
-                tokens[(direction, pool)] += num_tokens
-            for pool, size_bytes in ack.bytes_by_pool.items():
-                size[(direction, pool)] += size_bytes
-            if ack.duration_s is not None:
-                durations.append((direction, ack.duration_s))
+        acked, tokens, size = self._acked, self._tokens, self._bytes
+        with self._fold_lock:
+            durations = self._durations  # swapped by drain_durations, under this lock
+            while unfolded:
+                ack = unfolded.popleft()
+                direction = _VALUES[ack.direction]
+                acked[direction] += 1
+                for pool, num_tokens in ack.tokens_by_pool.items():
+                    tokens[(direction, pool)] += num_tokens
+                for pool, size_bytes in ack.bytes_by_pool.items():
+                    size[(direction, pool)] += size_bytes
+                if ack.duration_s is not None:
+                    durations.append((direction, ack.duration_s))
 
 
 def _breaks(pages: np.ndarray, page_size: int) -> int:
