@@ -93,10 +93,9 @@ def _write(tree: TieredRadixTree, op: PendingOp) -> bool:
     if slots is None:
         return False
     host, host_swa = slots
-    at = 0
+    at, one = 0, len(nodes) == 1
     for node in nodes:
         end = at + node.num_tokens
-        one = len(nodes) == 1
         node.host = host if one else slice_indices(host, at, end)
         if host_swa is not None:
             node.host_swa = host_swa if one else slice_indices(host_swa, at, end)
@@ -109,7 +108,7 @@ def _write(tree: TieredRadixTree, op: PendingOp) -> bool:
 def _host_swa(tree: TieredRadixTree, nodes: list[TreeNode]) -> Indices | None:
     """The host SWA copies ``nodes`` already have, aligned with their tokens (0 = none);
     ``None`` when none has any (and always without SWA layers)."""
-    if not any(node.host_swa is not None for node in nodes):
+    if not tree.io.is_hybrid or not any(node.host_swa is not None for node in nodes):
         return None
     if len(nodes) == 1:
         return nodes[0].host_swa
