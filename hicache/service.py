@@ -212,8 +212,8 @@ class HiCacheService(PrefetchCalls):
         inserted yet) that no later token of their request can attend to: the pages left
         every future sliding window. Under ``host.swa_history: all`` their SWA rows are
         copied to the host first (``insert`` hands the copies to the tree, so a prefix that
-        ends anywhere in this request stays reusable) and the device SWA slots are free
-        once the copy is acknowledged (:meth:`step`); otherwise they are free at once.
+        ends anywhere in this request stays reusable; copied with the step's write) and the
+        device SWA slots are free once that is acknowledged; otherwise they are free at once.
         A page without SWA slots (already given back) is skipped. No-op for a model
         without SWA layers.
 

@@ -58,6 +58,11 @@ def alloc(service: HiCacheService, num_tokens: int) -> Indices | None:
     once if needed, recorded as the engine's; ``None`` when there is still no room."""
     tree = service.tree
     slots = tree.io.try_alloc_device(num_tokens)
+    if slots is None and tree.io.is_hybrid and service.controller.has_queued_writes:
+        # window backups wait for the step's write; their SWA slots come back at its ack
+        service.controller.start_writing()
+        service._poller.apply(service._poller.collect())
+        slots = tree.io.try_alloc_device(num_tokens)
     if slots is None and tree.io.is_hybrid:  # SWA rows with a host copy go first
         swa_short = num_tokens - tree.io.device_swa_free_tokens()
         if swa_short > 0 and tree.evict_swa(swa_short) > 0:

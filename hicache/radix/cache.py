@@ -220,7 +220,10 @@ class HiRadixCache(TieredRadixTree):
         """Engine-held whole pages that left every future window give back their SWA
         slots: under ``swa_history: all`` their SWA rows are first copied to the host
         (kept for the node that will take the page at ``insert``) and the device SWA slots
-        are freed when the copy is acknowledged; otherwise they are freed now."""
+        are freed when the copy is acknowledged; otherwise they are freed now. The copy is
+        queued: a service issues it with the step's write (one op for every request of the
+        step), or sooner when ``insert``, ``free_device`` or an allocation short of SWA
+        slots needs it; a tree on its own (``issue_backups``) issues it at once."""
         back_up_window(self, device)
 
     def evict_swa(self, num_tokens: int) -> int:

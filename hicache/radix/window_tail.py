@@ -114,7 +114,8 @@ def back_up_window(tree: HiRadixCache, device: Indices) -> None:
         return  # no page had SWA rows left: nothing was queued
     tree.window_backups.add(device, host_swa, op)
     tree.stats.window_backup_tokens += int((host_swa.tensor != 0).sum())
-    tree.controller.start_writing()
+    if tree.issue_backups:  # else the copy joins the step's write (one op for the step)
+        tree.controller.start_writing()
 
 
 def finish_window_backup(tree: HiRadixCache, op: WindowBackupOp) -> None:
