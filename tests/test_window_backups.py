@@ -15,6 +15,7 @@ import torch
 from test_service import make_config, needs_cuda
 from test_step_backups import wait_for
 from test_step_backups_hybrid import hybrid_pool, submitted, write_swa
+from test_swa_history import serve
 
 from hicache.controller import Direction
 from hicache.factory import build_service
@@ -123,6 +124,57 @@ def test_the_thread_issues_window_backups_when_no_step_comes() -> None:
         service.check_integrity()
     finally:
         service.stop()
+
+
+def fill_host_swa(service: HiCacheService) -> Indices:
+    """Take every free SWA host slot (a squatter the test frees at its end)."""
+    allocator = service.controller.host_swa.allocator
+    squatter = allocator.try_alloc(allocator.num_free_tokens)
+    assert squatter is not None and allocator.num_free_tokens == 0
+    return squatter
+
+
+def test_a_window_backup_short_of_swa_host_room_evicts_a_host_only_leaf_first(
+        service: HiCacheService) -> None:
+    old = list(range(1, 13))
+    serve(service, old)
+    service.step()
+    assert service.evict(12) == 12  # host-only now: full and SWA host copies
+    squatter = fill_host_swa(service)
+    a = service.alloc_device(8)
+    assert a is not None
+    write_swa(service, a, 30)
+    service.release_window(first(a, 4))  # needs 4 SWA host tokens
+    stats = service.tree.stats
+    assert stats.evicted_host_tokens == 12 and stats.evicted_host_swa_tokens == 0
+    assert stats.refused_backups.get("host_swa_full", 0) == 0
+    service.step()
+    assert service.match([*old, 99]).host_hit_tokens == 0
+    service.controller.host_swa.allocator.free(squatter)
+    service.free_device(a)
+    service.check_integrity()
+
+
+def test_a_second_release_of_the_same_pages_evicts_nothing(service: HiCacheService) -> None:
+    """Pages whose SWA slots are already given back need no SWA host room: a full SWA host
+    pool evicts nothing for them."""
+    old = list(range(1, 13))
+    serve(service, old)
+    service.step()
+    assert service.evict(12) == 12
+    a = service.alloc_device(8)
+    assert a is not None
+    write_swa(service, a, 30)
+    service.release_window(first(a, 4))
+    service.step()
+    squatter = fill_host_swa(service)
+    service.release_window(first(a, 4))
+    stats = service.tree.stats
+    assert stats.evicted_host_tokens == 0 and stats.evicted_host_swa_tokens == 0
+    assert service.match([*old, 99]).host_hit_tokens == 12
+    service.controller.host_swa.allocator.free(squatter)
+    service.free_device(a)
+    service.check_integrity()
 
 
 @pytest.mark.gpu

@@ -101,11 +101,8 @@ def back_up_window(tree: HiRadixCache, device: Indices) -> None:
         tree.io.release_swa(device)
         return
     op = WindowBackupOp(Direction.DEVICE_TO_HOST, [], [], device=device)
+    _room_for_window(tree, device)
     host_swa = tree.io.write_swa(device, op)
-    if host_swa is None and tree.evict_host(len(device)) > 0:
-        host_swa = tree.io.write_swa(device, op)
-    if host_swa is None and evict_host_swa(tree, len(device) - tree.io.host_swa_free_tokens()) > 0:
-        host_swa = tree.io.write_swa(device, op)
     if host_swa is None:
         tree.stats.refused_backups["host_swa_full"] += len(device)
         tree.io.release_swa(device)
@@ -116,6 +113,23 @@ def back_up_window(tree: HiRadixCache, device: Indices) -> None:
     tree.stats.window_backup_tokens += int((host_swa.tensor != 0).sum())
     if tree.issue_backups:  # else the copy joins the step's write (one op for the step)
         tree.controller.start_writing()
+
+
+def _room_for_window(tree: HiRadixCache, device: Indices) -> None:
+    """Free SWA host room for the window backup of ``device`` before it is tried (a refused
+    try costs every check of the write): host-only leaves first, then SWA copies on their
+    own, as :func:`evict_host_swa` explains. Nothing when the pool already has room."""
+    free = tree.io.host_swa_free_tokens()
+    if free >= len(device):
+        return
+    swa = tree.io.swa_of(device)
+    needed = int(torch.count_nonzero(swa.tensor)) if swa is not None else 0
+    if free >= needed:
+        return
+    tree.evict_host(len(device))
+    short = needed - tree.io.host_swa_free_tokens()
+    if short > 0:
+        evict_host_swa(tree, short)
 
 
 def finish_window_backup(tree: HiRadixCache, op: WindowBackupOp) -> None:
