@@ -168,8 +168,19 @@ def host_pages_of(op: TransferOp, index: int) -> np.ndarray:
 
 def pages_of_slots(slots: np.ndarray, page_size: int) -> np.ndarray:
     """Distinct pages (int64, page 0 left out) of any slots: the form a call's slots are held
-    in when no entry check gave their pages (a hybrid op's SWA slots)."""
-    pages = np.unique(slots.astype(np.int64, copy=False) // page_size)
+    in when no entry check gave their pages (a hybrid op's SWA slots). Slots in
+    non-decreasing order (an allocation's, most often) keep the first of each page's run
+    without a sort; others go through ``np.unique``."""
+    pages = slots.astype(np.int64, copy=False) // page_size
+    if pages.size > 1:
+        later = pages[1:]
+        if np.count_nonzero(later < pages[:-1]):
+            pages = np.unique(pages)
+        else:
+            first = np.empty(pages.size, dtype=bool)
+            first[0] = True
+            np.not_equal(later, pages[:-1], out=first[1:])
+            pages = pages[first]
     return pages[pages != 0]
 
 

@@ -146,3 +146,15 @@ def test_pools_with_their_own_page_sizes() -> None:
     ctrl.drain()
     assert ctrl.busy_slots(DEVICE).size == 0 and ctrl.busy_slots(HOST).size == 0
     ctrl.evict_host(written)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=40), st.booleans(), st.sampled_from([1, 2, 4]))
+def test_pages_of_slots_equals_the_distinct_pages(slots: list[int], ordered: bool,
+                                                  page: int) -> None:
+    """Slots in order (the path without a sort) or in any order: the distinct pages,
+    sorted, page 0 left out."""
+    values = np.array(sorted(slots) if ordered else slots, dtype=np.int64)
+    want = sorted({s // page for s in slots} - {0})
+    got = pages_of_slots(values, page)
+    assert got.dtype == np.int64 and got.tolist() == want
