@@ -36,10 +36,21 @@ slot_lists = st.one_of(
     ),
     # arbitrary slots
     st.lists(st.integers(-5, (PAGES + 2) * PAGE), max_size=16),
+    # runs of consecutive slots, most starting on a page boundary, of any length
+    st.lists(st.tuples(st.integers(-1, PAGES + 1), st.sampled_from([0, 0, 0, 1]),
+                       st.integers(1, 3 * PAGE)), max_size=4).map(
+        lambda runs: [s for page, shift, n in runs
+                      for s in range(page * PAGE + shift, page * PAGE + shift + n)]),
+    # whole pages running up to the top of int32 or int64 and maybe past it (a +1
+    # difference wraps there), then a valid page
+    st.tuples(st.sampled_from([2**31, 2**63]), st.integers(1, 2),
+              st.integers(1, 3)).map(lambda t: list(range(t[0] - t[1] * PAGE,
+                                                           t[0] + (t[2] - t[1]) * PAGE))
+                                     + list(range(PAGE, 2 * PAGE))),
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=1500, deadline=None)
 @given(
     slots=slot_lists,
     dtype=st.sampled_from([torch.int32, torch.int64]),
@@ -48,6 +59,8 @@ slot_lists = st.one_of(
 def test_fast_path_accepts_only_what_the_checks_accept(
     slots: list[int], dtype: torch.dtype, space: IndexSpace
 ) -> None:
+    top = torch.iinfo(dtype).max
+    slots = [(s + top + 1) % (2 * (top + 1)) - top - 1 for s in slots]  # wrap to the dtype
     indices = Indices(torch.tensor(slots, dtype=dtype), space)
     fast = valid_pages(indices, IndexSpace.DEVICE_FULL, PAGE, PAGES)
     long = checked_the_long_way(indices)
