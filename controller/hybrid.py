@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hicache.pools import (
@@ -234,11 +235,14 @@ class HybridCacheController(TransferCore):
         """Normalise the primary and every pool transfer's indices of ``op``."""
         return self.move_op_indices(op)
 
-    def evict_device(self, device_indices: Indices) -> None:
-        """Free full slots and their SWA slots; raises if any is in flight."""
-        self._checks.not_busy(device_indices, "evict_device")
-        self._checks.not_busy(self._mapped_swa(device_indices), "evict_device")
-        self.hybrid_pool.free(device_indices)
+    def evict_device(self, device_indices: Indices, *, pages: np.ndarray | None = None) -> None:
+        """Free full slots and their SWA slots, page by page; raises if any is in flight.
+        ``pages``: as for :meth:`CacheController.evict_device`."""
+        pool, op = self.hybrid_pool, "evict_device"
+        pages = self._checks.freeable(device_indices, self.device_allocator, op, pages)
+        swa = pool.swa_pages_of(pages)
+        self._checks.pages_not_busy(IndexSpace.DEVICE_SWA, swa[swa != 0], pool.swa_allocator, op)
+        pool.free_pages(pages)
 
     def evict_host(self, host_indices: Indices, host_swa: Indices | None = None) -> None:
         """Free host full slots and the aligned SWA host slots (0 entries skipped)."""
@@ -269,10 +273,6 @@ class HybridCacheController(TransferCore):
             device_pool=self.hybrid_pool.swa, host_indices=host, device_indices=device,
             layers=self.swa_layers,
         )
-
-    def _mapped_swa(self, device_indices: Indices) -> Indices:
-        swa = self.hybrid_pool.swa_slots_of(device_indices).tensor
-        return Indices(swa[swa != 0], IndexSpace.DEVICE_SWA)
 
     def _tail_mask(self, num_tokens: int, swa_tail_tokens: int) -> torch.Tensor:
         if swa_tail_tokens < 0:

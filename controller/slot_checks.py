@@ -13,7 +13,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hicache.pools import DeviceKVPool, HostKVPool, Indices, PageAllocator, check_indices
+from hicache.pools import (
+    DeviceKVPool,
+    HostKVPool,
+    IndexSpace,
+    Indices,
+    PageAllocator,
+    check_indices,
+)
 
 from .base import Direction
 from .inflight import InFlightPages
@@ -87,10 +94,15 @@ class SlotChecks:
         ``pages``) that no op in flight holds."""
         if pages is None:
             pages = allocator.pages_of(indices, op=op)
-        busy = self.held.first_busy_page(indices.space, pages)
+        self.pages_not_busy(indices.space, pages, allocator, op)
+        return pages
+
+    def pages_not_busy(self, space: IndexSpace, pages: np.ndarray, allocator: PageAllocator,
+                       op: str) -> None:
+        """Checked page ids of ``allocator``'s pool (in ``space``): none held by an op."""
+        busy = self.held.first_busy_page(space, pages)
         if busy is not None:
             raise_busy(busy * allocator.page_size, allocator.name, op)
-        return pages
 
 
 def raise_busy(slot: int, pool_name: str, op: str) -> None:

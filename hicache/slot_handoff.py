@@ -103,7 +103,7 @@ def free(service: HiCacheService, device_indices: Indices) -> None:
     """The engine gives back pages it never inserted, and the host SWA copies made of them."""
     pages = service._engine.held_pages(device_indices, "free_device")
     finish_window_backups(service, device_indices)
-    service.controller.evict_device(device_indices)
+    service.controller.evict_device(device_indices, pages=pages)
     service.tree.io.free_host_swa(service.tree.window_backups.take(device_indices))
     service._engine.forget(pages)
 

@@ -222,6 +222,14 @@ class PageAllocator:
             return None
         return int(pages[np.flatnonzero(is_free)[0]])
 
+    def check_allocated(self, pages: np.ndarray) -> None:
+        """Raise the ``ValueError`` of :meth:`free` for the first of ``pages`` (page ids
+        :meth:`pages_of` returned) that is not allocated: a caller freeing them together
+        with what they own checks before it changes anything."""
+        page = self.first_unallocated_page(pages)
+        if page is not None:
+            self._raise_not_allocated(page)
+
     def used_pages(self) -> np.ndarray:
         """Ids of allocated pages (for integrity checks of the owners)."""
         return used_pages_of(self._is_free)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .allocator import PageAllocator
@@ -92,11 +93,12 @@ class HybridSWAPool:
         Returns:
             int64 CPU ``DEVICE_FULL`` indices of shape ``[num_tokens]``.
         """
-        full = self.full_allocator.try_alloc(num_tokens)
-        if full is None:
+        allocated = self.full_allocator.try_alloc_pages(num_tokens)
+        if allocated is None:
             return None
-        if self.try_alloc_swa(full) is None:
-            self.full_allocator.free(full)
+        full, pages = allocated
+        if self.slot_map.try_alloc_swa_pages(pages) is None:
+            self.full_allocator.free_pages(pages)
             return None
         return full
 
@@ -109,9 +111,17 @@ class HybridSWAPool:
         return self.slot_map.try_alloc_swa(full)
 
     def free(self, full: Indices) -> None:
-        """Free full slots and any SWA slots they still hold."""
-        self.free_swa(full)
-        self.full_allocator.free(full)
+        """Free full slots and any SWA slots they still hold. Raises ``ValueError`` (freeing
+        nothing) for slots that are not whole, allocated pages of the full pool."""
+        self.free_pages(self.full_allocator.pages_of(
+            full, op=f"free to pool '{self.full_allocator.name}'"))
+
+    def free_pages(self, pages: np.ndarray) -> None:
+        """:meth:`free` of full page ids that ``full_allocator.pages_of`` returned (or the
+        tree's own pages): every page is checked allocated before anything is freed."""
+        self.full_allocator.check_allocated(pages)
+        self.slot_map.free_swa_pages(pages)
+        self.full_allocator.free_pages(pages)
 
     def free_swa(self, full: Indices) -> None:
         """Release the SWA slots of full slots whose tokens left the window.
@@ -119,6 +129,14 @@ class HybridSWAPool:
         Full pages without an SWA page are skipped, so calling it twice is harmless.
         """
         self.slot_map.free_swa(full)
+
+    def free_swa_pages(self, pages: np.ndarray) -> None:
+        """:meth:`free_swa` of checked full page ids."""
+        self.slot_map.free_swa_pages(pages)
+
+    def swa_pages_of(self, pages: np.ndarray) -> np.ndarray:
+        """SWA page id of each of the checked full page ids ``pages`` (0: none)."""
+        return self.slot_map.swa_pages_of(pages)
 
     def swa_slots_of(self, full: Indices) -> Indices:
         """CPU int64 ``DEVICE_SWA`` slots of ``full`` (0 where a token has none); no GPU sync."""

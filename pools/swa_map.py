@@ -57,30 +57,46 @@ class SWASlotMap:
         Returns:
             int64 CPU ``DEVICE_SWA`` indices aligned with ``full``.
         """
-        full_slots = self._host_full(full, "try_alloc_swa")
-        if not self.full_allocator.is_allocated(full):
+        return self.try_alloc_swa_pages(self.full_allocator.pages_of(full, op="try_alloc_swa"))
+
+    def try_alloc_swa_pages(self, pages: np.ndarray) -> Indices | None:
+        """:meth:`try_alloc_swa` of full page ids that ``full_allocator.pages_of`` returned
+        (or that it handed out itself)."""
+        if self.full_allocator.first_unallocated_page(pages) is not None:
             raise ValueError("try_alloc_swa: some full slots are not allocated in pool 'full'")
-        if (self.full_to_swa_host[full_slots] != 0).any():
+        if np.count_nonzero(self.swa_pages_of(pages)):
             raise ValueError("try_alloc_swa: some full slots already have an SWA slot")
-        swa = self.swa_allocator.try_alloc(full_slots.size)
+        swa = self.swa_allocator.try_alloc(pages.size * self.page_size)
         if swa is None:
             return None
-        self._set(full_slots, swa.tensor.numpy())
+        self._set(self._slots_of_pages(pages), swa.tensor.numpy())
         return swa
 
     def free_swa(self, full: Indices) -> None:
         """Free the SWA pages of the pages of ``full``; pages without one are skipped."""
-        full_slots = self._host_full(full, "free_swa")
-        swa_slots = self.full_to_swa_host[full_slots]
-        mapped = swa_slots != 0
-        if not mapped.any():
+        self.free_swa_pages(self.full_allocator.pages_of(full, op="free_swa"))
+
+    def free_swa_pages(self, pages: np.ndarray) -> None:
+        """:meth:`free_swa` of full page ids that ``full_allocator.pages_of`` returned. The
+        SWA pages are the map's own (whole pages, one full page each), freed by id."""
+        swa_pages = self.swa_pages_of(pages)
+        mapped = swa_pages != 0
+        count = int(np.count_nonzero(mapped))
+        if not count:
             return
-        self.swa_allocator.free(Indices(torch.from_numpy(swa_slots[mapped]), IndexSpace.DEVICE_SWA))
-        self._set(full_slots[mapped], np.zeros(int(mapped.sum()), dtype=np.int64))
+        if count < pages.size:
+            pages, swa_pages = pages[mapped], swa_pages[mapped]
+        self.swa_allocator.free_pages(swa_pages)
+        self._set(self._slots_of_pages(pages), np.zeros(count * self.page_size, dtype=np.int64))
+
+    def swa_pages_of(self, pages: np.ndarray) -> np.ndarray:
+        """SWA page id of each full page id of ``pages`` (checked, in range; 0: none). The
+        map is page-aligned, so a page's first slot names its SWA page."""
+        return self.full_to_swa_host[pages * self.page_size] // self.page_size
 
     def swa_slots_of(self, full: Indices) -> Indices:
         """CPU int64 ``DEVICE_SWA`` slots of ``full`` (0 where a token has none); no GPU sync."""
-        full_slots = self._host_full(full, "swa_slots_of", whole_pages=False)
+        full_slots = self._host_full(full, "swa_slots_of")
         return Indices(torch.from_numpy(self.full_to_swa_host[full_slots].copy()),
                        IndexSpace.DEVICE_SWA)
 
@@ -169,16 +185,16 @@ class SWASlotMap:
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _host_full(self, full: Indices, op: str, whole_pages: bool = True) -> np.ndarray:
-        if whole_pages:
-            pages = self.full_allocator.pages_of(full, op=op)
-            offsets = np.arange(self.page_size, dtype=np.int64)
-            return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
+    def _host_full(self, full: Indices, op: str) -> np.ndarray:
         tensor = check_indices(
             full, space=IndexSpace.DEVICE_FULL, pool_name="full",
             num_slots=self.full.num_slots, device=CPU, op=op,
         )
         return tensor.numpy().astype(np.int64, copy=False)
+
+    def _slots_of_pages(self, pages: np.ndarray) -> np.ndarray:
+        offsets = np.arange(self.page_size, dtype=np.int64)
+        return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
 
     def _set(self, full_slots: np.ndarray, swa_slots: np.ndarray) -> None:
         self.full_to_swa_host[full_slots] = swa_slots

@@ -158,3 +158,31 @@ def test_evict_host_frees_both_pools() -> None:
     assert ctrl.host_swa.allocator.num_used_tokens == 0
     rows = host_rows(ctrl.host_swa)
     assert rows.shape[1:] == (2, 2, 8)
+
+
+def test_evict_device_refuses_pages_whose_swa_rows_are_being_copied() -> None:
+    """A page whose SWA rows a window backup still reads is refused by ``evict_device``,
+    with or without the tree's page ids (its form then unchecked), every count and the map
+    unchanged; once the copy is acknowledged, both pages go."""
+    ctrl = make_hybrid(TorchBackend())
+    pool = ctrl.hybrid_pool
+    ctrl.hybrid_pool.try_alloc(4)  # offset the ids so full and SWA slots differ
+    full = alloc_sequence(ctrl, 6, window_tokens=4)  # pages 3, 4, 5: SWA slots 8..11 on 4, 5
+    assert ctrl.write_swa(full, "window") is not None
+    pages = full.tensor.numpy()[::2] // 2
+
+    def state() -> tuple[int, int, list[int]]:
+        return (ctrl.device_allocator.num_free_tokens, pool.swa_allocator.num_free_tokens,
+                pool.swa_slots_of(full).tensor.tolist())
+
+    before = state()
+    for call in (lambda: ctrl.evict_device(full), lambda: ctrl.evict_device(full, pages=pages)):
+        with pytest.raises(ValueError, match=r"slot 8 of pool 'swa' belongs to a transfer in "
+                                             r"flight"):
+            call()
+        assert state() == before
+    ctrl.start_writing()
+    ctrl.poll()
+    ctrl.evict_device(full, pages=pages)
+    assert state() == (before[0] + 6, before[1] + 4, [0] * 6)
+    pool.check_integrity()

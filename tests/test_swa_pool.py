@@ -137,6 +137,19 @@ def test_free_releases_full_and_swa_slots(pool: HybridSWAPool) -> None:
     assert _ids(pool.swa_slots_of(slots)) == [0, 0, 0, 0]
 
 
+def test_free_with_one_page_not_allocated_frees_nothing(pool: HybridSWAPool) -> None:
+    """A free naming an allocated page and a freed one (a double free) raises before it
+    touches anything: the allocated page keeps its full and its SWA page."""
+    kept, gone = pool.try_alloc(2), pool.try_alloc(2)
+    assert _ids(kept) == [2, 3] and _ids(gone) == [4, 5]
+    pool.free(gone)
+    with pytest.raises(ValueError, match=r"slot 4 \(page 2\) is not allocated: a double free"):
+        pool.free(_full(2, 3, 4, 5))
+    assert pool.full_allocator.used_pages().tolist() == [1]
+    assert pool.swa_allocator.used_pages().tolist() == [1]
+    assert _ids(pool.swa_slots_of(kept)) == [2, 3]
+
+
 def test_free_of_chunk_without_swa_slots_frees_full_pages(shifted: HybridSWAPool) -> None:
     """Full pages whose SWA pages are gone free only their full pages."""
     shifted.free(_full(2, 3, 4, 5))

@@ -243,7 +243,7 @@ class HybridNodeIO(NodeIO):
             self.hybrid.host_swa_evict(Indices(swa.to(torch.int64), IndexSpace.HOST_SWA))
 
     def free_device(self, device: Indices) -> None:
-        self.hybrid.evict_device(device)
+        self.hybrid.evict_device(device, pages=owned_page_ids(device, self.page_size))
 
     def free_host(self, host: Indices, host_swa: Indices | None) -> None:
         self.hybrid.evict_host(host, host_swa)
@@ -256,7 +256,7 @@ class HybridNodeIO(NodeIO):
 
     def release_swa(self, device: Indices) -> None:
         if len(device):
-            self.pool.free_swa(device)
+            self.pool.free_swa_pages(owned_page_ids(device, self.page_size))
 
     def tail_has_swa(self, host_swa: Indices | None) -> bool:
         assert host_swa is not None, "a hybrid load needs aligned SWA host slots"

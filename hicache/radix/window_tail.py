@@ -201,12 +201,15 @@ def _free_device_swa(tree: TieredRadixTree, node: TreeNode) -> int:
     device = slots_of(node, "device")
     swa = tree.io.swa_of(device)
     assert swa is not None and node.host_swa is not None
-    backed = (swa.tensor != 0) & (node.host_swa.tensor != 0)
-    if not bool(backed.any()):
+    # whole pages whose every token has both (release_swa frees pages by id)
+    backed = ((swa.tensor != 0) & (node.host_swa.tensor != 0)).view(-1, tree.page_size)
+    pages = backed.all(dim=1)
+    if not bool(pages.any()):
         return 0
-    tree.io.release_swa(Indices(device.tensor[backed], IndexSpace.DEVICE_FULL))
+    freed = device.tensor.view(-1, tree.page_size)[pages].reshape(-1)
+    tree.io.release_swa(Indices(freed, IndexSpace.DEVICE_FULL))
     node.device_swa = tree.io.swa_of(device)
-    return int(backed.sum())
+    return int(freed.numel())
 
 
 def _free_host_swa(tree: TieredRadixTree, node: TreeNode) -> int:
