@@ -16,13 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hicache.pools import (
-    DeviceKVPool,
-    HostKVPool,
-    HybridSWAPool,
-    IndexSpace,
-    Indices,
-)
+from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
 
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .core import TransferCore
@@ -84,7 +78,7 @@ class HybridCacheController(TransferCore):
                 slots they map to (nothing is allocated or queued then).
         """
         self._checks.writable(device_indices, self.device_allocator, "write")
-        device_swa = self.hybrid_pool.swa_slots_of(device_indices)
+        device_swa = self.hybrid_pool.swa_slots_of_checked(device_indices)
         mapped = device_swa.tensor != 0
         if swa_skip is not None:
             if swa_skip.dtype != torch.bool or swa_skip.shape != mapped.shape:
@@ -191,23 +185,28 @@ class HybridCacheController(TransferCore):
         Raises:
             ValueError: as :meth:`write` for the SWA slots (nothing allocated or queued).
         """
-        owned_pages(device_indices, self.device_allocator, "write_swa",
-                    "back up only device slots that are allocated and hold rows")
-        device_swa = self.hybrid_pool.swa_slots_of(device_indices)
-        mapped = device_swa.tensor != 0
-        swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
-        self._held.refuse_slot_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(),
-                                         "write_swa", Direction.DEVICE_TO_HOST)
-        host_swa_part = self.host_swa.allocator.try_alloc(len(swa_part))
-        if host_swa_part is None:
+        pages = owned_pages(device_indices, self.device_allocator, "write_swa",
+                            "back up only device slots that are allocated and hold rows")
+        swa_pages = self.hybrid_pool.swa_pages_of(pages)  # by page: the map is page-aligned
+        have = swa_pages != 0
+        swa_pages, page = swa_pages[have], self.hybrid_pool.page_size
+        self._held.refuse_conflicts(IndexSpace.DEVICE_SWA, swa_pages, "write_swa",
+                                    Direction.DEVICE_TO_HOST)
+        allocated = self.host_swa.allocator.try_alloc_pages(swa_pages.size * page)
+        if allocated is None:
             return None
-        if len(swa_part):
+        if swa_pages.size:  # the op's own tensors: the caller gets a scattered copy
+            swa = np.add.outer(swa_pages * page, np.arange(page, dtype=np.int64)).reshape(-1)
+            none = np.empty(0, dtype=np.int64)
+            swa_part = Indices(torch.from_numpy(swa), IndexSpace.DEVICE_SWA)
             transfers = [
                 self._full_transfer(_empty(IndexSpace.HOST_FULL), _empty(IndexSpace.DEVICE_FULL)),
-                self._swa_transfer(host_swa_part, swa_part),
+                self._swa_transfer(allocated[0], swa_part),
             ]
-            self._queue(Direction.DEVICE_TO_HOST, transfers, tag)
-        return _scatter_aligned(host_swa_part, mapped, IndexSpace.HOST_SWA)
+            self._queue(Direction.DEVICE_TO_HOST, transfers, tag,
+                        [(none, none), (allocated[1], swa_pages)], owned=True)
+        mapped = torch.from_numpy(np.repeat(have, page))
+        return _scatter_aligned(allocated[0], mapped, IndexSpace.HOST_SWA)
 
     def _check_restore(self, restore: HybridSlots | None) -> tuple[Indices, Indices]:
         """The device full slots and host SWA slots of a load's SWA restore, checked:

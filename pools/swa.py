@@ -134,6 +134,10 @@ class HybridSWAPool:
         """:meth:`free_swa` of checked full page ids."""
         self.slot_map.free_swa_pages(pages)
 
+    def swa_slots_of_checked(self, full: Indices) -> Indices:
+        """:meth:`swa_slots_of` of CPU full slots already checked in range."""
+        return self.slot_map.swa_slots_of_checked(full)
+
     def swa_pages_of(self, pages: np.ndarray) -> np.ndarray:
         """SWA page id of each of the checked full page ids ``pages`` (0: none)."""
         return self.slot_map.swa_pages_of(pages)

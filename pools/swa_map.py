@@ -97,7 +97,13 @@ class SWASlotMap:
     def swa_slots_of(self, full: Indices) -> Indices:
         """CPU int64 ``DEVICE_SWA`` slots of ``full`` (0 where a token has none); no GPU sync."""
         full_slots = self._host_full(full, "swa_slots_of")
-        return Indices(torch.from_numpy(self.full_to_swa_host[full_slots].copy()),
+        return Indices(torch.from_numpy(self.full_to_swa_host[full_slots]),  # a new array
+                       IndexSpace.DEVICE_SWA)
+
+    def swa_slots_of_checked(self, full: Indices) -> Indices:
+        """:meth:`swa_slots_of` of CPU full slots already checked in range (the tree's own,
+        or a caller's after its page checks): no check again."""
+        return Indices(torch.from_numpy(self.full_to_swa_host[full.tensor.numpy()]),
                        IndexSpace.DEVICE_SWA)
 
     def check_integrity(self) -> None:

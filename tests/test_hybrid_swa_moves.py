@@ -160,3 +160,28 @@ def test_observer_sees_every_queued_call_until_removed() -> None:
     assert len(seen) == 1
     with pytest.raises(ValueError):
         ctrl.remove_observer(observe)
+
+
+def test_write_swa_of_pages_out_of_order_keeps_each_tokens_host_slot() -> None:
+    """Pages given out of order, one of them without SWA rows: each token's host slot holds
+    that token's SWA rows (the copy is planned page by page); a full SWA host pool refuses
+    the next one with nothing allocated or queued."""
+    ctrl = make_hybrid(TorchBackend(), host_pages=4)
+    pool = ctrl.hybrid_pool
+    pool.try_alloc(4)  # offset slot ids so spaces cannot be confused
+    full = pool.try_alloc(8)
+    assert full is not None
+    pool.free_swa(Indices(full.tensor[2:4], IndexSpace.DEVICE_FULL))  # page 2 of 4: no SWA
+    order = Indices(full.tensor.view(4, 2)[[3, 1, 0, 2]].reshape(-1), IndexSpace.DEVICE_FULL)
+    swa = pool.swa_slots_of(order).tensor
+    host_swa = ctrl.write_swa(order, tag="swa")
+    assert host_swa is not None
+    assert ((host_swa.tensor == 0) == (swa == 0)).all() and int((swa == 0).sum()) == 2
+    ctrl.start_writing()
+    assert [a.tokens_by_pool for a in ctrl.poll()] == [{"full": 0, "swa": 6}]
+    mapped = swa != 0
+    assert torch.equal(host_rows(ctrl.host_swa)[host_swa.tensor[mapped]],
+                       device_rows(pool.swa)[swa[mapped]])
+    used = ctrl.host_swa.allocator.num_used_tokens  # 6 of 8: one page left
+    assert ctrl.write_swa(full) is None
+    assert ctrl.host_swa.allocator.num_used_tokens == used and not ctrl.has_queued_writes

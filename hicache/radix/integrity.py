@@ -83,14 +83,14 @@ class TreeCheck:
         ``deadline`` (``False``; call again to go on); ``None``: no deadline."""
         allocators = self.allocators
         for node in self._nodes:
-            _check_node(self.tree, node)
-            for name in SLOT_FIELDS:
+            for name in SLOT_FIELDS:  # first: the node checks below read the pool's map at them
                 value: Indices | None = getattr(node, name)
                 if value is not None:
                     pages = _pages(allocators, value, f"{node!r}.{name}", name.endswith("_swa"))
                     self.owned[value.space].append((node.node_id, pages))
                     if node.is_in_flight:
                         self.in_flight[value.space].append(pages)
+            _check_node(self.tree, node)
             self.num_nodes += 1
             if deadline is not None and time.perf_counter() > deadline:
                 return False

@@ -145,7 +145,8 @@ class NodeIO:
         return owned_page_ids(slots, self.page_size)
 
     def swa_of(self, device: Indices) -> Indices | None:
-        """Aligned ``DEVICE_SWA`` slots of ``device`` (``None`` without SWA)."""
+        """Aligned ``DEVICE_SWA`` slots of ``device`` (``None`` without SWA): slots the tree
+        holds, or the engine's once checked (not checked again)."""
         return None
 
     def window_start(self, num_tokens: int) -> int:
@@ -249,7 +250,7 @@ class HybridNodeIO(NodeIO):
         self.hybrid.evict_host(host, host_swa)
 
     def swa_of(self, device: Indices) -> Indices | None:
-        return self.pool.swa_slots_of(device)
+        return self.pool.swa_slots_of_checked(device)  # slots the tree holds or checked
 
     def window_start(self, num_tokens: int) -> int:
         return num_tokens - min(num_tokens, self.tail_tokens)
