@@ -292,8 +292,9 @@ def _cat_space(parts: list[Indices], space: IndexSpace) -> Indices:
 
 
 def _scatter_aligned(part: Indices, mask: torch.Tensor, space: IndexSpace) -> Indices:
-    """``[len(mask)]`` int64 CPU indices: ``part`` where ``mask``, 0 elsewhere."""
-    aligned = torch.zeros(mask.numel(), dtype=torch.int64)
-    aligned[mask] = part.tensor
-    return Indices(aligned, space)
+    """``[len(mask)]`` int64 CPU indices: ``part`` where ``mask``, 0 elsewhere (numpy: a
+    masked store there costs a quarter of torch's at a request's size)."""
+    aligned = np.zeros(mask.numel(), dtype=np.int64)
+    aligned[mask.numpy()] = part.tensor.numpy()
+    return Indices(torch.from_numpy(aligned), space)
 
