@@ -10,7 +10,7 @@
 # result line and the sanitizer summary lines are printed.
 # Variables: GPU_CHECK_RUNS picks the runs, in order (default "plain memcheck racecheck
 # synccheck"); GPU_CHECK_FILES names the test files (default: every file with GPU-marked
-# tests); SANITIZER_TIMEOUT_S bounds each sanitizer run (default 480 s; a run killed
+# tests); SANITIZER_TIMEOUT_S bounds each sanitizer run (default 1200 s; a run killed
 # there fails); COMPUTE_SANITIZER names the sanitizer binary when it is not on PATH.
 # Exit status 0 only if every run passed (tests passed, none failed) and every sanitizer
 # summary counts 0 errors and 0 hazards.
@@ -134,7 +134,7 @@ run_tool() {
 
 main() {
   runs=${GPU_CHECK_RUNS:-$ALL_RUNS}
-  limit_s=${SANITIZER_TIMEOUT_S:-480}
+  limit_s=${SANITIZER_TIMEOUT_S:-1200}
   out_dir=${1:-${OUT_DIR:-}}
   local run
   for run in $runs; do
