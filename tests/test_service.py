@@ -384,15 +384,17 @@ def test_a_queued_transfer_is_polled_one_interval_later() -> None:
     service = build_service(make_config(interval_s=3600.0))
     service._poller._poll_interval_s = 0.5  # long enough to see the wait
     service.start()
-    wait_for(lambda: service.stats.background_passes >= 1)
-    queued = time.monotonic()
-    assert put(service, [1, 1])  # write-through: a backup is queued (the thread issues it)
-    time.sleep(0.2)
-    assert service.stats.polls == 0 and service.tree.has_queued_backups
-    wait_for(lambda: not service.tree.has_queued_backups and
-             service.controller.num_in_flight == 0)
-    assert service.stats.polls == 1 and time.monotonic() - queued >= 0.5
-    service.stop()
+    try:  # a failure still stops the thread (else the teardown reports it as left running)
+        wait_for(lambda: service.stats.background_passes >= 1)
+        queued = time.monotonic()
+        assert put(service, [1, 1])  # write-through: a backup is queued (the thread issues it)
+        time.sleep(0.2)
+        assert service.stats.polls == 0 and service.tree.has_queued_backups
+        wait_for(lambda: not service.tree.has_queued_backups and
+                 service.controller.num_in_flight == 0)
+        assert service.stats.polls == 1 and time.monotonic() - queued >= 0.5
+    finally:
+        service.stop()
 
 
 # ---- engine contract and life cycle -------------------------------------------------------
