@@ -206,7 +206,7 @@ def _free_device_swa(tree: TieredRadixTree, node: TreeNode) -> int:
     pages = backed.all(dim=1)
     if not bool(pages.any()):
         return 0
-    freed = device.tensor.view(-1, tree.page_size)[pages].reshape(-1)
+    freed = device.tensor.reshape(-1, tree.page_size)[pages].reshape(-1)
     tree.io.release_swa(Indices(freed, IndexSpace.DEVICE_FULL))
     node.device_swa = tree.io.swa_of(device)
     return int(freed.numel())
