@@ -32,7 +32,7 @@ from hicache.pools import IndexSpace, Indices
 
 from .node import PendingOp, TreeNode, cat_indices, slice_indices
 from .tree import slots_of
-from .window_tail import evict_host_swa
+from .window_tail import evict_host_swa, make_swa_host_room
 
 if TYPE_CHECKING:
     from .tiers import TieredRadixTree
@@ -133,12 +133,8 @@ def _room_for_swa(tree: TieredRadixTree, op: PendingOp) -> bool:
     if have is not None:
         needed &= have.tensor == 0
     needed_tokens = int(needed.sum())
-    short = needed_tokens - tree.io.host_swa_free_tokens()
-    if short <= 0:
-        return False
-    freed = tree.evict_host(short) > 0
-    short = needed_tokens - tree.io.host_swa_free_tokens()
-    return (short > 0 and evict_host_swa(tree, short) > 0) or freed
+    return make_swa_host_room(tree, needed_tokens,
+                              needed_tokens - tree.io.host_swa_free_tokens())
 
 
 def _refuse(tree: TieredRadixTree, op: PendingOp) -> None:

@@ -106,8 +106,8 @@ class WindowBackups:
 
     def host_slots(self) -> Indices:
         """Every host SWA slot held here (for integrity checks: the engine holds them)."""
-        slots = self._host[self._held].reshape(-1)
-        return Indices(torch.from_numpy(slots.copy()), IndexSpace.HOST_SWA)
+        slots = self._host[self._held].reshape(-1)  # a new array (a masked read)
+        return Indices(torch.from_numpy(slots), IndexSpace.HOST_SWA)
 
     def _pages(self, device: Indices) -> np.ndarray:
         return device.tensor.numpy()[::self.page_size] // self.page_size

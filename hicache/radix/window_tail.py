@@ -119,17 +119,23 @@ def _room_for_window(tree: HiRadixCache, device: Indices) -> None:
     """Free SWA host room for the window backup of ``device`` before it is tried (a refused
     try costs every check of the write): host-only leaves first, then SWA copies on their
     own, as :func:`evict_host_swa` explains. Nothing when the pool already has room."""
-    free = tree.io.host_swa_free_tokens()
-    if free >= len(device):
+    if tree.io.host_swa_free_tokens() >= len(device):
         return
     swa = tree.io.swa_of(device)
     needed = int(torch.count_nonzero(swa.tensor)) if swa is not None else 0
-    if free >= needed:
-        return
-    tree.evict_host(len(device))
+    make_swa_host_room(tree, needed, len(device))
+
+
+def make_swa_host_room(tree: TieredRadixTree, needed: int, host_tokens: int) -> bool:
+    """Free room in the SWA host pool for ``needed`` tokens of SWA rows: ``host_tokens`` of
+    host-only leaves first (whole, so every cached prefix stays reusable), then SWA copies
+    on their own (:func:`evict_host_swa`) for what is still short. Nothing when the pool
+    has the room already; True when anything was freed."""
+    if tree.io.host_swa_free_tokens() >= needed:
+        return False
+    freed = tree.evict_host(host_tokens) > 0
     short = needed - tree.io.host_swa_free_tokens()
-    if short > 0:
-        evict_host_swa(tree, short)
+    return (short > 0 and evict_host_swa(tree, short) > 0) or freed
 
 
 def finish_window_backup(tree: HiRadixCache, op: WindowBackupOp) -> None:
