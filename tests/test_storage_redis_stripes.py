@@ -51,8 +51,12 @@ class StallingServer:
     def _serve(self, connection: socket.socket) -> None:
         half = self.value_len // 2
         with connection:
-            while b"GET" not in connection.recv(1 << 16):
-                pass
+            while True:
+                received = connection.recv(1 << 16)
+                if not received:
+                    return  # closed before asking (an empty read would repeat forever)
+                if b"GET" in received:
+                    break
             connection.sendall(b"$%d\r\n" % self.value_len + b"\xa5" * half)
             with self._lock:
                 self.stalled += 1
