@@ -20,7 +20,9 @@ def row_records(rows: torch.Tensor) -> np.ndarray:
         f"row records need CPU rows contiguous within a row, got {rows.device} "
         f"shape {tuple(rows.shape)} strides {rows.stride()}")
     raw = rows.view(torch.uint8).numpy()  # [num_slots, row_bytes], the pool's memory
-    records = raw.view(np.dtype((np.void, raw.shape[1])))[:, 0]  # indexing: always a view
+    # the dtype from its string: the ``(np.void, n)`` form runs a Python helper of numpy's
+    # that clears any exception raised inside it, so a Ctrl-C landing there was lost
+    records = raw.view(np.dtype(f"V{raw.shape[1]}"))[:, 0]  # indexing: always a view
     assert np.may_share_memory(records, raw), "row records must alias the pool"
     return records
 

@@ -110,7 +110,9 @@ def test_a_call_queued_behind_another_times_out_at_its_own_deadline(
         stalling.value_len = store.format.object_len
         first = threading.Thread(target=store.get, args=(keys[:2], views(pool, 1, 2)))
         first.start()
+        deadline = time.monotonic() + 30.0
         while stalling.stalled < 1:
+            assert time.monotonic() < deadline, "the first get never reached the server"
             time.sleep(0.01)
         started = time.monotonic()
         result = store.get(keys[2:], views(pool, 11, 2), timeout_s=0.2)
