@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
-from hicache.pools.page_ids import owned_page_ids
+from hicache.pools.page_ids import owned_page_ids, valid_pages
 
 from .radix import RadixTree, TokenKey
 
@@ -65,6 +65,16 @@ class EngineSlots:
         """Pages of ``device_indices[:num_tokens]`` (``num_tokens``: the whole pages of
         ``key``); ``ValueError`` for a page that is neither held by the engine nor the tree's
         own page at the same position."""
+        pages = self._insertable_as_served(tree, key, device_indices, num_tokens)
+        if pages is not None:
+            return pages
+        return self.insertable_by_page(tree, key, device_indices, num_tokens)
+
+    def insertable_by_page(
+        self, tree: RadixTree, key: TokenKey, device_indices: Indices, num_tokens: int
+    ) -> np.ndarray:
+        """:meth:`insertable` for any slots: every page checked and compared with the
+        tree's page at its position (what the fast path hands over to)."""
         head = Indices(device_indices.tensor[:num_tokens], device_indices.space)
         pages = self.pages_of(head, "insert")
         own = tree.device_prefix_pages(key)  # the tree's own pages
@@ -78,6 +88,41 @@ class EngineSlots:
                 f"is neither held by the engine (alloc_device) nor the tree's page there"
             )
         return pages
+
+    def _insertable_as_served(
+        self, tree: RadixTree, key: TokenKey, device_indices: Indices, num_tokens: int
+    ) -> np.ndarray | None:
+        """The pages of :meth:`insertable` for the slots a served request gives back: the
+        tree's own slots of the cached prefix, byte for byte, then whole pages the engine
+        holds (its ``alloc_device``). ``None`` for any other slots, which the page-by-page
+        check then takes (and names what is wrong).
+
+        The prefix is compared with the nodes' slots, which the tree keeps as whole ordered
+        pages (checked when they entered it), so only the engine's part is checked page by
+        page; the two cannot share a page (one is the tree's, the other the engine's)."""
+        tensor = device_indices.tensor
+        if (type(device_indices) is not Indices or device_indices.space is not
+                IndexSpace.DEVICE_FULL or tensor.dtype is not torch.int64
+                or tensor.dim() != 1 or not tensor.is_cpu or tensor.numel() < num_tokens):
+            return None
+        slots, page = tensor.numpy(), self.allocator.page_size
+        firsts, at = [], 0  # the first slot of each of the tree's pages
+        for node_slots in tree.device_prefix_views(key, "insert"):
+            used = node_slots.size
+            if np.count_nonzero(slots[at:at + used] != node_slots):
+                return None  # the engine's own copy of a cached page: the general check
+            firsts.append(node_slots[::page])
+            at += used
+        parts = [np.concatenate(firsts) // page] if firsts else []
+        if at < num_tokens:
+            held = valid_pages(Indices(tensor[at:num_tokens], IndexSpace.DEVICE_FULL),
+                               IndexSpace.DEVICE_FULL, page, self.allocator.num_pages)
+            if held is None or np.count_nonzero(self._held[held]) != held.size:
+                return None
+            parts.append(held)
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
     def forget(self, pages: np.ndarray) -> None:
         """The engine no longer holds ``pages`` (inserted into the tree, or freed)."""

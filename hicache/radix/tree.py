@@ -109,12 +109,19 @@ class RadixTree:
     def device_prefix_pages(self, tokens: TokenIds | TokenKey) -> np.ndarray:
         """Page ids of :meth:`device_prefix` (int64), read off the nodes without copying
         their slots."""
-        page, parts = self.page_size, []
-        for node, used in self._descend(self.key_data(tokens, "device_prefix"), split=False):
+        page = self.page_size
+        parts = [slots[::page] for slots in self.device_prefix_views(tokens, "device_prefix")]
+        return np.concatenate(parts) // page if parts else np.empty(0, dtype=np.int64)
+
+    def device_prefix_views(self, tokens: TokenIds | TokenKey, op: str) -> list[np.ndarray]:
+        """The slots of :meth:`device_prefix`, node by node: numpy views of the nodes' own
+        int64 slots (no copy), to read at once and never write."""
+        views = []
+        for node, used in self._descend(self.key_data(tokens, op), split=False):
             if node.device is None:
                 break
-            parts.append(node.device.tensor.numpy()[:used:page])
-        return np.concatenate(parts) // page if parts else np.empty(0, dtype=np.int64)
+            views.append(node.device.tensor.numpy()[:used])
+        return views
 
     # ---- locks --------------------------------------------------------------------------
 

@@ -1,0 +1,186 @@
+"""``insert``'s check of the engine's slots (:meth:`EngineSlots.insertable`): the fast path
+for the slots a served request gives back (the tree's own prefix, then one run the engine
+holds) must answer exactly as the page-by-page check does, for any slots an engine passes:
+the same pages, or the same error, with nothing changed either way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.config import config_from_dict
+from hicache.engine_slots import EngineSlots
+from hicache.factory import build_service
+from hicache.pools import IndexSpace, Indices
+from hicache.service import HiCacheService
+
+PAGE = 2
+MUTATIONS = ("as_served", "engine_prefix", "pages_swapped", "slots_swapped", "foreign_page",
+             "tree_page_moved", "int32", "longer", "page_repeated", "padding_page",
+             "past_the_pool", "strided")
+
+
+def make_service() -> HiCacheService:
+    return build_service(config_from_dict({
+        "page_size_tokens": PAGE,
+        "model": {"num_layers": 1, "attention": "mha", "num_kv_heads": 1, "head_dim": 2,
+                  "dtype": "float32"},
+        "device_pool": {"num_tokens": 64, "device": "cpu"},
+        "host": {"ratio": 2.0, "ram_reserve_gib": 0.0},
+        "controller": {"io_backend": "torch", "write_policy": "write_through",
+                       "load_back_threshold_tokens": 0},
+        "service": {"metrics_enabled": False, "integrity_check_interval_s": 3600.0},
+    }))
+
+
+def engine_of(service: HiCacheService) -> EngineSlots:
+    engine = service._engine
+    assert isinstance(engine, EngineSlots)
+    return engine
+
+
+def answer(call: object) -> tuple[str, object]:
+    """``("pages", list)`` or ``("error", message)`` of ``call()``."""
+    try:
+        pages = call()  # type: ignore[operator]
+    except ValueError as exc:
+        return "error", str(exc)
+    return "pages", np.asarray(pages).tolist()
+
+
+def slots_for(service: HiCacheService, mutation: str, prefix_pages: int, new_pages: int,
+              tokens: list[int]) -> torch.Tensor:
+    """The slots an engine passes for ``tokens`` (the tree caches their first
+    ``prefix_pages`` pages), made as ``mutation`` says."""
+    match = service.match(tokens)
+    assert match.device_hit_tokens == prefix_pages * PAGE
+    own = match.device_indices.tensor
+    fresh = service.alloc_device(new_pages * PAGE)
+    assert fresh is not None
+    new = fresh.tensor
+    slots = torch.cat([own, new])
+    if mutation == "engine_prefix" and prefix_pages:
+        copy = service.alloc_device(prefix_pages * PAGE)
+        assert copy is not None
+        slots = torch.cat([copy.tensor, new])
+    elif mutation == "pages_swapped" and new_pages >= 2:
+        pages = slots.view(-1, PAGE)
+        slots = torch.cat([pages[:-2], pages[-1:], pages[-2:-1]]).reshape(-1)
+    elif mutation == "slots_swapped" and len(slots):
+        slots = slots.clone()
+        slots[[0, 1]] = slots[[1, 0]]
+    elif mutation == "foreign_page" and len(slots):
+        foreign = service.controller.device_allocator.try_alloc(PAGE)  # behind its back
+        assert foreign is not None
+        slots = torch.cat([slots[:-PAGE], foreign.tensor])
+    elif mutation == "tree_page_moved" and prefix_pages and new_pages:
+        slots = torch.cat([new[:PAGE], own[PAGE:], own[:PAGE], new[PAGE:]])
+    elif mutation == "int32":
+        slots = slots.to(torch.int32)
+    elif mutation == "longer":
+        extra = service.alloc_device(PAGE)
+        assert extra is not None
+        slots = torch.cat([slots, extra.tensor])
+    elif mutation == "page_repeated" and len(slots) >= 2 * PAGE:
+        slots = torch.cat([slots[:-PAGE], slots[:PAGE]])
+    elif mutation == "padding_page" and len(slots):
+        slots = torch.cat([slots[:-PAGE], torch.arange(PAGE)])
+    elif mutation == "past_the_pool" and len(slots):
+        top = service.controller.device_allocator.num_slots
+        slots = torch.cat([slots[:-PAGE], torch.arange(top, top + PAGE)])
+    elif mutation == "strided":
+        slots = torch.stack([slots, slots]).t().reshape(-1)[::2]  # a view with stride 2
+    return slots
+
+
+@settings(max_examples=120, deadline=None)
+@given(prefix_pages=st.integers(0, 4), new_pages=st.integers(0, 4),
+       mutation=st.sampled_from(MUTATIONS), seed=st.integers(0, 2**16))
+def test_the_fast_path_answers_as_the_page_by_page_check(
+        prefix_pages: int, new_pages: int, mutation: str, seed: int) -> None:
+    service = make_service()
+    try:
+        rng = np.random.default_rng(seed)
+        cached = [int(t) for t in rng.integers(1, 1000, size=prefix_pages * PAGE)]
+        if cached:
+            other = service.alloc_device(len(cached))
+            assert other is not None
+            service.insert(cached, other)
+        tokens = cached + [int(t) for t in rng.integers(1000, 2000, size=new_pages * PAGE)]
+        slots = Indices(slots_for(service, mutation, prefix_pages, new_pages, tokens),
+                        IndexSpace.DEVICE_FULL)
+        engine, key = engine_of(service), service.key(tokens)
+        held_before = engine.num_tokens
+        fast = answer(lambda: engine.insertable(service.tree, key, slots, len(tokens)))
+        general = answer(lambda: engine.insertable_by_page(service.tree, key, slots,
+                                                           len(tokens)))
+        assert fast == general
+        assert engine.num_tokens == held_before  # a check changes nothing
+        if fast[0] == "pages":  # and the insert itself goes through
+            service.insert(key, slots)
+    finally:
+        service.stop()
+
+
+def test_slots_as_served_take_the_fast_path() -> None:
+    """The request's own slots (its cached prefix, then one allocation) are answered by the
+    fast path; an engine copy of a cached page is not (the page-by-page check takes it)."""
+    service = make_service()
+    try:
+        cached = [5, 6, 7, 8]
+        first = service.alloc_device(4)
+        assert first is not None
+        service.insert(cached, first)
+        tokens = [*cached, 9, 10]
+        match = service.match(tokens)
+        new = service.alloc_device(2)
+        assert new is not None
+        slots = Indices(torch.cat([match.device_indices.tensor, new.tensor]),
+                        IndexSpace.DEVICE_FULL)
+        engine, key = engine_of(service), service.key(tokens)
+        pages = engine._insertable_as_served(service.tree, key, slots, 6)
+        assert pages is not None
+        assert pages.tolist() == (slots.tensor[::PAGE] // PAGE).tolist()
+        copy = service.alloc_device(4)
+        assert copy is not None
+        mixed = Indices(torch.cat([copy.tensor, new.tensor]), IndexSpace.DEVICE_FULL)
+        assert engine._insertable_as_served(service.tree, key, mixed, 6) is None
+        assert service.insert(key, mixed) == 4  # the copy's pages are duplicates, freed
+        service.check_integrity()
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_a_request_with_nothing_cached_inserts_its_run(dtype: torch.dtype) -> None:
+    service = make_service()
+    try:
+        slots = service.alloc_device(6)
+        assert slots is not None
+        assert service.insert([1, 2, 3, 4, 5, 6], Indices(slots.tensor.to(dtype),
+                                                          IndexSpace.DEVICE_FULL)) == 0
+        assert service.engine_held_tokens == 0
+        service.check_integrity()
+    finally:
+        service.stop()
+
+
+def test_negative_slots_are_refused_even_where_they_would_wrap_to_held_pages() -> None:
+    """A run of negative pages would index the held-page map from its end (numpy's
+    negative indices), where the engine holds the pool's top pages: refused all the same."""
+    service = make_service()
+    try:
+        every = service.alloc_device(service.controller.device_allocator.num_free_tokens)
+        assert every is not None  # the engine holds every page, the top ones included
+        tokens = [1, 2, 3, 4]
+        wrapped = Indices(torch.arange(-3 * PAGE, -PAGE), IndexSpace.DEVICE_FULL)
+        with pytest.raises(ValueError, match="insert"):
+            service.insert(tokens, wrapped)
+        assert service.engine_held_tokens == len(every)
+        service.free_device(every)
+        service.check_integrity()
+    finally:
+        service.stop()
