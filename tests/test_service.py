@@ -390,9 +390,12 @@ def test_a_queued_transfer_is_polled_one_interval_later() -> None:
         assert put(service, [1, 1])  # write-through: a backup is queued (the thread issues it)
         time.sleep(0.2)
         assert service.stats.polls == 0 and service.tree.has_queued_backups
-        wait_for(lambda: not service.tree.has_queued_backups and
-                 service.controller.num_in_flight == 0)
-        assert service.stats.polls == 1 and time.monotonic() - queued >= 0.5
+        # the count first: the thread counts its poll after issuing and acknowledging the
+        # copy, so the queue and the in-flight count can read empty just before it
+        wait_for(lambda: service.stats.polls >= 1)
+        assert time.monotonic() - queued >= 0.5
+        assert not service.tree.has_queued_backups and service.controller.num_in_flight == 0
+        assert service.stats.polls == 1
     finally:
         service.stop()
 
