@@ -136,10 +136,10 @@ def _packed_ids(tokens: Sequence[object]) -> bytes | None:
     except (TypeError, OverflowError):
         return None
     values = np.frombuffer(packed, dtype=np.int64)
-    if values.size and values.min() < 0:
-        return None
-    low = np.flatnonzero(values <= 1)
-    if low.size and any(type(tokens[i]) is not int for i in low.tolist()):
+    # one pass finds both: ids read negative (2**63 or more) and those of 0 or 1 (bools?)
+    (low,) = (values <= 1).nonzero()
+    if low.size and (values[low].min() < 0 or
+                     any(type(tokens[i]) is not int for i in low.tolist())):
         return None
     return packed.tobytes()
 
