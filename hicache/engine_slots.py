@@ -120,9 +120,9 @@ class EngineSlots:
             if held is None or np.count_nonzero(self._held[held]) != held.size:
                 return None
             parts.append(held)
-        if len(parts) == 1:
-            return parts[0]
-        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+        if not parts:
+            return np.empty(0, dtype=np.int64)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def forget(self, pages: np.ndarray) -> None:
         """The engine no longer holds ``pages`` (inserted into the tree, or freed)."""

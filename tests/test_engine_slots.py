@@ -5,6 +5,8 @@ the same pages, or the same error, with nothing changed either way."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
@@ -42,10 +44,10 @@ def engine_of(service: HiCacheService) -> EngineSlots:
     return engine
 
 
-def answer(call: object) -> tuple[str, object]:
+def answer(call: Callable[[], np.ndarray]) -> tuple[str, object]:
     """``("pages", list)`` or ``("error", message)`` of ``call()``."""
     try:
-        pages = call()  # type: ignore[operator]
+        pages = call()
     except ValueError as exc:
         return "error", str(exc)
     return "pages", np.asarray(pages).tolist()
