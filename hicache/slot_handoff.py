@@ -87,11 +87,12 @@ def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices:
         raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
     pages = service._engine.insertable(tree, key, device_indices, num_tokens)
     finish_window_backups(service, device_indices)
-    # Every page is the engine's (so allocated) or the tree's own: what take_slots checks
-    given = device_indices.tensor[:num_tokens]  # the tree's own copy (clone: half of to())
-    slots = Indices(given.clone() if given.dtype is torch.int64 else given.to(torch.int64),
-                    IndexSpace.DEVICE_FULL)
-    cached = tree.insert_checked(key.data, slots)
+    # Every page is the engine's (so allocated) or the tree's own: what take_slots checks.
+    # No copy here: the tree copies the parts it keeps (see RadixCache.insert_checked).
+    given = device_indices.tensor[:num_tokens]
+    if given.dtype is not torch.int64:
+        given = given.to(torch.int64)
+    cached = tree.insert_checked(key.data, Indices(given, IndexSpace.DEVICE_FULL))
     if tree.io.is_hybrid:  # copies of duplicate pages, which the tree freed
         head = Indices(device_indices.tensor[:num_tokens], IndexSpace.DEVICE_FULL)
         tree.io.free_host_swa(tree.window_backups.take(head))

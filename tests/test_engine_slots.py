@@ -186,3 +186,104 @@ def test_negative_slots_are_refused_even_where_they_would_wrap_to_held_pages() -
         service.check_integrity()
     finally:
         service.stop()
+
+
+# ---- what the tree keeps: copies, never the engine's tensor ------------------------------
+
+
+def scribble(tensor: torch.Tensor) -> None:
+    """The engine reuses its slot tensor after insert: every value overwritten in place."""
+    tensor.copy_(torch.flip(tensor, [0]) + 2 * PAGE)
+
+
+@pytest.mark.parametrize("path", ["service", "tree"])
+def test_the_tree_keeps_copies_of_new_and_reattached_slots(path: str) -> None:
+    """A new node's slots and a host-only node's new device slots are the tree's own
+    copies: the engine overwriting its tensor after insert changes nothing cached. Both
+    the service's insert and the tree's own (``take_slots``) are covered."""
+    service = make_service()
+    try:
+        tokens = list(range(100, 108))  # 4 pages
+        slots = service.alloc_device(len(tokens))
+        assert slots is not None
+        engine_tensor = slots.tensor.clone()
+        if path == "service":
+            service.insert(tokens, Indices(engine_tensor, IndexSpace.DEVICE_FULL))
+        else:  # the tree's public insert, the engine's pages handed over by hand
+            service.tree.insert(tokens, Indices(engine_tensor, IndexSpace.DEVICE_FULL))
+            engine_of(service).forget(np.unique(slots.tensor.numpy() // PAGE))
+        kept = slots.tensor.clone()
+        scribble(engine_tensor)
+        assert torch.equal(service.match(tokens).device_indices.tensor, kept)
+        service.check_integrity()
+
+        service.step()  # the write-through backup is acknowledged: evictable
+        assert service.evict(len(tokens)) == len(tokens)
+        assert service.match(tokens).device_hit_tokens == 0
+        again = service.alloc_device(len(tokens))  # re-attach: new device slots
+        assert again is not None
+        engine_tensor = again.tensor.clone()
+        service.insert(tokens, Indices(engine_tensor, IndexSpace.DEVICE_FULL))
+        kept = again.tensor.clone()
+        scribble(engine_tensor)
+        assert torch.equal(service.match(tokens).device_indices.tensor, kept)
+        service.check_integrity()
+    finally:
+        service.stop()
+
+
+def test_duplicate_pages_are_freed_and_the_cached_ones_kept_after_a_scribble() -> None:
+    """The engine's own copy of a cached prefix (duplicates, freed by insert) compared
+    through a view: the tree keeps its pages, the duplicates go back to the pool, and the
+    engine overwriting its tensor afterwards changes neither."""
+    service = make_service()
+    try:
+        tokens = list(range(200, 208))
+        first = service.alloc_device(len(tokens))
+        assert first is not None
+        service.insert(tokens, first)
+        free_before = service.controller.device_allocator.num_free_tokens
+        copy = service.alloc_device(len(tokens))
+        assert copy is not None
+        engine_tensor = copy.tensor.clone()
+        assert service.insert(tokens, Indices(engine_tensor, IndexSpace.DEVICE_FULL)) == 8
+        assert service.controller.device_allocator.num_free_tokens == free_before
+        scribble(engine_tensor)
+        assert torch.equal(service.match(tokens).device_indices.tensor, first.tensor)
+        assert service.engine_held_tokens == 0
+        service.check_integrity()
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_a_match_hands_out_its_own_tensor(nodes: int) -> None:
+    """The engine writing into a match's slots (reusing the tensor as its buffer) changes
+    nothing cached, whether the prefix is one node (whose slots the match once handed out
+    as they were) or several (a concatenation)."""
+    service = make_service()
+    try:
+        tokens = list(range(300, 308))
+        first = service.alloc_device(len(tokens))
+        assert first is not None
+        service.insert(tokens, first)
+        if nodes == 2:  # a branch at token 4 splits the cached node in two
+            branch = [*tokens[:4], 900, 901, 902, 903]
+            slots = service.alloc_device(8)
+            assert slots is not None
+            prefix = service.match(branch).device_indices.tensor
+            service.insert(branch, Indices(torch.cat([prefix, slots.tensor[4:]]),
+                                           IndexSpace.DEVICE_FULL))
+            service.free_device(Indices(slots.tensor[:4], IndexSpace.DEVICE_FULL))
+        match = service.match(tokens)
+        path, node = 0, match.last_device_node
+        while node is not service.tree.root:
+            path, node = path + 1, node.parent
+        assert path == nodes
+        scribble(match.device_indices.tensor)
+        assert torch.equal(service.match(tokens).device_indices.tensor, first.tensor)
+        service.check_integrity()
+        service.step()
+        service.check_integrity()
+    finally:
+        service.stop()

@@ -139,8 +139,9 @@ class HiRadixCache(TieredRadixTree):
     def insert_checked(self, key: bytes, slots: Indices) -> int:
         """:meth:`insert` of key bytes (``TokenKey.data``) and ``slots`` that the caller
         checked as :meth:`NodeIO.take_slots` does (``DEVICE_FULL`` CPU int64, exactly the
-        key's length, allocated pages) and owns no more (the tree keeps the tensor): the
-        service, whose engine-slot check of the same pages implies all of that."""
+        key's length, allocated pages): the service, whose engine-slot check of the same
+        pages implies all of that. ``slots`` may be a view of the engine's tensor: a node
+        keeps a copy of its part, and the duplicates freed are copies too."""
         num_tokens = len(key) // TOKEN_BYTES
         path, taken, duplicates, cached = self._insert_walk(key, slots)
         duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
@@ -185,12 +186,12 @@ class HiRadixCache(TieredRadixTree):
             common = self._common_bytes(child.key, key, at) // TOKEN_BYTES
             if common < child.num_tokens:
                 child = self._split(child, common)
-            part = slice_indices(slots, pos, pos + common)
-            if child.device is None:
-                child.device = part  # re-attach: the host-only node is on the device again
+            if child.device is None:  # re-attach: the host-only node is on the device again
+                child.device = slice_indices(slots, pos, pos + common)
                 taken.append((child, pos))
-            else:
-                duplicates.append(self.io.differing_pages(child.device, part))
+            else:  # compared through a view: differing_pages returns a copy
+                duplicates.append(self.io.differing_pages(
+                    child.device, Indices(slots.tensor[pos:pos + common], slots.space)))
             child.last_access = now
             self._touch(child)
             path.append(child)
@@ -272,7 +273,11 @@ class HiRadixCache(TieredRadixTree):
         host_only = path[len(on_device):]
         assert all(n.is_host_only and n.is_backed_up for n in host_only), \
             "a node below the device prefix has no complete host copy"
-        device = cat_indices([slots_of(n, "device") for n in on_device], IndexSpace.DEVICE_FULL)
+        parts = [slots_of(n, "device") for n in on_device]
+        # The engine's own tensor, never a node's: an engine writing into it (reusing its
+        # buffer) would rename the pages the node owns. A cat is a new tensor already.
+        device = (Indices(parts[0].tensor.clone(), IndexSpace.DEVICE_FULL) if len(parts) == 1
+                  else cat_indices(parts, IndexSpace.DEVICE_FULL))
         last_device = on_device[-1] if on_device else self.root
         last_host = path[-1] if path else self.root
         return MatchResult(device, last_device, last_host, sum(n.num_tokens for n in host_only))

@@ -73,7 +73,8 @@ class NodeIO:
 
     def take_slots(self, device_indices: Indices, num_tokens: int) -> Indices:
         """The first ``num_tokens`` of the slots the engine gives to ``insert``, checked
-        (``DEVICE_FULL`` CPU indices, enough of them, all allocated) and copied as int64.
+        (``DEVICE_FULL`` CPU indices, enough of them, all allocated), as int64 (a view of
+        int64 slots: the tree copies the parts it keeps).
 
         Raises:
             ValueError: any of those checks fails (the message starts with ``insert:``).
@@ -86,7 +87,7 @@ class NodeIO:
                 f"insert: need >= {num_tokens} CPU slots (the whole pages of the tokens), got "
                 f"{len(device_indices)} on {device_indices.device}"
             )
-        slots = Indices(device_indices.tensor[:num_tokens].to(torch.int64).clone(),
+        slots = Indices(device_indices.tensor[:num_tokens].to(torch.int64),
                         IndexSpace.DEVICE_FULL)
         if not self.controller.device_allocator.is_allocated(slots):
             raise ValueError("insert: some slots are not allocated; insert only slots you hold")
@@ -96,7 +97,8 @@ class NodeIO:
         """Pages of ``theirs`` that are not the tree's page at the same position
         (``mine``: a node's ``DEVICE_FULL`` slots; both whole ordered pages, aligned, so a
         page is named by its first slot). The common case, the engine handing the tree's
-        own pages back, costs two strided numpy reads and a comparison."""
+        own pages back, costs two strided numpy reads and a comparison. A new tensor,
+        never a view of ``theirs``."""
         size = self.page_size
         given = theirs.tensor.numpy()
         differ = mine.tensor.numpy()[::size] != given[::size]
