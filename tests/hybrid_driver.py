@@ -246,6 +246,10 @@ class HybridDriver:
             self.figures.windows_missing_after_load += 1
         self.figures.unusable_prefix_tokens += len(prefix) - usable
         request = Request(tokens, prompt_len, codes, node, prefix[:usable].clone(), usable)
+        # the engine reuses the tensors the service handed it: nothing cached may share them
+        match.device_indices.tensor.add_(PAGE)
+        if loaded is not None:
+            loaded.tensor.add_(PAGE)
         self.figures.requests += 1
         self.running.append(request)
 
@@ -303,6 +307,7 @@ class HybridDriver:
                 self._retract(request)
                 return
             request.own = torch.cat([request.own, slots.tensor])
+            slots.tensor.add_(PAGE)  # reused by the engine (see _admit)
         self._check_reads(request, start)
         self._write(request, start, end)
         request.num_computed = end

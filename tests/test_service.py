@@ -63,7 +63,15 @@ def put(service: HiCacheService, tokens: list[int]) -> bool:
     whole = len(tokens) // PAGE * PAGE
     if len(slots) > whole:
         service.free_device(Indices(slots.tensor[whole:], IndexSpace.DEVICE_FULL))
+    reuse(slots)
     return True
+
+
+def reuse(slots: Indices) -> None:
+    """The engine reuses a slot tensor the service handed it (or took from it) as its own
+    buffer: every value moved to another page in place. Nothing the service keeps may
+    share it (the integrity checks would find the pages renamed)."""
+    slots.tensor.add_(PAGE)
 
 
 def rows_ok(service: HiCacheService, tokens: list[int], slots: Indices) -> bool:
@@ -124,7 +132,8 @@ def test_factory_builds_plain_and_hybrid_services() -> None:
 
 def scheduler_ops(service: HiCacheService, seed: int, num_ops: int, steps: bool = True
                   ) -> int:
-    """Random engine traffic on this thread; checks rows of every match as it goes. A batch
+    """Random engine traffic on this thread; checks rows of every match as it goes, and
+    reuses every slot tensor the service handed out once done with it (:func:`reuse`). A batch
     that loads waits for every layer (as its forward pass would) before rows are read.
     Without ``steps`` the scheduler never polls: where it would step it sleeps a little (a
     forward pass), and the background thread acknowledges every transfer; every
@@ -144,9 +153,13 @@ def scheduler_ops(service: HiCacheService, seed: int, num_ops: int, steps: bool 
         elif op < 0.5:
             match = service.match(tokens)
             assert rows_ok(service, tokens, match.device_indices)
+            reuse(match.device_indices)
         elif op < 0.65:
             match = service.match(tokens)
-            if match.host_hit_tokens and service.load_back(match, 16).queued:
+            loaded = service.load_back(match, 16) if match.host_hit_tokens else None
+            reuse(match.device_indices)
+            if loaded is not None and loaded.queued:
+                reuse(loaded.device_indices)  # before the op is issued: it owns a copy
                 service.start_loading()
                 for layer in range(service.controller.num_layers):
                     service.wait_until(layer)
