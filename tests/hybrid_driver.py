@@ -358,7 +358,10 @@ class HybridDriver:
         first_own = len(request.prefix) // PAGE
         done = max(0, min(request.num_own_pages, keep_from // PAGE - first_own))
         if done > request.num_swa_released:
-            self.svc.release_window(request.own_pages(request.num_swa_released, done))
+            released = request.own_pages(request.num_swa_released, done)
+            buffer = full_indices(released.tensor.clone())  # the engine's own buffer
+            self.svc.release_window(buffer)
+            buffer.tensor.add_(PAGE)  # reused at once: the queued copy must own its slots
             request.num_swa_released = done
 
     # ---- completion ---------------------------------------------------------------------
@@ -366,7 +369,9 @@ class HybridDriver:
     def _finish(self, request: Request) -> None:
         """Insert what was computed, free the partial last page, release the lock."""
         computed = request.num_computed
-        self.svc.insert(request.tokens[:computed], full_indices(request.slots()))
+        buffer = full_indices(request.slots().clone())  # the engine's own buffer
+        self.svc.insert(request.tokens[:computed], buffer)
+        buffer.tensor.add_(PAGE)  # reused at once: the tree must keep copies
         whole = computed // PAGE - len(request.prefix) // PAGE
         if whole < request.num_own_pages:
             self.svc.free_device(request.own_pages(whole, request.num_own_pages))

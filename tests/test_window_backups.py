@@ -282,3 +282,22 @@ def test_take_of_a_copy_in_flight_is_refused() -> None:
     with pytest.raises(AssertionError, match="in flight"):
         table.take(op.device)
     assert len(table) == 1 and table.in_flight(op.device)
+
+
+def test_the_engine_reusing_its_released_slots_changes_nothing(service: HiCacheService) -> None:
+    """The engine writes into the tensor it gave ``release_window`` right after the call
+    (its own buffer): the queued window backup owns a copy, so its ack releases the SWA
+    slots of the pages released, and no others."""
+    a, b = two_requests(service)
+    released = Indices(a.tensor[:4].clone(), FULL)
+    service.release_window(released)
+    released.tensor.copy_(b.tensor[:4])  # now names b's pages, which keep their SWA slots
+    service.step()
+    assert hybrid_pool(service).swa_allocator.num_free_tokens == 4  # a's first 4 tokens
+    swa_b = hybrid_pool(service).swa_slots_of(b).tensor
+    assert bool((swa_b != 0).all())  # b's window untouched
+    service.check_integrity()
+    service.insert([*range(1, 9)], a)
+    service.insert([*range(11, 19)], b)
+    service.step()
+    service.check_integrity()

@@ -100,6 +100,9 @@ def back_up_window(tree: HiRadixCache, device: Indices) -> None:
     if not tree.io.keeps_swa_history:
         tree.io.release_swa(device)
         return
+    # The op's own copy: its ack releases these pages' SWA slots, and the engine may
+    # reuse its tensor as soon as this call returns.
+    device = Indices(device.tensor.clone(), device.space)
     op = WindowBackupOp(Direction.DEVICE_TO_HOST, [], [], device=device)
     _room_for_window(tree, device)
     host_swa = tree.io.write_swa(device, op)
