@@ -88,7 +88,7 @@ def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices:
     pages = service._engine.insertable(tree, key, device_indices, num_tokens)
     finish_window_backups(service, device_indices)
     # Every page is the engine's (so allocated) or the tree's own: what take_slots checks.
-    # No copy here: the tree copies the parts it keeps (see RadixCache.insert_checked).
+    # No copy here: the tree copies the parts it keeps (see HiRadixCache.insert_checked).
     given = device_indices.tensor[:num_tokens]
     if given.dtype is not torch.int64:
         given = given.to(torch.int64)
