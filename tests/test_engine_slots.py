@@ -191,6 +191,14 @@ def test_negative_slots_are_refused_even_where_they_would_wrap_to_held_pages() -
 # ---- what the tree keeps: copies, never the engine's tensor ------------------------------
 
 
+def cache_new(service: HiCacheService, tokens: list[int]) -> Indices:
+    """Allocate slots for ``tokens`` (whole pages) and insert them; the slots."""
+    slots = service.alloc_device(len(tokens))
+    assert slots is not None
+    service.insert(tokens, slots)
+    return slots
+
+
 def scribble(tensor: torch.Tensor) -> None:
     """The engine reuses its slot tensor after insert: every value overwritten in place."""
     tensor.copy_(torch.flip(tensor, [0]) + 2 * PAGE)
@@ -239,9 +247,7 @@ def test_duplicate_pages_are_freed_and_the_cached_ones_kept_after_a_scribble() -
     service = make_service()
     try:
         tokens = list(range(200, 208))
-        first = service.alloc_device(len(tokens))
-        assert first is not None
-        service.insert(tokens, first)
+        first = cache_new(service, tokens)
         free_before = service.controller.device_allocator.num_free_tokens
         copy = service.alloc_device(len(tokens))
         assert copy is not None
@@ -264,9 +270,7 @@ def test_a_match_hands_out_its_own_tensor(nodes: int) -> None:
     service = make_service()
     try:
         tokens = list(range(300, 308))
-        first = service.alloc_device(len(tokens))
-        assert first is not None
-        service.insert(tokens, first)
+        first = cache_new(service, tokens)
         if nodes == 2:  # a branch at token 4 splits the cached node in two
             branch = [*tokens[:4], 900, 901, 902, 903]
             slots = service.alloc_device(8)
