@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
+from hicache.pools.nonzero_count import count_nonzero
 
 from . import copy2d
 from .base import Direction, MovedTransfer, TransferBackend
@@ -80,7 +81,7 @@ def count_runs(host: np.ndarray, device: np.ndarray) -> int:
     """How many runs :func:`pair_runs` finds, without building them."""
     if host.size == 0:
         return 0
-    return 1 + int(np.count_nonzero((np.diff(host) != 1) | (np.diff(device) != 1)))
+    return 1 + int(count_nonzero((np.diff(host) != 1) | (np.diff(device) != 1)))
 
 
 def worth_direct(host: np.ndarray, device: np.ndarray) -> bool:

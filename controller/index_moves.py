@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, Indices
+from hicache.pools.nonzero_count import count_nonzero
 from hicache.pools.pinned_uploads import UPLOADS
 
 from .base import PoolTransfer, TransferBackend, TransferOp
@@ -56,7 +57,7 @@ def move_checked(
     if may_pad or not owned:
         host_np, device_np = host.numpy(), device.numpy()
         size = host_np.size
-        if np.count_nonzero(host_np) != size or np.count_nonzero(device_np) != size:
+        if count_nonzero(host_np) != size or count_nonzero(device_np) != size:
             keep = (host_np != 0) & (device_np != 0)
             host = torch.from_numpy(host_np[keep].astype(np.int64))  # copies
             device = torch.from_numpy(device_np[keep].astype(np.int64))

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace
+from hicache.pools.nonzero_count import count_nonzero
 
 from .base import Direction, TransferOp
 
@@ -109,7 +110,7 @@ class InFlightPages:
             page = pages.item()
             return page if counts[page] else None
         held = counts[pages]
-        if not np.count_nonzero(held):
+        if not count_nonzero(held):
             return None
         return int(pages[np.flatnonzero(held)[0]])
 
@@ -140,7 +141,7 @@ class InFlightPages:
             held = np.array([word], dtype=np.int64)
         else:
             held = counts[pages]
-            if not np.count_nonzero(held):
+            if not count_nonzero(held):
                 return
         for mask, why in _CONFLICTS[new_op]:
             hit = np.flatnonzero(held & mask)
@@ -174,7 +175,7 @@ def pages_of_slots(slots: np.ndarray, page_size: int) -> np.ndarray:
     pages = slots.astype(np.int64, copy=False) // page_size
     if pages.size > 1:
         later = pages[1:]
-        if np.count_nonzero(later < pages[:-1]):
+        if count_nonzero(later < pages[:-1]):
             pages = np.unique(pages)
         else:
             first = np.empty(pages.size, dtype=bool)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hicache.pools.nonzero_count import count_nonzero
 from hicache.pools.page_ids import is_run
 
 from .base import Direction
@@ -139,9 +140,9 @@ def _breaks(pages: np.ndarray, page_size: int) -> int:
     if is_run(pages):
         return 0  # one ascending run (an allocation's)
     steps = np.diff(pages)
-    if np.count_nonzero(steps < 0):
+    if count_nonzero(steps < 0):
         steps = np.diff(np.sort(pages))
-    breaks = int(np.count_nonzero(steps != 1))  # a gap or a repeat each
+    breaks = int(count_nonzero(steps != 1))  # a gap or a repeat each
     if breaks:  # a repeat (two loads of one page) breaks page_size times
-        breaks += (int(pages.size) - 1 - int(np.count_nonzero(steps))) * (page_size - 1)
+        breaks += (int(pages.size) - 1 - int(count_nonzero(steps))) * (page_size - 1)
     return breaks

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.pools.nonzero_count import count_nonzero
 from hicache.pools.page_ids import owned_page_ids, valid_pages
 
 from .radix import RadixTree, TokenKey
@@ -44,7 +45,8 @@ class EngineSlots:
     def add(self, indices: Indices) -> None:
         """Record freshly allocated slots."""
         pages = owned_page_ids(indices, self.allocator.page_size)  # the allocator's own output
-        assert not self._held[pages].any(), "alloc_device handed out a page the engine holds"
+        assert not count_nonzero(self._held[pages]), \
+            "alloc_device handed out a page the engine holds"
         self._held[pages] = True
         self._num_held += int(pages.size)
 
@@ -81,7 +83,7 @@ class EngineSlots:
         fine = self._held[pages]  # a new array: marked below where the tree's page is
         if own.size:
             fine[:own.size] |= pages[:own.size] == own
-        if np.count_nonzero(fine) < fine.size:
+        if count_nonzero(fine) < fine.size:
             bad = np.flatnonzero(~fine)
             raise ValueError(
                 f"insert: page {int(pages[bad[0]])} at token {int(bad[0]) * tree.page_size} "
@@ -109,7 +111,7 @@ class EngineSlots:
         firsts, at = [], 0  # the first slot of each of the tree's pages
         for node_slots in tree.device_prefix_views(key, "insert"):
             used = node_slots.size
-            if np.count_nonzero(slots[at:at + used] != node_slots):
+            if count_nonzero(slots[at:at + used] != node_slots):
                 return None  # the engine's own copy of a cached page: the general check
             firsts.append(node_slots[::page])
             at += used
@@ -117,7 +119,7 @@ class EngineSlots:
         if at < num_tokens:
             held = valid_pages(Indices(tensor[at:num_tokens], IndexSpace.DEVICE_FULL),
                                IndexSpace.DEVICE_FULL, page, self.allocator.num_pages)
-            if held is None or np.count_nonzero(self._held[held]) != held.size:
+            if held is None or count_nonzero(self._held[held]) != held.size:
                 return None
             parts.append(held)
         if not parts:
@@ -128,7 +130,7 @@ class EngineSlots:
         """The engine no longer holds ``pages`` (inserted into the tree, or freed)."""
         held = self._held[pages]
         self._held[pages] = False
-        self._num_held -= int(np.count_nonzero(held))
+        self._num_held -= int(count_nonzero(held))
 
     def as_indices(self) -> Indices:
         """Every held slot as CPU int64 ``DEVICE_FULL`` indices (for integrity checks)."""

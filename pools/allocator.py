@@ -17,6 +17,7 @@ import torch
 from .base import IndexSpace, Indices, check_page_multiple
 from .free_map_take import bulk_pays, take_longest_from_map
 from .free_runs import FreeRuns
+from .nonzero_count import count_nonzero
 from .page_ids import page_ids, single_page, valid_pages
 from .page_runs import FEW_RUNS, expand_runs, pages_of_runs, runs_of
 from .snapshot import AllocatorSnapshot, used_pages_of
@@ -156,7 +157,7 @@ class PageAllocator:
         if pages.size == 0:
             return
         is_free = self._is_free[pages]
-        if np.count_nonzero(is_free):
+        if count_nonzero(is_free):
             self._raise_not_allocated(int(pages[np.flatnonzero(is_free)[0]]))
         self._is_free[pages] = True
         self._num_free_pages += int(pages.size)
@@ -199,7 +200,7 @@ class PageAllocator:
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""
         pages = self.pages_of(indices, op=f"is_allocated on pool '{self.name}'")
-        return not np.count_nonzero(self._is_free[pages])
+        return not count_nonzero(self._is_free[pages])
 
     def first_unallocated(self, indices: Indices, *, op: str) -> int | None:
         """First slot of ``indices`` whose page is not allocated, or ``None`` if all are.
@@ -218,7 +219,7 @@ class PageAllocator:
             page = pages.item()
             return page if self._is_free[page] else None
         is_free = self._is_free[pages]
-        if not np.count_nonzero(is_free):
+        if not count_nonzero(is_free):
             return None
         return int(pages[np.flatnonzero(is_free)[0]])
 

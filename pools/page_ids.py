@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .base import INDEX_DTYPES, IndexSpace, Indices, check_indices
+from .nonzero_count import count_nonzero
 
 CPU = torch.device("cpu")
 _INDEX_DTYPES = frozenset(INDEX_DTYPES)
@@ -111,15 +112,15 @@ def valid_pages(
     else:
         by_page = slots.reshape(-1, page_size)
         pages = by_page[:, 0].astype(np.int64)  # a copy
-        if np.count_nonzero(pages % page_size) or np.count_nonzero(
+        if count_nonzero(pages % page_size) or count_nonzero(
                 by_page - _offsets(page_size) - pages[:, None]):
             return None
         pages //= page_size
-    if pages.size == 1 or not np.count_nonzero(pages[1:] <= pages[:-1]):
+    if pages.size == 1 or not count_nonzero(pages[1:] <= pages[:-1]):
         low, high = pages[0], pages[-1]
     else:
         ordered = np.sort(pages)
-        if np.count_nonzero(ordered[1:] == ordered[:-1]):
+        if count_nonzero(ordered[1:] == ordered[:-1]):
             return None
         low, high = ordered[0], ordered[-1]
     return pages if low >= 1 and high <= num_pages else None
@@ -145,7 +146,7 @@ def _page_of(tensor: torch.Tensor, page_size: int, num_pages: int) -> int | None
     values = tensor.tolist()
     first = values[0]
     if first % page_size or values[-1] != first + page_size - 1 or (
-            page_size > 2 and values != list(range(first, first + page_size))):
+            page_size > 2 and values != [*range(first, first + page_size)]):
         return None
     page = first // page_size
     return page if 1 <= page <= num_pages else None
@@ -176,7 +177,7 @@ def is_run(values: np.ndarray) -> bool:
     if int(values[-1]) - first != size - 1:
         return False
     if size <= _RUN.size:
-        return not np.count_nonzero((values - first) != _RUN[:size])
+        return not count_nonzero((values - first) != _RUN[:size])
     return bool(np.array_equal(values, np.arange(first, first + size)))
 
 

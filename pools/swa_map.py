@@ -23,6 +23,7 @@ import torch
 from .allocator import PageAllocator
 from .base import IndexSpace, Indices, PageTable, check_indices
 from .device import DeviceKVPool
+from .nonzero_count import count_nonzero
 
 CPU = torch.device("cpu")
 
@@ -64,7 +65,7 @@ class SWASlotMap:
         (or that it handed out itself)."""
         if self.full_allocator.first_unallocated_page(pages) is not None:
             raise ValueError("try_alloc_swa: some full slots are not allocated in pool 'full'")
-        if np.count_nonzero(self.swa_pages_of(pages)):
+        if count_nonzero(self.swa_pages_of(pages)):
             raise ValueError("try_alloc_swa: some full slots already have an SWA slot")
         swa = self.swa_allocator.try_alloc(pages.size * self.page_size)
         if swa is None:
@@ -81,7 +82,7 @@ class SWASlotMap:
         SWA pages are the map's own (whole pages, one full page each), freed by id."""
         swa_pages = self.swa_pages_of(pages)
         mapped = swa_pages != 0
-        count = int(np.count_nonzero(mapped))
+        count = int(count_nonzero(mapped))
         if not count:
             return
         if count < pages.size:

@@ -25,6 +25,7 @@ from hicache.controller import (
     TransferCore,
 )
 from hicache.pools import IndexSpace, Indices, PageAllocator
+from hicache.pools.nonzero_count import count_nonzero
 from hicache.pools.page_ids import owned_page_ids
 
 # (full slots, aligned SWA slots or None for a model without SWA)
@@ -102,7 +103,7 @@ class NodeIO:
         size = self.page_size
         given = theirs.tensor.numpy()
         differ = mine.tensor.numpy()[::size] != given[::size]
-        if not np.count_nonzero(differ):
+        if not count_nonzero(differ):
             return Indices(torch.empty(0, dtype=torch.int64), IndexSpace.DEVICE_FULL)
         return Indices(torch.from_numpy(given.reshape(-1, size)[differ].reshape(-1)),
                        IndexSpace.DEVICE_FULL)

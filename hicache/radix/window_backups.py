@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from hicache.pools import IndexSpace, Indices
+from hicache.pools.nonzero_count import count_nonzero
 
 from .node import PendingOp
 
@@ -64,7 +65,7 @@ class WindowBackups:
         if op_id is None:
             op_id = self._op_ids[op] = self._next_id
             self._next_id += 1
-        self._count += int(pages.size - np.count_nonzero(self._held[pages]))
+        self._count += int(pages.size - count_nonzero(self._held[pages]))
         self._host[pages] = host
         self._held[pages] = True
         self._writer[pages] = op_id
@@ -82,7 +83,7 @@ class WindowBackups:
         """True when a copy for one of the pages of ``device`` is not acknowledged yet."""
         if not self._op_ids:  # the common case; a model without SWA layers never has any
             return False
-        return bool(self._writer[self._known(self._pages(device))].any())
+        return bool(count_nonzero(self._writer[self._known(self._pages(device))]))
 
     def take(self, device: Indices) -> Indices | None:
         """Remove the copies of ``device``'s pages (all acknowledged); aligned ``HOST_SWA``
@@ -93,10 +94,10 @@ class WindowBackups:
         known = pages < self._held.size
         found = np.zeros(pages.size, dtype=bool)
         found[known] = self._held[pages[known]]
-        if not found.any():
+        if not count_nonzero(found):
             return None
         taken = pages[found]
-        assert not self._writer[taken].any(), "take() of a copy still in flight"
+        assert not count_nonzero(self._writer[taken]), "take() of a copy still in flight"
         rows = np.zeros((pages.size, self.page_size), dtype=np.int64)
         rows[found] = self._host[taken]
         self._held[taken] = False
