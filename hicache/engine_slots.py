@@ -15,7 +15,7 @@ import torch
 
 from hicache.pools import IndexSpace, Indices, PageAllocator
 from hicache.pools.nonzero_count import count_nonzero
-from hicache.pools.page_ids import owned_page_ids, valid_pages
+from hicache.pools.page_ids import owned_page_ids, valid_slot_pages
 
 from .radix import RadixTree, TokenKey
 
@@ -117,8 +117,9 @@ class EngineSlots:
             at += used
         parts = [np.concatenate(firsts) // page] if firsts else []
         if at < num_tokens:
-            held = valid_pages(Indices(tensor[at:num_tokens], IndexSpace.DEVICE_FULL),
-                               IndexSpace.DEVICE_FULL, page, self.allocator.num_pages)
+            if (num_tokens - at) % page:
+                return None
+            held = valid_slot_pages(slots[at:num_tokens], page, self.allocator.num_pages)
             if held is None or count_nonzero(self._held[held]) != held.size:
                 return None
             parts.append(held)

@@ -97,7 +97,15 @@ def valid_pages(
         return None if page is None else np.array((page,), dtype=np.int64)
     if size == 0 or size % page_size:
         return None
-    slots = tensor.numpy()
+    return valid_slot_pages(tensor.numpy(), page_size, num_pages)
+
+
+def valid_slot_pages(slots: np.ndarray, page_size: int, num_pages: int) -> np.ndarray | None:
+    """:func:`valid_pages` past its type checks: the pages of ``slots`` (1-D int32/int64,
+    a non-empty whole number of pages) when they pass every check of :func:`page_ids`,
+    else ``None``. For a caller holding the numpy view of checked slots already (the
+    service's insert), which saves the tensor slice and its second view."""
+    size = slots.size
     first = int(slots[0])
     if not first % page_size and is_run(slots):
         # one ascending run of whole pages (what an allocation hands out): one comparison
