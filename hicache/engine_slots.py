@@ -116,9 +116,7 @@ class EngineSlots:
             firsts.append(node_slots[::page])
             at += used
         parts = [np.concatenate(firsts) // page] if firsts else []
-        if at < num_tokens:
-            if (num_tokens - at) % page:
-                return None
+        if at < num_tokens:  # whole pages: the key's, less the nodes' (whole pages too)
             held = valid_slot_pages(slots[at:num_tokens], page, self.allocator.num_pages)
             if held is None or count_nonzero(self._held[held]) != held.size:
                 return None
