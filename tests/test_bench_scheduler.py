@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+import hicache.bench.trace as trace_module
 from hicache.bench.scheduler import SYSTEM_TOKENS
 from hicache.bench.scheduler_cli import main
 from hicache.bench.scheduler_requests import BATCH, REQUEST_TOKENS, measure_requests
@@ -59,19 +61,26 @@ def test_replay_counts_host_hits_after_device_eviction(trace: Path) -> None:
 
 def test_replay_times_the_service_not_the_token_lists(trace: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request's token list is made before its clock starts: token lists that take 50 ms
-    each to make leave the replay's seconds far below 5 x 50 ms."""
-    slow = 0.05
+    """A request's token list is made before its clock starts. The replay's clock here is the
+    real one plus an hour for every token list made: had any list been made while a request's
+    clock ran, the replay's seconds would hold that hour (the test does not depend on how fast
+    the machine serves the five requests)."""
+    hour = 3600.0
+    made = []
     make_tokens = TraceRequest.tokens
 
-    def slow_tokens(request: TraceRequest) -> list[int]:
-        time.sleep(slow)
+    def clock() -> float:
+        return time.perf_counter() + hour * len(made)
+
+    def counted_tokens(request: TraceRequest) -> list[int]:
+        made.append(request)
         return make_tokens(request)
 
-    monkeypatch.setattr(TraceRequest, "tokens", slow_tokens)
+    monkeypatch.setattr(trace_module, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(TraceRequest, "tokens", counted_tokens)
     row = replay(read_trace(trace, 10), device_blocks=16, host_blocks=16, page_size=16)
-    assert row.requests == 5
-    assert 0 < row.seconds < slow
+    assert row.requests == len(made) == 5
+    assert 0 < row.seconds < hour
 
 
 def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
