@@ -147,9 +147,20 @@ class HiRadixCache(TieredRadixTree):
         duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
         if len(duplicate):
             self.io.free_device(duplicate)
-        # SWA rows before the sequence's window: kept (to be backed up with the node, and
-        # freed by evict_swa once their host copy exists) when the host keeps SWA history,
-        # else freed now (an engine that calls release_window has freed them already)
+        if self.io.is_hybrid:  # a full-attention model has no SWA rows nor copies of them
+            self._take_swa(taken, num_tokens)
+        self.stats.inserted_tokens += num_tokens - cached
+        self.stats.duplicate_tokens += len(duplicate)
+        if self.write_policy is WritePolicy.WRITE_THROUGH:
+            self._backup_nodes(path)
+        return cached
+
+    def _take_swa(self, taken: list[tuple[TreeNode, int]], num_tokens: int) -> None:
+        """The SWA side of an insert (hybrid): the nodes that took the caller's slots take
+        their SWA slots and the host SWA copies made of them. SWA rows before the
+        sequence's window are kept (to be backed up with the node, and freed by evict_swa
+        once their host copy exists) when the host keeps SWA history, else freed now (an
+        engine that calls release_window has freed them already)."""
         window_start = 0 if self.io.keeps_swa_history else self.io.window_start(num_tokens)
         for node, offset in taken:
             device = slots_of(node, "device")
@@ -157,11 +168,6 @@ class HiRadixCache(TieredRadixTree):
             self.io.release_swa(slice_indices(device, 0, cut))
             node.device_swa = self.io.swa_of(device)
             adopt_window_backups(self, node)
-        self.stats.inserted_tokens += num_tokens - cached
-        self.stats.duplicate_tokens += len(duplicate)
-        if self.write_policy is WritePolicy.WRITE_THROUGH:
-            self._backup_nodes(path)
-        return cached
 
     def _insert_walk(
         self, key: bytes, slots: Indices

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from hicache.config import EvictionPolicy
 
@@ -71,6 +71,16 @@ class CandidateHeap:
         if node.is_detached or not self._is_candidate(node):
             return
         heapq.heappush(self._heap, (self._key(node), node.node_id, next(self._sequence), node))
+
+    def offer_all(self, nodes: Iterable[TreeNode]) -> None:
+        """:meth:`offer` each of ``nodes``, in one call (the refresh before an eviction
+        offers every node changed since the last one to every heap)."""
+        heap, key, is_candidate, sequence = (self._heap, self._key, self._is_candidate,
+                                             self._sequence)
+        push = heapq.heappush
+        for node in nodes:
+            if not node.is_detached and is_candidate(node):
+                push(heap, (key(node), node.node_id, next(sequence), node))
 
     def pop(self) -> TreeNode | None:
         """Remove and return the first candidate in eviction order, or ``None`` if there is

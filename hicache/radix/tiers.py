@@ -150,9 +150,8 @@ class TieredRadixTree(RadixTree):
         entries once those pile up."""
         touched, self._touched = self._touched, {}
         for heap in self._heaps:
-            offer = heap.offer
-            for node in touched:
-                offer(node)
+            if touched:
+                heap.offer_all(touched)
             heap.compact_if_stale(self.num_nodes)
 
     # ---- backups (hicache.radix.backups) ----------------------------------------------
