@@ -139,15 +139,13 @@ class RadixTree:
         """Release one :meth:`lock` of ``node``; raises ``RuntimeError`` if not locked (and
         as :meth:`lock` for a node that is not a live node of this tree). ``op``: the
         caller's name, for error messages."""
-        chain = self._ancestry(node, op)
-        for ancestor in chain:
-            if ancestor.lock_count <= 0:
-                raise RuntimeError(f"{op}: {node!r} is not locked (unbalanced {op})")
-        touched = self._touched
+        chain = list(self._ancestry(node, op))
+        if any(ancestor.lock_count <= 0 for ancestor in chain):
+            raise RuntimeError(f"{op}: {node!r} is not locked (unbalanced {op})")
         for ancestor in chain:
             ancestor.lock_count -= 1
             if ancestor.lock_count == 0:
-                touched[ancestor] = None  # may be evictable now (_touch, inline)
+                self._touch(ancestor)
 
     # ---- shape --------------------------------------------------------------------------
 
@@ -243,18 +241,17 @@ class RadixTree:
         """Note that ``node`` may have become evictable or changed its eviction key; O(1)."""
         self._touched[node] = None
 
-    def _ancestry(self, node: TreeNode, op: str) -> list[TreeNode]:
+    def _ancestry(self, node: TreeNode, op: str) -> Iterator[TreeNode]:
         """``node`` and its ancestors below the root, once :meth:`_check_node` passed (at
-        once: nothing is changed by a caller that gets the error). A list, not a generator:
-        a lock's chain is a few nodes, and resuming a generator per node costs more than
-        the list."""
+        once: nothing is changed by a caller that gets the error)."""
         self._check_node(node, op)
-        chain = []
-        root, current = self.root, node
-        while current is not None and current is not root:
-            chain.append(current)
+        return self._walk_up(node)
+
+    def _walk_up(self, node: TreeNode) -> Iterator[TreeNode]:
+        current: TreeNode | None = node
+        while current is not None and current is not self.root:
+            yield current
             current = current.parent
-        return chain
 
     def _check_node(self, node: object, op: str) -> None:
         """Refuse anything but a live node of this tree; O(1)."""
