@@ -98,4 +98,7 @@ class PrefetchCalls:
                              f"storage.backend is none)")
         if prefetch.finished:
             raise ValueError(f"{op}: this prefetch was finished already")
+        if not self.storage.owns(prefetch):
+            raise ValueError(f"{op}: this prefetch belongs to another service: pass it to "
+                             f"the service whose prefetch() made it")
         return self.storage

@@ -140,17 +140,15 @@ class HiCacheService(PrefetchCalls):
                 this one (evicted or dropped): match again. Nothing is changed.
         """
         with self._gate.call():
-            self.tree.lock(node)
+            self.tree.lock(node, caller=True)
 
     def release(self, node: TreeNode) -> None:
         """Undo one :meth:`lock` of ``node``; refuses nodes as :meth:`lock` does, and raises
-        ``RuntimeError`` for a node that is not locked."""
+        ``RuntimeError`` for a node this service's :meth:`lock` did not lock."""
         with self._gate.call():
-            self.tree.unlock(node, op="release")
+            self.tree.unlock(node, op="release", caller=True)
 
-    def load_back(
-        self, target: MatchResult | TreeNode, device_quota_tokens: int
-    ) -> LoadBack:
+    def load_back(self, target: MatchResult | TreeNode, device_quota_tokens: int) -> LoadBack:
         """Queue the load of a match's host-only run (or of a node's host-only ancestors);
         see :meth:`HiRadixCache.load_back`. Issue it with :meth:`start_loading`.
 
@@ -161,7 +159,8 @@ class HiCacheService(PrefetchCalls):
         """
         node = target.last_host_node if isinstance(target, MatchResult) else target
         with self._gate.call():
-            return self.tree.load_back(node, device_quota_tokens)
+            return self.tree.load_back(node, slot_handoff.check_count(
+                "load_back", device_quota_tokens, "device_quota_tokens"))
 
     def start_loading(self) -> int | None:
         """Issue queued load-backs (when the batch that reads them starts); the event set id."""
@@ -227,18 +226,18 @@ class HiCacheService(PrefetchCalls):
     def evict_swa(self, num_tokens: int) -> int:
         """:meth:`HiRadixCache.evict_swa`: device SWA tokens freed (nodes keep full rows)."""
         with self._gate.call():
-            return self.tree.evict_swa(num_tokens)
+            return self.tree.evict_swa(slot_handoff.check_count("evict_swa", num_tokens))
 
     def evict(self, num_tokens: int) -> int:
         """:meth:`HiRadixCache.evict`: device tokens freed now. Under ``write_back`` the
         tokens it writes back first are freed by a later :meth:`step`, once written."""
         with self._gate.call():
-            return self.tree.evict(num_tokens)
+            return self.tree.evict(slot_handoff.check_count("evict", num_tokens))
 
     def evict_host(self, num_tokens: int) -> int:
         """:meth:`HiRadixCache.evict_host`: host tokens freed."""
         with self._gate.call():
-            return self.tree.evict_host(num_tokens)
+            return self.tree.evict_host(slot_handoff.check_count("evict_host", num_tokens))
 
     def step(self) -> int:
         """Issue the backups queued since the last step (one op for all of them; the thread

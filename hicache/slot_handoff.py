@@ -32,12 +32,7 @@ if TYPE_CHECKING:
 def check_alloc(service: HiCacheService, num_tokens: int) -> int:
     """``num_tokens`` rounded up to whole pages, once it is a request ``alloc_device`` can
     ever meet; ``TypeError``/``ValueError`` as documented there, before anything changes."""
-    if isinstance(num_tokens, (bool, np.bool_)) or \
-            not isinstance(num_tokens, (int, np.integer)):
-        raise TypeError(f"alloc_device: num_tokens must be an int, got "
-                        f"{type(num_tokens).__name__} {num_tokens!r:.40}")
-    if num_tokens < 0:
-        raise ValueError(f"alloc_device: num_tokens must be >= 0, got {num_tokens}")
+    num_tokens = check_count("alloc_device", num_tokens)
     pool = service.device_pool
     capacity, pool_name, key = (service.controller.device_allocator.capacity_tokens, "device",
                                 "device_pool.num_tokens")
@@ -51,6 +46,18 @@ def check_alloc(service: HiCacheService, num_tokens: int) -> int:
         )
     page = service.tree.page_size
     return -(-int(num_tokens) // page) * page
+
+
+def check_count(op: str, value: object, name: str = "num_tokens") -> int:
+    """``value``, a count of tokens passed to ``op``, as an int: ``TypeError`` for anything
+    but an int (a bool, float, NaN or string), ``ValueError`` for a negative one; both name
+    ``op`` and the argument."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} "
+                        f"{value!r:.40}")
+    if value < 0:
+        raise ValueError(f"{op}: {name} must be >= 0, got {value}")
+    return int(value)
 
 
 def alloc(service: HiCacheService, num_tokens: int) -> Indices | None:

@@ -190,8 +190,8 @@ def test_release_of_another_services_node_says_so(
 
 def test_release_of_an_unlocked_node_is_refused(service: HiCacheService) -> None:
     node = service.match(A).last_device_node
-    refused(service, RuntimeError, r"^release: TreeNode\(id=\d+, .*\) is not locked "
-            r"\(unbalanced release\)$", service.release, node)
+    refused(service, RuntimeError, r"^release: TreeNode\(id=\d+, .*\) is not locked by the "
+            r"engine: release only what lock\(\) took", service.release, node)
 
 
 def test_load_back_of_another_services_match_is_refused(

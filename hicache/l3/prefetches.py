@@ -108,6 +108,10 @@ class Prefetches:
         self.stats.queried_tokens += num_tokens
         return prefetch
 
+    def owns(self, prefetch: Prefetch) -> bool:
+        """Whether ``prefetch`` is one of this tier's open prefetches."""
+        return self._active.get(prefetch.job) is prefetch
+
     def ready(self, prefetch: Prefetch) -> bool:
         """Whether the policy says finish it now."""
         policy = self.config.prefetch_policy

@@ -79,6 +79,10 @@ class StorageTier:
         # no poll first: applying a write-back could evict the matched node
         return self.prefetches.start(key, match)
 
+    def owns(self, prefetch: Prefetch) -> bool:
+        """Whether ``prefetch`` is open here (this service's ``prefetch`` made it)."""
+        return self.prefetches.owns(prefetch)
+
     def ready(self, prefetch: Prefetch) -> bool:
         self.poll()
         return self.prefetches.ready(prefetch)

@@ -70,7 +70,8 @@ class TreeNode:
 
     ``tree_id`` names the tree that made the node, so a tree refuses (in O(1)) a node of
     another one. ``lock_count`` counts locks held on this node or any descendant (locks
-    propagate to the ancestors), so a node with ``lock_count > 0`` is never evicted.
+    propagate to the ancestors), so a node with ``lock_count > 0`` is never evicted;
+    ``caller_locks`` counts those of them the engine took on this node itself.
     ``write_op`` / ``load_op`` are set while a backup / load-back of this node's slots is in
     flight. ``is_detached`` is set when the node leaves the tree (evicted from the host, or
     dropped); such a node is never locked or loaded again.
@@ -86,6 +87,7 @@ class TreeNode:
     device_swa: Indices | None = None
     host_swa: Indices | None = None
     lock_count: int = 0
+    caller_locks: int = 0  # the engine's own locks of this node (service.lock)
     hit_count: int = 0
     last_access: float = 0.0
     write_op: PendingOp | None = None

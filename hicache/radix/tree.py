@@ -125,8 +125,10 @@ class RadixTree:
 
     # ---- locks --------------------------------------------------------------------------
 
-    def lock(self, node: TreeNode) -> None:
+    def lock(self, node: TreeNode, *, caller: bool = False) -> None:
         """Protect ``node`` and its ancestors from eviction (the root is a no-op).
+        ``caller``: the engine's lock (``service.lock``), counted apart on ``node`` so that
+        its release cannot take a lock the cache holds for an op in flight.
 
         Raises:
             TypeError: ``node`` is not a :class:`TreeNode`.
@@ -134,14 +136,22 @@ class RadixTree:
         """
         for ancestor in self._ancestry(node, "lock"):
             ancestor.lock_count += 1
+        if caller:
+            node.caller_locks += 1
 
-    def unlock(self, node: TreeNode, *, op: str = "unlock") -> None:
-        """Release one :meth:`lock` of ``node``; raises ``RuntimeError`` if not locked (and
-        as :meth:`lock` for a node that is not a live node of this tree). ``op``: the
-        caller's name, for error messages."""
+    def unlock(self, node: TreeNode, *, op: str = "unlock", caller: bool = False) -> None:
+        """Release one :meth:`lock` of ``node`` (``caller``: one the engine took); raises
+        ``RuntimeError`` if not locked so, and as :meth:`lock` for a node that is not a live
+        node of this tree. ``op``: the caller's name, for error messages."""
         chain = list(self._ancestry(node, op))
+        if caller and node.caller_locks <= 0:
+            raise RuntimeError(f"{op}: {node!r} is not locked by the engine: release only "
+                               f"what lock() took (the cache releases its own locks of "
+                               f"load-backs, backups and prefetches when they finish)")
         if any(ancestor.lock_count <= 0 for ancestor in chain):
             raise RuntimeError(f"{op}: {node!r} is not locked (unbalanced {op})")
+        if caller:
+            node.caller_locks -= 1
         for ancestor in chain:
             ancestor.lock_count -= 1
             if ancestor.lock_count == 0:
