@@ -64,6 +64,10 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             store without ``model_id``/``model_revision``; a store with a hybrid model whose
             host keeps SWA rows for windows only.
     """
+    if not isinstance(config, HiCacheConfig):
+        raise TypeError(f"build_service: config must be a HiCacheConfig (load_config(path) or "
+                        f"config_from_dict(mapping) makes one), got {type(config).__name__}")
+    check_device_present(config.device_pool.device)
     if config.storage.is_enabled and (not model_id or not model_revision):
         raise ValueError(
             f"build_service: storage.backend is {config.storage.backend.value}: pass "
@@ -161,6 +165,19 @@ def _host_pool(config: HiCacheConfig, name: PoolName, space: IndexSpace) -> Host
         num_pages=host_num_pages(config, name), page_size=config.page_size_tokens,
         geometry=config.model.row_geometry, layout=config.host.layout,
     )
+
+
+def check_device_present(name: str) -> None:
+    """Refuse a CUDA ``device_pool.device`` this process has no GPU for (``ValueError``
+    naming the key; a config stays valid on a machine without the GPU it was written for)."""
+    device = torch.device(name)
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (device.index or 0) >= count:
+        raise ValueError(f"build_service: device_pool.device is {name}, but this process sees "
+                         f"{count} CUDA device(s) (torch {torch.__version__}); set "
+                         f"device_pool.device to cpu or to a GPU it has")
 
 
 def storage_namespace(config: HiCacheConfig, *, model_id: str, model_revision: str,

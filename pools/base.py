@@ -138,6 +138,9 @@ class PageTable:
             raise TypeError(
                 f"PageTable.tensor must be a torch.Tensor, got {type(self.tensor).__name__}"
             )
+        if not isinstance(self.space, IndexSpace):
+            raise TypeError(f"PageTable.space must be an IndexSpace, got "
+                            f"{type(self.space).__name__}")
         if self.space not in (IndexSpace.DEVICE_FULL, IndexSpace.DEVICE_SWA):
             raise ValueError(f"a page table holds device pages, not {self.space}")
         if self.tensor.dtype not in INDEX_DTYPES or self.tensor.dim() != 2:

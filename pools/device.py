@@ -12,6 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from .arg_checks import check_int
 from .base import (
     PADDING_SLOT,
     AttentionKind,
@@ -135,6 +136,8 @@ class DeviceKVPool:
                 + ("; translate it with HybridSWAPool.translate_page_table"
                    if self.space is IndexSpace.DEVICE_SWA else "")
             )
+        if type(row) is not int:
+            check_int(row, "row", "page_slots")
         if not 0 <= row < table.num_rows:
             raise ValueError(f"page_slots: row {row} of a table of {table.num_rows} rows")
         if table.tensor.device != self.device:
@@ -245,6 +248,9 @@ class DeviceKVPool:
         return flats
 
     def _check_rows(self, value: torch.Tensor, num_rows: int, component: int) -> torch.Tensor:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"set_kv on pool '{self.name}': {'kv'[component]} must be a "
+                            f"torch.Tensor, got {type(value).__name__}")
         expected = self.geometry.row_elems
         # flatten, not reshape(n, -1): the latter fails on an empty batch
         flat = value.flatten(1) if value.dim() > 1 else value
@@ -261,6 +267,8 @@ class DeviceKVPool:
         return flat
 
     def _check_layer(self, layer: int) -> None:
+        if type(layer) is not int:
+            check_int(layer, "layer", f"pool '{self.name}'")
         if not 0 <= layer < self.num_layers:
             raise ValueError(
                 f"pool '{self.name}': layer {layer} out of range (0..{self.num_layers - 1})"

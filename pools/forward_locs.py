@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 def make_forward_locs(pool: DeviceKVPool, locs: Indices) -> ForwardLocs:
     """:meth:`DeviceKVPool.forward_locs`: ``locs`` checked for ``pool`` and owned as int64
     on its device, with their span when they are a run checked on the CPU."""
+    if not isinstance(locs, Indices):
+        raise TypeError(f"forward_locs: expected the forward's slots as Indices(tensor, "
+                        f"IndexSpace.{pool.space.name}), got {type(locs).__name__}; wrap the "
+                        f"tensor as Indices(...)")
     tensor = locs.tensor
     if tensor.device.type == "cpu":
         # checked now on the CPU, for a pool on any device (no guard: nothing deferred)

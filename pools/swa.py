@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from .allocator import PageAllocator
+from .arg_checks import check_int
 from .base import ForwardLocs, IndexSpace, Indices, PageTable
 from .device import DeviceKVPool, LayerWaiter, RowGeometry
 from .swa_map import SWASlotMap
@@ -231,10 +232,12 @@ class HybridSWAPool:
         self._layer_waiter = waiter
 
     def is_swa_layer(self, layer: int) -> bool:
-        return self.layer_mapping[layer][0]
+        return self.pool_of(layer)[0] is self.swa
 
     def pool_of(self, layer: int) -> tuple[DeviceKVPool, int]:
         """The sub-pool holding model ``layer`` and its local layer id."""
+        if type(layer) is not int:
+            layer = check_int(layer, "layer", "hybrid pool")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range (0..{self.num_layers - 1})")
         is_swa, local = self.layer_mapping[layer]

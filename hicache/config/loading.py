@@ -49,7 +49,11 @@ def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCa
     Raises:
         ConfigError: unreadable file, invalid YAML, or any invalid setting; the message is
             one line starting with ``path``; a missing file's says how to get one.
+        TypeError: ``path`` is not a path (for a mapping, call ``config_from_dict``).
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_config: path must be a str or os.PathLike naming a YAML file, "
+                        f"got {type(path).__name__}; for a mapping call config_from_dict")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:

@@ -43,11 +43,13 @@ class TokenKey:
 
     __slots__ = ("_packed", "data", "num_tokens", "page_size")
 
-    def __init__(self, tokens: tuple[int, ...], page_size: int, op: str = "key",
-                 packed: bytes | None = None) -> None:
-        # ``packed``: every token as key bytes, when the caller already has them
-        everything = key_bytes(tokens, op) if packed is None else packed
-        self._init(everything, len(tokens), page_size)
+    def __init__(self, tokens: TokenIds, page_size: int, op: str = "key") -> None:
+        # built by hand, it checks what ``make_key`` checks: the tree trusts a key's ids
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"{op}: page_size must be an int >= 1 (the tree's "
+                             f"page_size_tokens), got {page_size!r}")
+        ids = token_ids(tokens, op)
+        self._init(key_bytes(ids, op), len(ids), page_size)
 
     @classmethod
     def from_packed(cls, packed: bytes, page_size: int) -> TokenKey:
@@ -120,7 +122,7 @@ def make_key(tokens: TokenIds, page_size: int, op: str) -> TokenKey:
         packed = _packed_ids(tokens)
         if packed is not None:
             return TokenKey.from_packed(packed, page_size)
-    return TokenKey(token_ids(tokens, op), page_size, op)
+    return TokenKey(tokens, page_size, op)
 
 
 def _packed_ids(tokens: Sequence[object]) -> bytes | None:

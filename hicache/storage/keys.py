@@ -150,10 +150,12 @@ class Namespace:
                 raise ValueError(f"Namespace.{name} must be a non-empty string, "
                                  f"got {getattr(self, name)!r}")
         for name in ("num_layers", "num_components", "row_elems", "page_size", "tp_size"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Namespace.{name} must be an int >= 1, "
                                  f"got {getattr(self, name)!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or \
+                not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"Namespace.tp_rank must lie in [0, tp_size={self.tp_size}), "
                              f"got {self.tp_rank}")
         if not self.segment_bytes or any(not isinstance(n, int) or n < 1
