@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from hicache.pools.arg_checks import check_int
+
 
 class Event:
     """A completion marker on a stream; ``query()`` never blocks.
@@ -117,11 +119,14 @@ class LayerEventRing:
         self._in_use[index] = False
 
     def wait_until(self, layer: int) -> None:
-        """Make the current stream wait for ``layer`` of the consumer set (GPU-side)."""
-        if self.consumer is None:
-            return
+        """Make the current stream wait for ``layer`` of the consumer set (GPU-side); the
+        layer is checked whether or not a load exists."""
+        if type(layer) is not int:
+            layer = check_int(layer, "layer", "wait_until")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"wait_until: layer {layer} out of range (0..{self.num_layers - 1})")
+        if self.consumer is None:
+            return
         self._waits.wait(self._sets[self.consumer][layer])
 
 

@@ -70,6 +70,13 @@ class CallGate:
                 f"hicache background thread failed: {self._error!r}; stop the service"
             ) from self._error
 
+    def check_lock_free(self, op: str) -> None:
+        """What :meth:`call` refuses, for a call that takes no lock (``wait_until``): a
+        failed background thread, then a stopped service (``RuntimeError`` naming ``op``)."""
+        self.raise_if_failed()
+        if self.stopped:
+            raise RuntimeError(f"{op}: the service was stopped")
+
     def raise_if_unsurfaced(self) -> None:
         """Raise the recorded failure if no call has raised it yet (for ``stop``)."""
         if self._error is not None and not self._error_raised:

@@ -121,6 +121,7 @@ def _build_plain(config: HiCacheConfig, device: torch.device, backend: TransferB
     device_pool = DeviceKVPool(
         name="full", space=IndexSpace.DEVICE_FULL, num_layers=config.model.num_layers,
         num_slots=allocator.num_slots, geometry=config.model.row_geometry, device=device,
+        page_size=page,
     )
     host = _host_pool(config, "full", IndexSpace.HOST_FULL)
     try:

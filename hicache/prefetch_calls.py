@@ -56,9 +56,9 @@ class PrefetchCalls:
             raise TypeError(f"prefetch: expected this request's MatchResult, got "
                             f"{type(match).__name__}")
         with self._gate.call():
+            key = self.tree.key_data(tokens, "prefetch")  # bad tokens raise, store or not
             if self.storage is None:
                 return None
-            key = self.tree.key_data(tokens, "prefetch")
             if match.last_host_node is not self.tree.root:
                 self.tree._check_node(match.last_host_node, "prefetch")
             return self.storage.start_prefetch(key, match)

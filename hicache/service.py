@@ -260,7 +260,7 @@ class HiCacheService(PrefetchCalls):
 
     def wait_until(self, layer: int) -> None:
         """GPU-side wait of the current stream for ``layer`` of the latest load; no lock."""
-        self._gate.raise_if_failed()
+        self._gate.check_lock_free("wait_until")
         self.controller.wait_until(layer)
 
     def check_integrity(self) -> None:

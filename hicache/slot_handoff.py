@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hicache.pools import HybridSWAPool, IndexSpace, Indices
+from hicache.pools.base import check_indices
 
 from .radix import TokenIds, TokenKey
 
@@ -92,6 +93,12 @@ def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices:
     num_tokens = key.num_page_tokens
     if len(device_indices) < num_tokens:
         raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
+    if isinstance(device_indices, Indices) and len(device_indices) > num_tokens and \
+            device_indices.tensor.device.type == "cpu":  # the partial page's: in range
+        allocator = service.controller.device_allocator
+        check_indices(Indices(device_indices.tensor[num_tokens:], device_indices.space),
+                      space=IndexSpace.DEVICE_FULL, pool_name=allocator.name,
+                      num_slots=allocator.num_slots, device=None, op="insert")
     pages = service._engine.insertable(tree, key, device_indices, num_tokens)
     finish_window_backups(service, device_indices)
     # Every page is the engine's (so allocated) or the tree's own: what take_slots checks.
@@ -120,8 +127,14 @@ def release_window(service: HiCacheService, device_indices: Indices) -> None:
     """The SWA slots of engine-held pages that left every future window go (see
     ``HiCacheService.release_window``)."""
     service._engine.held_pages(device_indices, "release_window")
-    if service.tree.io.is_hybrid:
-        service.tree.back_up_window(device_indices)
+    tree = service.tree
+    if not tree.io.is_hybrid:
+        return
+    if tree.window_backups.in_flight(device_indices):
+        raise ValueError("release_window: a page of these was given back already and its "
+                         "SWA rows are still being copied to the host; give each page back "
+                         "once, when it leaves the window")
+    tree.back_up_window(device_indices)
 
 
 def finish_window_backups(service: HiCacheService, device_indices: Indices) -> None:

@@ -42,6 +42,8 @@ class DeviceKVPool:
         num_slots: slots including the reserved padding page.
         geometry: row shape and dtype.
         device: where the rows live.
+        page_size: slots per page of the allocator that hands out its slots; ``page_slots``
+            then refuses a page table of another page size (``None``: not checked).
     """
 
     def __init__(
@@ -53,6 +55,7 @@ class DeviceKVPool:
         num_slots: int,
         geometry: RowGeometry,
         device: torch.device | str,
+        page_size: int | None = None,
     ) -> None:
         if space.is_host:
             raise ValueError(f"device pool '{name}' cannot use host space {space.name}")
@@ -61,6 +64,7 @@ class DeviceKVPool:
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.geometry = geometry
+        self.page_size = page_size  # of its allocator; None: a page table's is taken on trust
         self.data = torch.zeros(
             (geometry.num_components, num_layers, num_slots, geometry.row_elems),
             dtype=geometry.dtype,
@@ -136,6 +140,9 @@ class DeviceKVPool:
                 + ("; translate it with HybridSWAPool.translate_page_table"
                    if self.space is IndexSpace.DEVICE_SWA else "")
             )
+        if self.page_size is not None and table.page_size != self.page_size:
+            raise ValueError(f"page_slots: a table of pages of {table.page_size} tokens, pool "
+                             f"'{self.name}' has pages of {self.page_size}")
         if type(row) is not int:
             check_int(row, "row", "page_slots")
         if not 0 <= row < table.num_rows:

@@ -76,9 +76,9 @@ class HybridSWAPool:
             num_slots=self.swa_allocator.num_slots, geometry=geometry, device=self.device,
         )
         self.device = self.full.device  # with its index ("cuda" -> "cuda:0")
+        self.full.page_size = self.swa.page_size = page_size  # page tables are checked by it
         self.slot_map = SWASlotMap(self.full, self.full_allocator, self.swa_allocator)
-        # int64 [full slots] on the device: the map kernels gather from (slot_map's tensor)
-        self.full_to_swa = self.slot_map.full_to_swa
+        self.full_to_swa = self.slot_map.full_to_swa  # int64 [full slots] on the device
         self._layer_waiter: LayerWaiter | None = None
 
     @property

@@ -3,11 +3,14 @@ scheduler calls, the device pool it writes through, ``TokenKey``, ``PageTable``,
 ``load_config`` and ``build_service``.
 
 The project's rule: every bad input gets a clear error that names what is wrong and what to
-do, and leaves every counter, lock and slot as it was. The plain tests pin inputs that are
-handled that way but were not tested at the service's level. The tests marked
-``xfail(strict=True)`` are gaps: each asserts the behaviour the rule asks for, which the code
-does not have yet; its reason says what happens now. Fixing a gap turns its test into an
-XPASS, which fails the run until the mark is removed.
+do, and leaves every counter, lock and slot as it was. Some tests pin inputs that were
+handled that way but not tested at the service's level; the others are the gaps the audit
+found, each fixed: a release of a lock the engine never took, another service's prefetch,
+unchecked token counts and quotas, hand-made keys, layer and row ids that are not ints, bare
+tensors where ``Indices`` belong, a second window release in one step, a bad slot in the
+partial page given to ``insert``, page tables of another page size, a CUDA device the
+process lacks, arguments that are not a config or a path, and a RAM check that left out a
+device pool on the CPU.
 """
 
 from __future__ import annotations
@@ -276,8 +279,6 @@ def test_every_scheduler_call_after_stop_is_refused(op: str) -> None:
     built.check_integrity()  # documented to work after stop
 
 
-@pytest.mark.xfail(strict=True, reason="wait_until after stop() returns None: it does not go "
-                   "through the call gate, so a forward after stop is not told")
 def test_wait_until_after_stop_is_refused() -> None:
     built = build_service(make_config())
     built.stop()
@@ -389,9 +390,6 @@ def test_wait_until_refuses_a_layer_the_model_lacks_once_a_load_exists(
             service.wait_until, layer)
 
 
-@pytest.mark.xfail(strict=True, reason="a str or float layer raises a bare TypeError (\"'<=' "
-                   "not supported ...\", \"list indices must be integers or slices, not "
-                   "float\")")
 @pytest.mark.parametrize("layer", ["0", 1.0], ids=["str", "float"])
 def test_wait_until_refuses_a_layer_that_is_not_an_int(service: HiCacheService,
                                                        layer: object) -> None:
@@ -399,8 +397,6 @@ def test_wait_until_refuses_a_layer_that_is_not_an_int(service: HiCacheService,
     refused(service, (TypeError, ValueError), r"^wait_until: layer", service.wait_until, layer)
 
 
-@pytest.mark.xfail(strict=True, reason="before the first load wait_until returns None for any "
-                   "layer (-1, 2, '0'): the check runs only once a load exists")
 @pytest.mark.parametrize("layer", [-1, 2, "0"], ids=["negative", "past-the-end", "str"])
 def test_wait_until_refuses_a_bad_layer_before_any_load(service: HiCacheService,
                                                         layer: object) -> None:
@@ -454,8 +450,6 @@ def test_prefetch_calls_refuse_another_services_prefetch(
         second.finish_prefetch(prefetch)
 
 
-@pytest.mark.xfail(strict=True, reason="without a store prefetch() returns None before it "
-                   "looks at the tokens, though its docstring says bad tokens raise")
 def test_prefetch_without_a_store_still_refuses_bad_tokens(service: HiCacheService) -> None:
     refused(service, TypeError, r"^prefetch: tokens must be", service.prefetch, None,
             service.match(A))
@@ -539,9 +533,6 @@ def _page_slots(service: HiCacheService, table: PageTable, row: object) -> Indic
     return pool.page_slots(table, row)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="page_slots takes the table's page size on trust: a "
-                   "table of pages of 4 on a pool of pages of 2 gives slots 4..11 for pages "
-                   "1 and 2 (the SWA pool's translate_page_table refuses it)")
 def test_page_slots_refuses_a_table_of_another_page_size(any_service: HiCacheService) -> None:
     table = PageTable(torch.tensor([[1, 2]]), FULL, 4)
     refused(any_service, ValueError, r"page", _page_slots, any_service, table, 0)
@@ -581,10 +572,6 @@ def test_page_table_and_indices_refuse_what_they_cannot_hold() -> None:
 # ---- release_window twice, and slots insert does not take ----------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="a second release_window of a page in the same step "
-                   "raises ValueError('write_swa: DEVICE_SWA slot ... is already being backed "
-                   "up ...'), naming an internal op; after a step the same call is skipped as "
-                   "documented ('a page without SWA slots is skipped')")
 def test_release_window_twice_in_one_step_is_skipped_or_refused_by_name(
         hybrid: HiCacheService) -> None:
     held = hybrid.alloc_device(6)
@@ -603,9 +590,6 @@ def test_release_window_twice_in_one_step_is_skipped_or_refused_by_name(
     hybrid.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason="borderline: insert checks only the slots of the whole "
-                   "pages it takes; a negative or out-of-range slot after them (the engine's "
-                   "partial page) is accepted without a word")
 @pytest.mark.parametrize("tail", [-1, 10**6], ids=["negative", "out-of-range"])
 def test_insert_refuses_a_bad_slot_after_the_whole_pages(service: HiCacheService,
                                                          tail: int) -> None:
@@ -656,9 +640,6 @@ def test_build_service_refuses_a_tp_rank_that_is_not_an_int(tmp_path: Path) -> N
         build_service(_store_config(tmp_path / "l3"), **MODEL, tp_rank="0")  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="the RAM check counts host pools only: a device pool "
-                   "on the CPU (device_pool.device: cpu, the default) of 8 GiB passes a "
-                   "machine with 3 GiB available, and build_service then allocates it")
 def test_a_cpu_device_pool_larger_than_ram_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loading, "available_ram_bytes", lambda: 3 * GIB)
     data = raw_config(num_tokens=2**28, ratio=0.001)  # 8 GiB of device rows, 8 MiB of host
@@ -666,8 +647,6 @@ def test_a_cpu_device_pool_larger_than_ram_is_refused(monkeypatch: pytest.Monkey
         config_from_dict(data)
 
 
-@pytest.mark.xfail(strict=True, reason="the fix offered is 'lower host.ratio to at most 0.0', "
-                   "a value host.ratio refuses (it must be > 0)")
 def test_the_ram_error_offers_a_fix_that_is_valid(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loading, "available_ram_bytes", lambda: 3 * GIB)
     with pytest.raises(ConfigError) as info:

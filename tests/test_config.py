@@ -274,9 +274,10 @@ def test_host_larger_than_available_ram(monkeypatch: pytest.MonkeyPatch) -> None
     """Host pools beyond available RAM minus the reserve name the key, figures and fix."""
     monkeypatch.setattr(loading, "available_ram_bytes", lambda: 3 * GIB)
     data = edited(edited(dense(), "host.ratio", MISSING), "host.size_gib", 1.5)
-    with pytest.raises(ConfigError, match=r"host\.size_gib = 1\.5: host pools need 1\.50 GiB "
-                       r"but 3\.00 GiB of RAM is available and host\.ram_reserve_gib keeps "
-                       r"2\.00 GiB of it; lower host\.size_gib to at most 1\.0"):
+    with pytest.raises(ConfigError, match=r"host\.size_gib = 1\.5: host and CPU device pools "
+                       r"need 1\.50 GiB but 3\.00 GiB of RAM is available and "
+                       r"host\.ram_reserve_gib keeps 2\.00 GiB of it; lower host\.size_gib to "
+                       r"at most 0\.99"):
         config_from_dict(data)
 
 
@@ -292,7 +293,8 @@ def test_ram_check_can_be_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """check_ram=False validates everything but the RAM."""
     monkeypatch.setattr(loading, "available_ram_bytes", lambda: 0)
     assert config_from_dict(dense(), check_ram=False).host.ratio == 2.5
-    with pytest.raises(ConfigError, match=r"host\.ratio = 2\.5: host pools need"):
+    with pytest.raises(ConfigError, match=r"device_pool\.num_tokens = 256: host and CPU device "
+                       r"pools need"):
         config_from_dict(dense())
 
 

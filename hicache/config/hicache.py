@@ -2,7 +2,7 @@
 
 Constructing :class:`HiCacheConfig` checks every size, down to each host pool holding at
 least one page (the sizes come from :mod:`hicache.config.sizing`). Loading a file, and the
-check that the host pools fit in the RAM available now, live in :mod:`hicache.config.loading`.
+check that the pools in RAM fit in the RAM available now, live in :mod:`hicache.config.loading`.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Loading is strict: an unknown key, a missing required key, a wrong type (``true`` is not an
 integer; an integer is a fine float), a bad choice or an impossible size raises
 :class:`~hicache.config.parse.ConfigError`, whose one-line message names the dotted key, the
-value and the fix. :func:`config_from_dict` and :func:`load_config` then check that the host
-pools fit in the RAM available now, minus ``host.ram_reserve_gib``.
+value and the fix. :func:`config_from_dict` and :func:`load_config` then check that the
+pools in RAM (the host pools, and a ``cpu`` device pool) fit in the RAM available now, minus
+``host.ram_reserve_gib``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCa
 
     Args:
         path: the YAML file.
-        check_ram: also check that the host pools fit in the RAM available now.
+        check_ram: also check that the pools in RAM fit in the RAM available now.
     Raises:
         ConfigError: unreadable file, invalid YAML, or any invalid setting; the message is
             one line starting with ``path``; a missing file's says how to get one.
@@ -109,22 +110,32 @@ def available_ram_bytes() -> int | None:
 
 
 def check_host_memory(config: HiCacheConfig) -> None:
-    """Raise ``ConfigError`` unless all host pools fit in available RAM minus the reserve."""
-    need = sum(size.size_bytes for size in pool_sizes(config) if size.tier == "host")
+    """Raise ``ConfigError`` unless the pools that live in RAM (the host pools, and the
+    device pools too when ``device_pool.device`` is ``cpu``) fit in available RAM minus the
+    reserve. The fix offered names the pool to shrink: the host's size key while shrinking
+    it can make room, else ``device_pool.num_tokens``."""
+    sizes = pool_sizes(config)
+    host = sum(size.size_bytes for size in sizes if size.tier == "host")
+    on_cpu = config.device_pool.device == "cpu"
+    device = sum(size.size_bytes for size in sizes if size.tier == "device") if on_cpu else 0
+    need = host + device
     available = available_ram_bytes()
     if available is None:
-        logger.warning("cannot read available RAM; host pools of %.2f GiB are not checked",
+        logger.warning("cannot read available RAM; pools of %.2f GiB in RAM are not checked",
                        need / GIB)
         return
     reserve = int(config.host.ram_reserve_gib * GIB)
     budget = available - reserve
     if need <= budget:
         return
+    pools = "host pools" if not device else "host and CPU device pools"
+    problem = (f"{pools} need {need / GIB:.2f} GiB but {available / GIB:.2f} GiB of RAM is "
+               f"available and host.ram_reserve_gib keeps {reserve / GIB:.2f} GiB of it")
     key, value = config.host.size_key
-    most = math.floor(value * max(budget, 0) / need * 100) / 100
-    raise fail(
-        key, value,
-        f"host pools need {need / GIB:.2f} GiB but {available / GIB:.2f} GiB of RAM is "
-        f"available and host.ram_reserve_gib keeps {reserve / GIB:.2f} GiB of it",
-        f"lower {key} to at most {most}, lower host.ram_reserve_gib, or free memory",
-    )
+    most = math.floor(value * max(budget - device, 0) / host * 100) / 100
+    if most > 0:
+        raise fail(key, value, problem,
+                   f"lower {key} to at most {most}, lower host.ram_reserve_gib, or free memory")
+    raise fail("device_pool.num_tokens", config.device_pool.num_tokens, problem,
+               "the device pool on the cpu alone leaves no room for a host pool: lower "
+               "device_pool.num_tokens, lower host.ram_reserve_gib, or free memory")
