@@ -70,7 +70,10 @@ class TransferStats:
 
     @property
     def in_flight_ops(self) -> int:
-        return sum(self.ops_submitted.values()) - sum(self.ops_acknowledged.values())
+        # acknowledged first: an op acked after this read was submitted before the next one,
+        # so a reader beside the scheduler never sees more acks than submissions
+        acknowledged = sum(self.ops_acknowledged.values())
+        return sum(self.ops_submitted.values()) - acknowledged
 
     def on_submit(self, op: TransferOp) -> None:
         """Count the issued ``op`` and the runs of host slots it moves (ops move whole

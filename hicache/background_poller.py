@@ -48,6 +48,12 @@ Every pass finding it so doubles the sleep up to this (from the poll interval, a
 passes; from a 10 ms check interval, seven)."""
 
 
+QUIET_EVICT_S = 1.0
+"""How long the scheduler must have made no call before the thread evicts host leaves to
+issue backups it left queued; until then only those that fit go, and the rest wait for a
+step (which evicts). An engine locks what it matched in its next call, not a second later."""
+
+
 class BackgroundPoller:
     """The background thread of one service, and the queue of acks it polled.
 
@@ -233,20 +239,25 @@ class BackgroundPoller:
         return bool(acks)
 
     def _issue_writes(self) -> None:
-        """Issue the tree's queued backups (allocating their host slots: the one change this
-        thread makes to the tree, under the service lock, so a sliced check in progress
-        starts over) and the controller's queued writes, on the controller's device (this
-        thread's current device is its own). Each write waits on the stream that was
-        current where it was queued."""
-        if self._tree.has_queued_backups and self._check.in_progress:
-            self._check.abandon()
-            self._stats.integrity_checks_abandoned += 1
+        """Issue the tree's queued backups that fit the host as it is (allocating their host
+        slots: the one change this thread makes to the tree, under the service lock, so a
+        sliced check in progress starts over) and the controller's queued writes, on the
+        controller's device (this thread's current device is its own). Each write waits on
+        the stream that was current where it was queued. It evicts host leaves to make room
+        only once the scheduler made no call for :data:`QUIET_EVICT_S`: a node an engine
+        just matched stays in the tree until its lock, as with no thread."""
+        tree = self._tree
+        queued = len(tree.queued_backups)
+        evict = time.monotonic() - self._gate.last_call_s >= QUIET_EVICT_S
         device = self._controller.device
         if device.type != "cuda":
-            self._tree.issue_queued_backups()
-            return
-        with torch.cuda.device(device):
-            self._tree.issue_queued_backups()
+            tree.issue_queued_backups(evict=evict)
+        else:
+            with torch.cuda.device(device):
+                tree.issue_queued_backups(evict=evict)
+        if queued and len(tree.queued_backups) != queued and self._check.in_progress:
+            self._check.abandon()  # the tree changed: the check starts over
+            self._stats.integrity_checks_abandoned += 1
 
     def _step_check(self) -> bool:
         """One slice of the background integrity check; True when it completed a check."""

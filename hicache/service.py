@@ -11,8 +11,9 @@ Thread ownership (the rules every caller relies on):
   first it issues backups queued with no ``step`` since) or runs an idle integrity check;
   a metrics scrape while it reads the counters. It is never held across a GPU wait
   (``wait_until`` takes no lock; ``stop`` drains only after the thread was joined).
-- The background thread never mutates the tree: it puts acks on a queue that ``step``
-  applies on the scheduler thread.
+- The background thread applies no ack: it puts acks on a queue that ``step`` applies on
+  the scheduler thread. It issues backups a quiet scheduler left queued (host slots only;
+  host leaves it evicts for them only after a second with no scheduler call).
 - An exception in the background thread is never swallowed: it is logged, counted in
   ``stats.background_errors`` and raised, as :class:`ServiceError` with the original as
   ``__cause__``, by every later scheduler call until ``stop``; ``stop`` raises it if no call
@@ -269,7 +270,7 @@ class HiCacheService(PrefetchCalls):
         with self.service_lock:  # CPU state only: no wait for the GPU while the lock is held
             self.tree.check_integrity(engine_device=self._engine.as_indices(), sync_device=False)
             self.stats.integrity_checks += 1
-        self.tree.io.check_pools(sync_device=True)
+        self.tree.io.check_device_state()  # allocators: checked above, under the lock
 
     @property
     def engine_held_tokens(self) -> int:

@@ -61,22 +61,29 @@ def queue(tree: TieredRadixTree, nodes: list[TreeNode]) -> None:
         tree.on_backup_queued()
 
 
-def issue_queued(tree: TieredRadixTree) -> None:
+def issue_queued(tree: TieredRadixTree, evict: bool = True) -> None:
     """Allocate host slots for every backup queued since the last call and queue their
     copies as one controller write, then issue the controller's queued writes. When the
     host cannot take them all, even after evicting host leaves, as many as fit go (one op
     each, in the order queued) and the rest are refused: counted in
-    ``stats.refused_backups["host_full"]``, their nodes unlocked and left without a copy."""
+    ``stats.refused_backups["host_full"]``, their nodes unlocked and left without a copy.
+
+    ``evict=False`` (the service's background thread): nothing is evicted, so no node
+    leaves the tree between an engine's ``match`` and its ``lock``; backups that do not fit
+    as they are stay queued for the scheduler's next step."""
     ops, tree.queued_backups = tree.queued_backups, []
     if ops:
         nodes = [node for op in ops for node in op.nodes]
         short = sum(node.num_tokens for node in nodes) - tree.io.host_free_tokens()
-        if short > 0:
+        if short > 0 and evict:
             tree.evict_host(short)
         batch = ops[0] if len(ops) == 1 else PendingOp(
             Direction.DEVICE_TO_HOST, nodes, [lock for op in ops for lock in op.locks],
             marks=tuple(mark for op in ops for mark in op.marks))  # shared: waited once
-        if not _write(tree, batch) and not (
+        if not evict:
+            if short > 0 or not _write(tree, batch):
+                tree.queued_backups = ops + tree.queued_backups  # for the step, which evicts
+        elif not _write(tree, batch) and not (
                 _room_for_swa(tree, batch) and _write(tree, batch)):
             for op in ops:  # the host cannot take them all: as many as fit
                 if len(ops) == 1 or not _write(tree, op):

@@ -176,6 +176,10 @@ class NodeIO:
         for allocator in self.allocators().values():
             allocator.check_integrity()
 
+    def check_device_state(self) -> None:
+        """The device-side half of :meth:`check_pools` alone (a GPU round trip; nothing
+        without SWA), for a caller that checked the rest under the service lock."""
+
     def engine_swa_slots(self, engine_device: Indices) -> Indices | None:
         """SWA slots held through engine-owned full slots (``None`` without SWA)."""
         return None
@@ -277,8 +281,11 @@ class HybridNodeIO(NodeIO):
 
     def check_pools(self, sync_device: bool) -> None:
         super().check_pools(sync_device)
-        if sync_device:  # compares the device map with its host mirror
-            self.pool.check_integrity()
+        if sync_device:
+            self.check_device_state()
+
+    def check_device_state(self) -> None:
+        self.pool.check_integrity()  # compares the device map with its host mirror
 
     def engine_swa_slots(self, engine_device: Indices) -> Indices | None:
         swa = self.pool.swa_slots_of(engine_device).tensor

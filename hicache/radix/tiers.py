@@ -161,11 +161,11 @@ class TieredRadixTree(RadixTree):
         :func:`hicache.radix.backups.queue`)."""
         backups.queue(self, nodes)
 
-    def issue_queued_backups(self) -> None:
+    def issue_queued_backups(self, *, evict: bool = True) -> None:
         """Allocate and queue, as one controller write, every backup queued since the last
         call, then issue the controller's queued writes (see
-        :func:`hicache.radix.backups.issue_queued`)."""
-        backups.issue_queued(self)
+        :func:`hicache.radix.backups.issue_queued`; ``evict=False``: only if they fit)."""
+        backups.issue_queued(self, evict=evict)
 
     @property
     def has_queued_backups(self) -> bool:
