@@ -324,9 +324,12 @@ def test_layer_waiter_wired_through_accessors() -> None:
 
 
 def test_wait_until_rejects_bad_layer() -> None:
-    """wait_until on a layer the model does not have raises once a load exists."""
+    """wait_until on a layer the model does not have raises, before any load (an engine's
+    bug shows on its first forward, not its first host hit) and once a load exists."""
     ctrl = make_controller(TorchBackend(), num_layers=2)
-    ctrl.wait_until(7)  # no load yet: nothing to wait for
+    ctrl.wait_until(1)  # no load yet: nothing to wait for
+    with pytest.raises(ValueError, match="layer 7 out of range"):
+        ctrl.wait_until(7)
     host = ctrl.host_pool.allocator.try_alloc(1)
     assert host is not None and ctrl.load(host) is not None
     ctrl.start_loading()
