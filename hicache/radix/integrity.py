@@ -144,6 +144,9 @@ def _check_node(tree: TieredRadixTree, node: TreeNode) -> None:
     below = sum(child.lock_count for child in node.children.values())
     if node.lock_count < below or node.lock_count < 0:
         raise RuntimeError(f"{node!r}: lock count {node.lock_count} < children's {below}")
+    if node.caller_locks < 0 or node.lock_count < below + node.caller_locks:
+        raise RuntimeError(f"{node!r}: lock count {node.lock_count} < children's {below} "
+                           f"+ the engine's {node.caller_locks}")
     if node.on_device and parent is not tree.root and not parent.on_device:
         raise RuntimeError(f"{node!r} is on the device but its parent {parent!r} is not")
     if not node.on_device and not node.is_backed_up:
