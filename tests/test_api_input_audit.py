@@ -15,16 +15,15 @@ device pool on the CPU.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from test_service_refusals import put, refused, snapshot
 
 from hicache import (
     BoundsError,
@@ -73,40 +72,6 @@ def raw_config(*, hybrid: bool = False, device: str = "cpu", num_tokens: int = 3
 
 def make_config(**kwargs: Any) -> HiCacheConfig:
     return config_from_dict(raw_config(**kwargs), check_ram=False)
-
-
-def put(service: HiCacheService, tokens: list[int]) -> None:
-    """Allocate, insert and apply the backup acks (rows are not written: not read here)."""
-    slots = service.alloc_device(len(tokens))
-    assert slots is not None
-    service.insert(tokens, slots)
-    service.step()
-
-
-def snapshot(service: HiCacheService) -> dict[str, object]:
-    """Everything a refused call must leave as it was."""
-    tree = service.tree
-    return {
-        "free": {space: a.num_free_tokens for space, a in tree.io.allocators().items()},
-        "nodes": sorted((n.node_id, n.tokens, n.lock_count, n.hit_count, n.on_device,
-                         n.host is not None, n.is_detached) for n in tree.nodes()),
-        "root_locks": tree.root.lock_count,
-        "engine_held_tokens": service.engine_held_tokens,
-        "queued_backups": len(tree.queued_backups),
-        "in_flight": service.controller.num_in_flight,
-        "stats": {f.name: copy.copy(getattr(tree.stats, f.name))
-                  for f in dataclasses.fields(tree.stats)},
-    }
-
-
-def refused(service: HiCacheService, error: type[Exception] | tuple[type[Exception], ...],
-            match: str, call: Callable[..., object], *args: object) -> None:
-    """``call(*args)`` raises ``error`` matching ``match``; ``service`` is unchanged."""
-    before = snapshot(service)
-    with pytest.raises(error, match=match):
-        call(*args)
-    assert snapshot(service) == before
-    service.check_integrity()
 
 
 @pytest.fixture

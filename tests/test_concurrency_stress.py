@@ -40,6 +40,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from radix_helpers import expected_rows, read_rows, write_rows
+from test_service import empty_everything
 
 from hicache.config import HiCacheConfig, config_from_dict
 from hicache.controller import Ack, TransferStats
@@ -373,14 +374,9 @@ class Scheduler:
         """Apply every ack and evict both tiers until nothing is cached (write-back needs
         rounds: a device eviction writes back first)."""
         service = self.service
-        for _ in range(1000):
-            service.step()
-            service.evict(10**6)
-            service.step()
-            service.evict_host(10**6)
-            if not list(service.tree.nodes()) and service.controller.num_in_flight == 0:
-                return
-        raise AssertionError("the cache never emptied")
+        empty_everything(service)
+        assert not list(service.tree.nodes()) and service.controller.num_in_flight == 0, \
+            "the cache never emptied"
 
 
 def run_in_thread(target: Callable[[], None]) -> None:
@@ -808,10 +804,10 @@ class _PassAfterRunsRead:
 
 def test_check_integrity_beside_a_background_backup_pass() -> None:
     """A scheduler inserts (write-through: a backup queued) and checks integrity before its
-    next step; the background thread's pass issues the backup while the pool half of the
-    check reads the host allocator. The tree is consistent throughout, so the check must
-    pass. The threaded stress test above hits this within seconds when its checks do not
-    step first."""
+    next step, while the background thread's pass may issue the backup whenever the lock is
+    free. The part of the check that runs outside the lock reads no allocator (the hook
+    would run the pass right after such a read), and the check passes before and after the
+    pass. The threaded stress test above checks without stepping first as well."""
     service = build_service(make_config("write_through", metrics=False, interval_s=3600.0))
     host = service.controller.host_pool.allocator
     runs = host._runs
@@ -854,6 +850,17 @@ def _host_only_and_a_queued_backup(service: HiCacheService) -> tuple[Any, Any]:
     return match_a, match_b
 
 
+def _lock_both_and_load_a(service: HiCacheService, match_a: Any, match_b: Any) -> None:
+    """The scheduler's calls after deciding to admit both: lock both matches (the lock of A
+    fails if A left the tree), load A's host run back, release both."""
+    service.lock(match_b.last_host_node)
+    service.lock(match_a.last_host_node)
+    assert service.load_back(match_a, 64).queued
+    service.start_loading()
+    service.release(match_a.last_host_node)
+    service.release(match_b.last_host_node)
+
+
 def _selective_small_host() -> HiCacheConfig:
     return make_config("write_through_selective", interval_s=3600.0, metrics=False,
                        device_tokens=16, host_ratio=0.5)
@@ -865,13 +872,7 @@ def test_a_match_outlives_the_scheduler_own_calls_until_its_lock() -> None:
     step in between) keeps both matches valid, host run included, and loads it back."""
     service = build_service(_selective_small_host())
     try:
-        match_a, match_b = _host_only_and_a_queued_backup(service)
-        service.lock(match_b.last_host_node)
-        service.lock(match_a.last_host_node)
-        assert service.load_back(match_a, 64).queued
-        service.start_loading()
-        service.release(match_a.last_host_node)
-        service.release(match_b.last_host_node)
+        _lock_both_and_load_a(service, *_host_only_and_a_queued_backup(service))
     finally:
         service.stop()
     assert_drained(service)
@@ -887,11 +888,6 @@ def test_a_match_outlives_a_background_pass_before_its_lock() -> None:
         match_a, match_b = _host_only_and_a_queued_backup(service)
         polls = service.stats.polls
         wait_for(lambda: service.stats.polls > polls, "a poll of the background thread")
-        service.lock(match_b.last_host_node)
-        service.lock(match_a.last_host_node)  # raises: A was evicted by the thread
-        assert service.load_back(match_a, 64).queued
-        service.start_loading()
-        service.release(match_a.last_host_node)
-        service.release(match_b.last_host_node)
+        _lock_both_and_load_a(service, match_a, match_b)  # A is still there: not evicted
     finally:
         service.stop()

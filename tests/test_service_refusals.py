@@ -44,10 +44,12 @@ def snapshot(service: HiCacheService) -> dict[str, object]:
     tree = service.tree
     return {
         "free": {space: a.num_free_tokens for space, a in tree.io.allocators().items()},
-        "nodes": sorted((n.node_id, n.tokens, n.lock_count, n.hit_count, n.on_device,
-                         n.host is not None, n.is_detached) for n in tree.nodes()),
-        "root_locks": tree.root.lock_count,
+        "nodes": sorted((n.node_id, n.tokens, n.lock_count, n.caller_locks, n.hit_count,
+                         n.on_device, n.host is not None, n.is_detached) for n in tree.nodes()),
+        "root_locks": (tree.root.lock_count, tree.root.caller_locks),
         "engine_held_tokens": service.engine_held_tokens,
+        "queued_backups": len(tree.queued_backups),
+        "in_flight": service.controller.num_in_flight,
         "stats": {f.name: copy.copy(getattr(tree.stats, f.name))
                   for f in dataclasses.fields(tree.stats)},
     }
@@ -72,8 +74,8 @@ def other() -> Iterator[HiCacheService]:
     built.stop()
 
 
-def refused(service: HiCacheService, error: type[Exception], match: str, call: Any,
-            *args: object) -> None:
+def refused(service: HiCacheService, error: type[Exception] | tuple[type[Exception], ...],
+            match: str, call: Any, *args: object) -> None:
     """``call(*args)`` raises ``error`` matching ``match`` and ``service`` is unchanged."""
     before = snapshot(service)
     with pytest.raises(error, match=match):
