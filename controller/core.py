@@ -76,6 +76,7 @@ class TransferCore:
         self.layer_events = LayerEventRing(event_ring_size, self.num_layers, self.device)
         self._ops = OpQueue(self._paged_pools())
         self._held = self._ops.held
+        self._queued = self._ops.queued
         self._checks = SlotChecks(self._held)
         # poll() reads every device pool's bounds records: the list is fixed, find it once
         self._bounds_checks = tuple(pool.raise_if_tripped for pool in self._pools()
@@ -147,8 +148,8 @@ class TransferCore:
             RuntimeError: loads are queued but not started (their rows are not there yet).
             ValueError: ``layer`` is not a model layer (once a load exists).
         """
-        queued = self._ops.num_queued(Direction.HOST_TO_DEVICE)
-        if queued:
+        if self._queued[Direction.HOST_TO_DEVICE]:  # per layer of every forward: no call
+            queued = len(self._queued[Direction.HOST_TO_DEVICE])
             raise RuntimeError(
                 f"layer {layer} is read while {queued} queued load(s) have not been "
                 f"started; call start_loading() (service.start_loading()) before the forward "

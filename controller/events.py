@@ -7,6 +7,8 @@ wait, FIFO polling, ring reuse) runs and is tested on a CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hicache.pools.arg_checks import check_int
@@ -137,13 +139,16 @@ class CurrentStreams:
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._index = device.index if device.index is not None else (
+        self.index = device.index if device.index is not None else (
             torch.cuda.current_device() if device.type == "cuda" else -1)
         self._streams: dict[int, torch.cuda.Stream] = {}
+        # the raw handle of a device's current stream (not in a CPU-only build of torch)
+        self.raw_of: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream",
+                                                    _no_cuda)
 
     def raw(self) -> int:
         """The current stream's raw handle."""
-        return torch._C._cuda_getCurrentRawStream(self._index)
+        return self.raw_of(self.index)
 
     def stream(self, raw: int) -> torch.cuda.Stream:
         """The current stream, whose handle :meth:`raw` just gave."""
@@ -151,6 +156,10 @@ class CurrentStreams:
         if stream is None:
             stream = self._streams[raw] = torch.cuda.current_stream(self._device)
         return stream
+
+
+def _no_cuda(index: int) -> int:
+    raise RuntimeError(f"no current CUDA stream of device {index}: this torch has no CUDA")
 
 
 class StreamWaits:
@@ -168,16 +177,20 @@ class StreamWaits:
 
     def __init__(self, device: torch.device) -> None:
         self._current = CurrentStreams(device)
+        self._raw_of = self._current.raw_of
         self._waited: dict[int, tuple[Event, int]] = {}  # raw handle -> last mark waited on
 
     def wait(self, event: Event) -> None:
         """Make the current stream wait for ``event`` (GPU-side; nothing on a CPU)."""
-        source, generation = event.mark()
-        if source._cuda is None or not source.is_recorded:
+        # Event.mark() and CurrentStreams.raw() inline: this runs per layer of every forward
+        source = event._leader if event._leader is not None else event
+        cuda = source._cuda
+        if cuda is None or not source.is_recorded:
             return
-        raw = self._current.raw()
+        raw = self._raw_of(self._current.index)
         waited = self._waited.get(raw)
+        generation = source.generation
         if waited is not None and waited[0] is source and waited[1] == generation:
             return
-        source._cuda.wait(self._current.stream(raw))
+        cuda.wait(self._current.stream(raw))
         self._waited[raw] = (source, generation)

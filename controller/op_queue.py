@@ -54,7 +54,9 @@ class OpQueue:
         self.held = InFlightPages(pools)
         self.observers: list[TransferObserver] = []
         self._op_ids = itertools.count()
-        self._queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
+        # calls queued per direction, not issued yet (read, never changed, outside this class:
+        # wait_until checks it per layer of every forward)
+        self.queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
         self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
 
     def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
@@ -82,7 +84,7 @@ class OpQueue:
             parts.append((transfer.device_indices.space, device_pages))
         held = HeldCall(direction, tuple(parts))
         self.held.take(held)
-        self._queued[direction].append(QueuedCall(transfers, tag, held, may_pad, after))
+        self.queued[direction].append(QueuedCall(transfers, tag, held, may_pad, after))
         if self.observers:
             for observer in list(self.observers):
                 observer(direction, transfers, tag)
@@ -91,13 +93,13 @@ class OpQueue:
         return pages_of_slots(indices.tensor.numpy(), self.held.page_sizes[indices.space])
 
     def num_queued(self, direction: Direction) -> int:
-        return len(self._queued[direction])
+        return len(self.queued[direction])
 
     def merge(self, direction: Direction, backend: TransferBackend) -> TransferOp | None:
         """One op from all queued calls of ``direction`` (indices concatenated per pool),
         its executor chosen by ``backend`` and its indices moved where that executor reads
         them; ``None`` when nothing is queued."""
-        queued, self._queued[direction] = self._queued[direction], []
+        queued, self.queued[direction] = self.queued[direction], []
         if not queued:
             return None
         if len(queued) == 1:
@@ -153,7 +155,7 @@ class OpQueue:
     @property
     def num_ops(self) -> int:
         """Ops queued or issued and not yet acknowledged."""
-        queued = sum(len(q) for q in self._queued.values())
+        queued = sum(len(q) for q in self.queued.values())
         return queued + sum(len(q) for q in self._in_flight.values())
 
 

@@ -24,6 +24,7 @@ from .base import (
 )
 from .bounds import BoundsGuard
 from .forward_locs import make_forward_locs
+from .kv_rows import checked_kv_rows
 from .row_geometry import RowGeometry
 from .row_records import layer_records
 
@@ -73,6 +74,10 @@ class DeviceKVPool:
         # The tensor's device carries the index ("cuda" -> "cuda:0"), as every tensor's does;
         # comparing against a bare "cuda" would reject every index on the GPU.
         self.device = self.data.device
+        self.device_index = self.data.get_device()  # -1 on a CPU: a per-layer check compares it
+        # one slot's rows in the views key_buffer / value_buffer / latent_buffer return
+        self.slot_shape = ((geometry.num_kv_heads, geometry.head_dim)
+                           if geometry.kind is AttentionKind.MHA else (geometry.row_elems,))
         # Views made once: set_kv runs per layer per forward, and each view costs a few us.
         self._rows = [[self.data[c, layer] for layer in range(num_layers)]
                       for c in range(geometry.num_components)]
@@ -169,21 +174,27 @@ class DeviceKVPool:
             self._records = layer_records(self._rows)
         return self._records[component][layer]
 
+    # The accessors and set_kv run per layer of every forward: checks inline, the rest in
+    # helpers called only for what they refuse.
+
     def key_buffer(self, layer: int) -> torch.Tensor:
         """``[num_slots, num_kv_heads, head_dim]`` K of ``layer`` (MHA); waits on loads."""
-        self._require(AttentionKind.MHA, "key_buffer")
+        if self.geometry.kind is not AttentionKind.MHA:
+            self._refuse_kind(AttentionKind.MHA, "key_buffer")
         self._wait(layer)
         return self._buffers[0][layer]
 
     def value_buffer(self, layer: int) -> torch.Tensor:
         """``[num_slots, num_kv_heads, head_dim]`` V of ``layer`` (MHA); waits on loads."""
-        self._require(AttentionKind.MHA, "value_buffer")
+        if self.geometry.kind is not AttentionKind.MHA:
+            self._refuse_kind(AttentionKind.MHA, "value_buffer")
         self._wait(layer)
         return self._buffers[1][layer]
 
     def latent_buffer(self, layer: int) -> torch.Tensor:
         """``[num_slots, latent_dim]`` latent rows of ``layer`` (MLA); waits on loads."""
-        self._require(AttentionKind.MLA, "latent_buffer")
+        if self.geometry.kind is not AttentionKind.MLA:
+            self._refuse_kind(AttentionKind.MLA, "latent_buffer")
         self._wait(layer)
         return self._buffers[0][layer]
 
@@ -222,13 +233,13 @@ class DeviceKVPool:
         self, layer: int, index: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None
     ) -> None:
         """:meth:`set_kv` with a raw index this pool already checked (for the hybrid pool)."""
-        flats = self._checked_rows(layer, index.numel(), k, v)
+        rows = self._checked_rows(layer, index.numel(), k, v)
         if index.numel() == 0:
             return
         if index.dtype is not torch.int64:
             index = index.to(torch.int64)
-        for component, flat in enumerate(flats):
-            self._rows[component][layer].index_copy_(0, index, flat)
+        for component, value in enumerate(rows):
+            self._buffers[component][layer].index_copy_(0, index, value)
         self._padding[layer].zero_()
 
     def _write_span(self, layer: int, span: tuple[int, int], k: torch.Tensor,
@@ -236,42 +247,20 @@ class DeviceKVPool:
         """:meth:`write_rows` to the slots ``span[0] .. span[1] - 1`` (checked, none of them
         the padding slot): a slice copy per component, and no padding to clear."""
         start, end = span
-        for component, flat in enumerate(self._checked_rows(layer, end - start, k, v)):
-            self._rows[component][layer][start:end].copy_(flat)
+        for component, value in enumerate(self._checked_rows(layer, end - start, k, v)):
+            self._buffers[component][layer][start:end].copy_(value)
 
     def _checked_rows(self, layer: int, num_rows: int, k: torch.Tensor,
                       v: torch.Tensor | None) -> list[torch.Tensor]:
-        """The ``[num_rows, row_elems]`` rows of every component of a write to ``layer``,
-        each checked before any is written (a bad v leaves K untouched), once the layer's
-        load was waited on."""
-        self._check_layer(layer)
-        if self.geometry.kind is AttentionKind.MLA and v is not None:
-            raise ValueError(f"set_kv on MLA pool '{self.name}': pass only k (the latent row)")
-        if self.geometry.kind is AttentionKind.MHA and v is None:
-            raise ValueError(f"set_kv on MHA pool '{self.name}': v is required")
-        rows = [k] if v is None else [k, v]
-        flats = [self._check_rows(value, num_rows, c) for c, value in enumerate(rows)]
-        self._wait(layer)
-        return flats
-
-    def _check_rows(self, value: torch.Tensor, num_rows: int, component: int) -> torch.Tensor:
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"set_kv on pool '{self.name}': {'kv'[component]} must be a "
-                            f"torch.Tensor, got {type(value).__name__}")
-        expected = self.geometry.row_elems
-        # flatten, not reshape(n, -1): the latter fails on an empty batch
-        flat = value.flatten(1) if value.dim() > 1 else value
-        if flat.shape != (num_rows, expected):
-            raise ValueError(
-                f"set_kv on pool '{self.name}': component {component} must hold {num_rows} "
-                f"rows of {expected} elements, got shape {tuple(value.shape)}"
-            )
-        if value.dtype != self.geometry.dtype or value.device != self.device:
-            raise ValueError(
-                f"set_kv on pool '{self.name}': rows must be {self.geometry.dtype} on "
-                f"{self.device}, got {value.dtype} on {value.device}"
-            )
-        return flat
+        """The rows of every component of a write to ``layer`` in the shape of the buffer
+        views (:func:`~hicache.pools.kv_rows.checked_kv_rows`), each checked before any is
+        written, once the layer's load was waited on."""
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            self._check_layer(layer)
+        rows = checked_kv_rows(self, num_rows, k, v)
+        if self._layer_waiter is not None:
+            self._layer_waiter(layer)
+        return rows
 
     def _check_layer(self, layer: int) -> None:
         if type(layer) is not int:
@@ -281,17 +270,17 @@ class DeviceKVPool:
                 f"pool '{self.name}': layer {layer} out of range (0..{self.num_layers - 1})"
             )
 
-    def _require(self, kind: AttentionKind, accessor: str) -> None:
-        if self.geometry.kind is not kind:
-            raise ValueError(
-                f"{accessor} needs a {kind.value} pool; pool '{self.name}' is "
-                f"{self.geometry.kind.value}"
-            )
+    def _refuse_kind(self, kind: AttentionKind, accessor: str) -> None:
+        raise ValueError(f"{accessor} needs a {kind.value} pool; pool '{self.name}' is "
+                         f"{self.geometry.kind.value}")
 
     def _wait(self, layer: int) -> None:
-        self._check_layer(layer)  # a negative layer would silently alias the last one
-        if self._layer_waiter is not None:
-            self._layer_waiter(layer)
+        # a negative layer would silently alias the last one
+        if type(layer) is not int or not 0 <= layer < self.num_layers:
+            self._check_layer(layer)
+        waiter = self._layer_waiter
+        if waiter is not None:
+            waiter(layer)
 
     def _heads_view(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.view(self.num_slots, self.geometry.num_kv_heads, self.geometry.head_dim)
