@@ -149,12 +149,10 @@ class TransferCore:
             ValueError: ``layer`` is not a model layer (once a load exists).
         """
         if self._queued[Direction.HOST_TO_DEVICE]:  # per layer of every forward: no call
-            queued = len(self._queued[Direction.HOST_TO_DEVICE])
             raise RuntimeError(
-                f"layer {layer} is read while {queued} queued load(s) have not been "
-                f"started; call start_loading() (service.start_loading()) before the forward "
-                f"that reads them"
-            )
+                f"layer {layer} is read while {len(self._queued[Direction.HOST_TO_DEVICE])} "
+                f"queued load(s) have not been started; call start_loading() "
+                f"(service.start_loading()) before the forward that reads them")
         self.layer_events.wait_until(layer)
 
     def set_consumer(self, event_set: int | None) -> None:
