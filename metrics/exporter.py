@@ -95,10 +95,11 @@ class MetricsExporter:
         Raises:
             RuntimeError: already serving (call :meth:`stop` first).
             ValueError: ``port`` outside 0..65535.
-            OSError: the address cannot be bound (the port is taken, the host does not
-                resolve); the message names ``host:port`` and the fix (a port per worker,
-                or ``metrics_port: 0``), the original ``errno`` is kept and the original
-                error is the ``__cause__``. Nothing is left serving.
+            MetricsBindError: an ``OSError``: the address cannot be bound (the port is
+                taken, the host does not resolve or is no address of this machine); the
+                message names ``host:port`` and the fix (a port per worker, or
+                ``metrics_port: 0``; another ``metrics_host``), the original ``errno`` is
+                kept and the original error is the ``__cause__``. Nothing is left serving.
         """
         if self._server is not None:
             raise RuntimeError(f"metrics endpoint already serving on port {self.port}; "
@@ -150,23 +151,45 @@ class MetricsExporter:
         self.stop()
 
 
+class MetricsBindError(OSError):
+    """The metrics endpoint's address cannot be bound; ``strerror`` is one line naming the
+    config key to change (``service.metrics_host`` or ``service.metrics_port``)."""
+
+
+def probe_bind(host: str, port: int) -> None:
+    """Bind ``host:port`` as :meth:`MetricsExporter.start_http` would, and close it again.
+
+    Raises:
+        MetricsBindError: what ``start_http`` would raise for this address.
+    """
+    _bind(host, port).server_close()
+
+
 def _bind(host: str, port: int) -> _MetricsServer:
-    """The server bound to ``host:port``, or an ``OSError`` that says what to change."""
+    """The server bound to ``host:port``, or a :class:`MetricsBindError` that says what to
+    change."""
     try:
         return _MetricsServer(host, port)
     except socket.gaierror as exc:
-        raise OSError(exc.errno, f"metrics endpoint: host {host!r} does not resolve "
-                                 f"({exc.strerror}); set service.metrics_host to an address "
-                                 f"of this machine") from exc
+        raise MetricsBindError(exc.errno, f"metrics endpoint: host {host!r} does not resolve "
+                                          f"({exc.strerror}); set service.metrics_host to an "
+                                          f"address of this machine") from exc
     except OSError as exc:
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        reason = exc.strerror or "cannot bind"
-        if exc.errno == errno.EADDRINUSE:
-            reason += (": another process, or another engine worker on this host, has it; "
-                       f"give each worker its own port, e.g. {port} + its rank")
-        raise OSError(exc.errno, f"metrics endpoint: cannot bind {address} ({reason}); set "
-                                 f"service.metrics_port to a free port, or 0 to pick one"
-                      ) from exc
+        raise MetricsBindError(exc.errno, _bind_message(host, port, exc)) from exc
+
+
+def _bind_message(host: str, port: int, exc: OSError) -> str:
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    reason = exc.strerror or "cannot bind"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return (f"metrics endpoint: cannot bind {address} ({reason}: {host} is no address of "
+                f"this machine); set service.metrics_host to one of its addresses, e.g. "
+                f"127.0.0.1, or 0.0.0.0 for all of them")
+    if exc.errno == errno.EADDRINUSE:
+        reason += (": another process, or another engine worker on this host, has it; "
+                   f"give each worker its own port, e.g. {port} + its rank")
+    return (f"metrics endpoint: cannot bind {address} ({reason}); set service.metrics_port to "
+            f"a free port, or 0 to pick one")
 
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]

@@ -233,12 +233,14 @@ def test_runs_of_different_devices_are_refused(tmp_path: Path,
 
 
 def test_bad_json_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A file that is not a saved result exits 2 with one line on stderr."""
+    """A file that is not a saved result exits 2 with one line on stderr naming the option
+    and the file."""
     path = tmp_path / "other.json"
     path.write_text('{"rows": []}')
     assert main(["--from-json", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("hicache bench: error: not a hicache bench result")
+    assert err.startswith(f"hicache bench: error: --from-json {path}: not a hicache bench "
+                          f"result")
     assert err.count("\n") == 1
 
 
@@ -376,9 +378,9 @@ def test_run_slots_are_one_run_each_and_move_directly() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--tokens", "1000"], "1000 tokens is not a whole number of pages"),
-    (["--auto-sizes", "65536"], "--auto-sizes must not exceed --tokens"),
-    (["--repeats", "0"], "must be >= 1"),
+    (["--tokens", "1000"], "--tokens 1000: 1000 tokens is not a whole number of pages"),
+    (["--auto-sizes", "65536"], "--auto-sizes 65536: must not exceed --tokens"),
+    (["--repeats", "0"], "--repeats 0: must be >= 1"),
 ])
 def test_bad_arguments_are_refused(argv: list[str], message: str) -> None:
     """Sizes that are not whole pages or exceed the transfer are caught before any work."""
@@ -389,7 +391,7 @@ def test_bad_arguments_are_refused(argv: list[str], message: str) -> None:
 def test_cli_handler_reports_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     """The subcommand's handler exits 2 with one line for a bad size."""
     assert run_cli(["--tokens", "1000"]) == 2
-    assert capsys.readouterr().err.startswith("hicache bench: error: 1000 tokens")
+    assert capsys.readouterr().err.startswith("hicache bench: error: --tokens 1000: 1000 tokens")
 
 
 # ---- controller driving and verification on a CPU ---------------------------------------
@@ -558,3 +560,50 @@ def test_checks_bench_times_every_row_on_a_cpu(tmp_path: Path,
                  "key_buffer + value_buffer of a layer"):
         assert call in rows and call in printed
     assert all(cpu_us > 0 for cpu_us in rows.values())
+
+
+# ---- option values and --from-json inputs, checked before any work ---------------------------
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--window-ms", "0"], "--window-ms 0: must be a finite number > 0"),
+    (["--window-ms", "inf"], "--window-ms inf: must be a finite number > 0"),
+    (["--max-slowdown-pct", "-1"], "--max-slowdown-pct -1: must be a finite number >= 0"),
+    (["--min-share-of-best", "1.5"], "--min-share-of-best 1.5: must be a finite number >= 0 "
+                                     "and <= 1"),
+    (["--page-sizes", "16", "-4"], "--page-sizes -4: must be >= 1"),
+    (["--auto-sizes", "0"], "--auto-sizes 0: must be >= 1"),
+])
+def test_bad_option_values_name_the_option_and_value(argv: list[str], message: str) -> None:
+    problem = check_args(parse_args(argv))
+    assert problem is not None and problem.startswith(message), problem
+
+
+def test_edge_values_are_accepted() -> None:
+    """0 disables the share rule; 0 % slowdown is a (strict) bound."""
+    assert check_args(parse_args(["--min-share-of-best", "0", "--max-slowdown-pct", "0"])) is None
+
+
+@pytest.mark.parametrize("option", ["--plot", "--auto-table"])
+def test_outputs_never_overwrite_a_from_json_input(option: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """An output naming one of the inputs (here the second, through another spelling of its
+    path): exit 2 naming the option, the input kept."""
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path in paths:
+        save_json(synthetic_result(), path)
+    before = paths[1].read_bytes()
+    other_spelling = tmp_path / "sub" / ".." / "b.json"
+    (tmp_path / "sub").mkdir()
+    assert main(["--from-json", *map(str, paths), option, str(other_spelling)]) == 2
+    err = capsys.readouterr().err
+    assert f"{option} {other_spelling}: is the --from-json input" in err, err
+    assert paths[1].read_bytes() == before
+
+
+def test_from_json_of_a_directory_names_it(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--from-json", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hicache bench: error: --from-json {tmp_path}: cannot read it")
+    assert err.count("\n") == 1

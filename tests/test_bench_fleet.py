@@ -112,3 +112,26 @@ def test_bad_capacities_are_a_usage_error(trace: Path, capsys: pytest.CaptureFix
     """A host smaller than the device: exit 2, one line naming the option."""
     assert main(["--trace", str(trace), "--capacities", "8:4"]) == 2
     assert "--capacities" in capsys.readouterr().err
+
+
+def test_storage_is_checked_and_made_absolute(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory named like a scheme stays a directory; a file URL becomes its path; a file
+    in the way or another scheme is a usage error naming ``--storage``."""
+    from hicache.bench.fleet_cli import _check_storage
+    from hicache.cli.parser import UsageError
+
+    monkeypatch.chdir(tmp_path)
+    assert _check_storage("redis-pages") == str(tmp_path / "redis-pages")
+    assert _check_storage(f"file://{tmp_path}/l3") == str(tmp_path / "l3")
+    (tmp_path / "f").write_text("x")
+    for bad in ("f", "http://x", "f/sub"):
+        with pytest.raises(UsageError, match=f"--storage {bad}"):
+            _check_storage(bad)
+
+
+def test_a_device_smaller_than_a_request_is_a_usage_error(
+        trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The longest request (13 blocks) must fit one instance's device: exit 2 up front."""
+    assert main(["--trace", str(trace), "--capacities", "4:8"]) == 2
+    assert "device >= 13" in capsys.readouterr().err

@@ -144,4 +144,42 @@ def test_end_to_end_requests_refuse_no_requests() -> None:
 def test_cli_dispatches_bench_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
     """`hicache bench scheduler` reaches this benchmark (bad sizes: exit 2, one line)."""
     assert cli_main(["bench", "scheduler", "--sizes", "10"]) == 2
-    assert "--sizes >= 1000" in capsys.readouterr().err
+    assert "--sizes 10: must be >= 1000" in capsys.readouterr().err
+
+
+# ---- the trace and the capacities, checked before anything is measured ---------------------
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    ('{"input_length": 5}\n', "line 1: hash_ids None: need a list of whole numbers"),
+    ('\n{"input_length": true, "hash_ids": [1]}\n', "line 2: input_length True"),
+    ('{"input_length": 1025, "hash_ids": [1, 2]}\n', "2 hash_ids cover 1024 tokens"),
+    ('[1, 2]\n', "line 1: not a JSON object"),
+    ("not json\n", "line 1: not JSON"),
+    ("\n\n", "holds no request"),
+], ids=["no-hash-ids", "bool-length", "too-few-ids", "array", "garbage", "empty"])
+def test_read_trace_names_the_file_line_and_problem(text: str, problem: str,
+                                                    tmp_path: Path) -> None:
+    """A trace that cannot be replayed: ``TraceError`` naming the file and what is wrong."""
+    path = tmp_path / "t.jsonl"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(trace_module.TraceError) as caught:
+        read_trace(path, 10)
+    assert str(caught.value).startswith(str(path)) and problem in str(caught.value)
+
+
+def test_read_trace_refuses_bytes_that_are_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"\xff\xfe\n")
+    with pytest.raises(trace_module.TraceError, match="not UTF-8"):
+        read_trace(path, 10)
+
+
+def test_replay_capacities_are_checked_against_the_trace(
+        trace: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A device smaller than the longest request (1536 tokens: 3 blocks) is refused before
+    anything is measured; a host smaller than the device is allowed (the replay runs)."""
+    assert main(["--trace", str(trace), "--capacities", "2:8"]) == 2
+    err = capsys.readouterr().err
+    assert "--capacities 2:8" in err and "device >= 3" in err and err.count("\n") == 1
+    assert [replay(read_trace(trace, 10), 4, 2, page_size=16).requests] == [5]

@@ -39,3 +39,26 @@ def test_bench_storage_refuses_bad_sizes(capsys: pytest.CaptureFixture[str]) -> 
     """A zero repeat count is a usage error (exit 2) naming the options."""
     assert main(["bench", "storage", "--stores", "file", "--repeats", "0"]) == 2
     assert "--repeats" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--stores", "cluster", "--cluster", "redis://127.0.0.1:1"], "--cluster"),
+    (["--stores", "file", "--dir", "f/sub"], "--dir f/sub"),
+    (["--stores", "file", "--json", "f"], None),
+], ids=["cluster-scheme", "dir-under-a-file", "json-existing-file"])
+def test_bench_storage_checks_before_running(argv: list[str], named: str | None,
+                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad ``--cluster`` or ``--dir``: exit 2 naming it; an existing ``--json`` file is a
+    valid output (the check before the run leaves it; the run replaces it)."""
+    from hicache.bench import storage_cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f").write_text("x")
+    monkeypatch.setattr(storage_cli, "_measure", lambda *_: [])
+    code = main(["bench", "storage", "--quick", "--page-tokens", "2", *argv])
+    err = capsys.readouterr().err
+    if named is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and named in err and err.count("\n") == 1, err

@@ -153,10 +153,16 @@ def test_module_entry_point(in_repo: Path) -> None:
     assert result.stderr.startswith("hicache: error: absent.yaml: no such config file; ")
 
 
-def test_check_config_reports_staging_memory(tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """With the staged backend, check-config prints the staging memory it may take."""
+def test_check_config_reports_staging_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the staged backend, check-config prints the staging memory it may take. Staged
+    needs CUDA pools (staged on a cpu device is a config error), so the pools go on cuda;
+    the machine is made to show one GPU, in case check-config asks whether it has it."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 1)
     text = Path("config.yaml").read_text().replace("io_backend: auto", "io_backend: staged")
+    text = text.replace("device: cpu ", "device: cuda ")
+    assert "device: cuda " in text and "io_backend: staged" in text
     path = tmp_path / "staged.yaml"
     path.write_text(text)
     assert main(["check-config", str(path)]) == 0

@@ -24,6 +24,7 @@ from hicache.config import (
     ModelConfig,
     ServiceConfig,
     StorageConfig,
+    SWAHistory,
     WritePolicy,
     config_from_dict,
     load_config,
@@ -476,3 +477,16 @@ def test_readme_documents_every_key(repo_root: Path) -> None:
     assert missing == []
     top = {spec.name for spec in dataclasses.fields(HiCacheConfig)}
     assert top == set(sections) | {"page_size_tokens"}
+
+
+def test_a_window_tails_variant_of_a_store_config_can_still_be_made() -> None:
+    """The window_tails-with-a-store check runs on loading, not on construction: a report
+    (check-config) can still price the other swa_history choice of a loaded config."""
+    data = hybrid()
+    data["storage"] = {"backend": "file", "path": "/srv/pages"}
+    config = config_from_dict(data, check_ram=False)
+    host = dataclasses.replace(config.host, swa_history=SWAHistory.WINDOW_TAILS)
+    assert dataclasses.replace(config, host=host).host.swa_history is SWAHistory.WINDOW_TAILS
+    with pytest.raises(ConfigError, match=r"^host\.swa_history = 'window_tails': .*"
+                                          r"set host\.swa_history: all"):
+        config_from_dict(edited(data, "host.swa_history", "window_tails"), check_ram=False)

@@ -50,11 +50,12 @@ def test_unknown_config_key_names_the_key(
 
 def test_bad_device_is_a_usage_error(repo_root: Path, capsys: pytest.CaptureFixture[str],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """--device that names no device: exit 2 and one line naming the setting."""
+    """--device that names no device: exit 2 and one line naming the option and the value
+    (checked up front, before the config's device is replaced)."""
     monkeypatch.chdir(repo_root)
     assert main(["demo", "--device", "gpu0"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "device_pool.device" in err
+    assert err == "hicache: error: --device gpu0: not a device; use cpu, cuda or cuda:N\n"
 
 
 def test_demo_help_explains_options(capsys: pytest.CaptureFixture[str]) -> None:

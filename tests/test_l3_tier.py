@@ -4,6 +4,7 @@ real file store in a temporary directory (Redis in tests/test_l3_redis.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 import torch
 from radix_helpers import expected_rows, read_rows, write_rows
 
-from hicache.config import HiCacheConfig, config_from_dict
+from hicache.config import HiCacheConfig, SWAHistory, config_from_dict
 from hicache.factory import build_service
 from hicache.pools import DeviceKVPool, HybridSWAPool, IndexSpace, Indices
 from hicache.service import HiCacheService
@@ -316,6 +317,12 @@ def test_a_hybrid_model_shares_pages_with_their_sliding_window_rows(tmp_path: Pa
 
 
 def test_a_hybrid_store_needs_every_page_s_sliding_window_rows(tmp_path: Path) -> None:
-    config = make_config(tmp_path / "l3", hybrid=True, swa_history="window_tails")
+    """Refused when the config is loaded, and by build_service for a config made by hand."""
     with pytest.raises(ValueError, match="swa_history: all"):
-        build_service(config, **MODEL)
+        make_config(tmp_path / "l3", hybrid=True, swa_history="window_tails")
+    config = make_config(tmp_path / "l3", hybrid=True)
+    by_hand = dataclasses.replace(
+        config, host=dataclasses.replace(config.host, swa_history=SWAHistory.WINDOW_TAILS))
+    with pytest.raises(ValueError, match="swa_history: all"):
+        build_service(by_hand, **MODEL)
+    assert not (tmp_path / "l3").exists()

@@ -20,7 +20,9 @@ from prometheus_client.parser import text_string_to_metric_families
 import hicache
 from hicache import build_service
 from hicache.config import HiCacheConfig, config_from_yaml, default_config_text
+from hicache.controller.stats import TransferStats
 from hicache.metrics import markdown_table
+from hicache.metrics.exporter import MetricsBindError, MetricsExporter
 from hicache.service import HiCacheService
 
 PROMTOOL_REQUIRED = "HICACHE_REQUIRE_PROMTOOL"
@@ -101,6 +103,18 @@ def test_taken_port_names_the_port_and_the_fix() -> None:
         f"already in use: another process, or another engine worker on this host, has it; "
         f"give each worker its own port, e.g. {port} + its rank); set service.metrics_port "
         f"to a free port, or 0 to pick one")
+
+
+def test_an_address_of_no_interface_names_the_host_key() -> None:
+    """A ``metrics_host`` that is no address of this machine (TEST-NET-1): the error names
+    ``service.metrics_host``, not the port; it is a ``MetricsBindError`` (an ``OSError``)."""
+    exporter = MetricsExporter(TransferStats())
+    with pytest.raises(MetricsBindError) as info:
+        exporter.start_http("192.0.2.1", 0)
+    assert info.value.errno == errno.EADDRNOTAVAIL
+    assert "set service.metrics_host" in str(info.value)
+    assert "metrics_port" not in str(info.value)
+    assert exporter.port is None
 
 
 def test_two_workers_with_their_own_ports_both_serve() -> None:

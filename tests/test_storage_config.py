@@ -26,7 +26,14 @@ from hicache.config import (
 from hicache.config.sizing import host_num_pages
 from hicache.factory import open_configured_store, storage_namespace
 from hicache.pools import HostKVPool, HostLayout, IndexSpace, Indices
-from hicache.storage import FileStore, Namespace, PageStatus, RedisStore, host_page_views
+from hicache.storage import (
+    FileStore,
+    Namespace,
+    PageStatus,
+    RedisStore,
+    host_page_views,
+    parse_location,
+)
 
 MODEL = {"model_id": "test/model", "model_revision": "r1"}
 
@@ -281,3 +288,16 @@ def test_a_namespace_of_other_pages_is_refused(tmp_path: Path) -> None:
                                                    "given, ['page_first'] from the config)")):
         open_configured_store(config, wrong)
     assert not (tmp_path / "pages").exists()
+
+
+@pytest.mark.parametrize(("location", "part"), [
+    ("redis://user:pw@h:6379", "the user name 'user'"),
+    ("redis+cluster://h:1,h:2?db=2", "the query ?db=2"),
+    ("redis://h:6379#x", "the fragment #x"),
+])
+def test_open_store_refuses_url_parts_it_would_ignore(location: str, part: str) -> None:
+    """open_store parses as the config does: a user name, a query or a fragment is refused,
+    not dropped; a password alone is fine."""
+    with pytest.raises(ValueError, match=re.escape(f"{location!r}: {part} is not supported")):
+        parse_location(location)
+    assert parse_location("redis://:pw@h:6379").password == "pw"

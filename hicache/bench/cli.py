@@ -21,6 +21,7 @@ from typing import Any
 from hicache.cli.output_path import check_output_path
 from hicache.cli.parser import INTERRUPTED, CliParser, UsageError
 
+from . import arg_checks
 from .auto import DEFAULT_MAX_SLOWDOWN_PCT, DEFAULT_MIN_SHARE_OF_BEST, auto_table_of_runs
 from .plot import have_matplotlib, plot
 from .report import render
@@ -84,7 +85,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                      help=f"smoke run: defaults of {QUICK['tokens']} tokens, {QUICK['layers']} "
                      f"layers, {QUICK['repeats']} repeats, auto sizes {QUICK['auto_sizes'][0]}")
     out = parser.add_argument_group("output")
-    out.add_argument("--json", type=Path, metavar="PATH", help="write the results as JSON")
+    out.add_argument("--json", type=Path, metavar="PATH",
+                     help="write the results as JSON (a measuring run only: refused with "
+                     "--from-json, which re-renders a result already saved)")
     out.add_argument("--plot", type=Path, metavar="PNG", help="write a chart (needs matplotlib)")
     out.add_argument("--auto-table", type=Path, metavar="PATH",
                      help="write the auto backend's table (controller/auto_table.json format)")
@@ -92,7 +95,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                      help="no GPU: re-render the table (and --plot, --auto-table) from a saved "
                      "--json result; given several runs, the first is shown and the auto "
                      "table is derived from the median of each figure over all of them "
-                     "(with --max-slowdown-pct and --min-share-of-best)")
+                     "(with --max-slowdown-pct and --min-share-of-best); no output may name one of "
+                     "these files")
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -155,34 +159,66 @@ def resolve_sizes(args: argparse.Namespace) -> None:
 
 
 def check_args(args: argparse.Namespace) -> str | None:
-    """The first problem with ``args``, as a message, or ``None``."""
-    if min(args.repeats, args.torch_repeats, args.tokens, args.layers, args.heads,
-           args.head_dim, args.staging_tokens, args.programs, args.matmul_size,
-           args.slowdown_windows) < 1:
-        return "--repeats, --torch-repeats, --slowdown-windows and every size must be >= 1"
-    if min(args.page_sizes) < 1:
-        return "--page-sizes must be >= 1"
-    largest = max(args.page_sizes)
-    for size in [args.tokens, *args.auto_sizes]:
-        if size < 1 or any(size % page for page in args.page_sizes) or size % largest:
-            return (f"{size} tokens is not a whole number of pages of every page size "
-                    f"{args.page_sizes}; use multiples of {largest}")
-    if max(args.auto_sizes) > args.tokens:
-        return f"--auto-sizes must not exceed --tokens ({args.tokens})"
+    """The first problem with ``args``, as a message naming the option and its value, or
+    ``None``."""
+    try:
+        _check_counts(args)
+        _check_sizes(args)
+        arg_checks.in_range("--window-ms", args.window_ms, 0.0, low_open=True)
+        arg_checks.in_range("--max-slowdown-pct", args.max_slowdown_pct, 0.0)
+        arg_checks.in_range("--min-share-of-best", args.min_share_of_best, 0.0, 1.0)
+    except UsageError as exc:
+        return str(exc)
     return None
 
 
+def _check_counts(args: argparse.Namespace) -> None:
+    """Every count and size option is >= 1."""
+    for option in ("--repeats", "--torch-repeats", "--tokens", "--layers", "--heads",
+                   "--head-dim", "--page-sizes", "--auto-sizes", "--staging-tokens",
+                   "--programs", "--matmul-size", "--slowdown-windows"):
+        arg_checks.at_least(option, getattr(args, option[2:].replace("-", "_")), 1)
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """The transfer sizes are whole pages of every page size, the auto sizes <= --tokens."""
+    largest = max(args.page_sizes)
+    for option, size in [("--tokens", args.tokens),
+                         *(("--auto-sizes", size) for size in args.auto_sizes)]:
+        if any(size % page for page in args.page_sizes) or size % largest:
+            raise UsageError(f"{option} {size}: {size} tokens is not a whole number of pages "
+                             f"of every page size {args.page_sizes}; use multiples of "
+                             f"{largest}")
+    if max(args.auto_sizes) > args.tokens:
+        raise UsageError(f"--auto-sizes {max(args.auto_sizes)}: must not exceed --tokens "
+                         f"({args.tokens})")
+
+
 def check_outputs(args: argparse.Namespace) -> None:
-    """Raise :class:`UsageError` unless every output file can be written and ``--plot``'s
-    matplotlib is installed (checked before a run)."""
-    outputs = [("--plot", args.plot), ("--auto-table", args.auto_table)]
-    if args.from_json is None:
-        outputs.append(("--json", args.json))
+    """Raise :class:`UsageError` unless every output file can be written (and is none of the
+    ``--from-json`` inputs) and ``--plot``'s matplotlib is installed (checked before a run)."""
+    if args.from_json is not None and args.json is not None:
+        raise UsageError(f"--json {args.json}: a --from-json re-render writes no result file; "
+                         f"drop --json (the saved result is already JSON)")
+    outputs = [("--plot", args.plot), ("--auto-table", args.auto_table), ("--json", args.json)]
     for option, path in outputs:
-        if path is not None:
-            check_output_path(path, option)
+        if path is None:
+            continue
+        for source in args.from_json or ():
+            if _same_file(path, source):
+                raise UsageError(f"{option} {path}: is the --from-json input {source}; name "
+                                 f"another file so the saved result is kept")
+        check_output_path(path, option)
     if args.plot is not None and not have_matplotlib():
         raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (the same path, or links to one)."""
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
+    except OSError:
+        return False
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -220,8 +256,15 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def _saved_runs(args: argparse.Namespace) -> BenchResult:
     """The first saved run of ``--from-json``; with several, its auto table is replaced by
-    the one derived from all of them (:func:`~hicache.bench.auto.auto_table_of_runs`)."""
-    results = [load_json(path) for path in args.from_json]
+    the one derived from all of them (:func:`~hicache.bench.auto.auto_table_of_runs`).
+    ``ValueError`` for a file that is no saved result (naming ``--from-json`` and the file)
+    or runs that do not go together."""
+    results = []
+    for path in args.from_json:
+        try:
+            results.append(load_json(path))
+        except ValueError as exc:
+            raise ValueError(f"--from-json {exc}") from None
     if len(results) == 1:
         return results[0]
     table = auto_table_of_runs(results, args.max_slowdown_pct, args.min_share_of_best)

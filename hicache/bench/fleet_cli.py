@@ -12,10 +12,13 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from hicache.cli.output_path import check_output_path
 from hicache.cli.parser import CliParser, UsageError
+
+from . import arg_checks
+from .trace_file import TraceRequest
 
 if TYPE_CHECKING:  # the replay imports torch: only a run loads it
     from .fleet import FleetRow
@@ -39,11 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--instances", type=int, nargs="+", default=[2, 4],
                         help="fleet sizes; each is run with the store and without it")
     parser.add_argument("--capacities", nargs="+", default=["2000:8000"],
-                        help="device:host capacities of each instance, in 512-token blocks")
+                        help="DEVICE:HOST capacities of each instance, in 512-token blocks "
+                        "(host >= device; the device must hold the trace's longest request)")
     parser.add_argument("--storage", default="file",
                         help="the shared store: 'file' (a temporary directory), a directory, "
                         "'redis' (a redis-server started on loopback) or redis://host:port "
-                        "(its pages of this run are removed at the end)")
+                        "(its pages of this run are removed at the end); checked before the run")
     parser.add_argument("--prefetch-policy", choices=POLICIES, default="wait_complete")
     parser.add_argument("--verify-every", type=int, default=1,
                         help="check the reused rows of every n-th request (0: none)")
@@ -55,45 +59,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        capacities = _check(args)
+        checked = _check(args)
     except UsageError as exc:
         print(f"hicache bench fleet: error: {exc}", file=sys.stderr)
         return 2
+    if checked.storage.startswith("redis") and checked.storage != "redis":
+        problem = arg_checks.reachable("--storage", checked.storage)
+        if problem is not None:
+            print(f"hicache bench fleet: error: {problem}", file=sys.stderr)
+            return 1
     import torch
 
-    from .fleet import FleetError, FleetRow, replay_fleet
-    from .trace import lru_hit_rate, read_trace
+    from .fleet import FleetError
 
     # The copies are of a few MiB; torch's intra-op threads would only contend with the
     # store's worker threads (on 2 cores they made the replay 2-4x slower).
     torch.set_num_threads(1)
-
-    requests = read_trace(args.trace, args.trace_requests)
-    ideal = lru_hit_rate(requests, 1 << 62)
-    rows: list[FleetRow] = []
-    with _store_location(args.storage) as location:
-        kind = "redis" if location.startswith("redis") else "file"
-        for device_blocks, host_blocks in capacities:
-            for instances in args.instances:
-                for store in (kind, "none"):
-                    print(f"  {instances} instances, {device_blocks}:{host_blocks} blocks, "
-                          f"store {store} ...", file=sys.stderr, flush=True)
-                    row = FleetRow(instances, store, device_blocks, host_blocks,
-                                   ideal_hit_rate=ideal)
-                    try:
-                        with _run_location(location, store) as where:
-                            replay_fleet(requests, row, where,
-                                         prefetch_policy=args.prefetch_policy,
-                                         verify_every=args.verify_every,
-                                         settle_backups=not args.no_settle,
-                                         model_revision=uuid.uuid4().hex,
-                                         clear_store=kind == "redis")
-                    except FleetError as exc:
-                        print(f"hicache bench fleet: FAILED: {exc}", file=sys.stderr)
-                        return 1
-                    rows.append(row)
-    print(f"hicache bench fleet: {args.trace.name}, {len(requests)} requests round-robin, "
-          f"512-token pages, prefetch {args.prefetch_policy}"
+    try:
+        rows = _replay_all(args, checked)
+    except FleetError as exc:
+        print(f"hicache bench fleet: FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(f"hicache bench fleet: {args.trace.name}, {len(checked.requests)} requests "
+          f"round-robin, 512-token pages, prefetch {args.prefetch_policy}"
           f"{', no settle' if args.no_settle else ''}")
     print(render(rows))
     if args.json is not None:
@@ -103,33 +91,76 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check(args: argparse.Namespace) -> list[tuple[int, int]]:
-    """The capacities; :class:`UsageError` for bad arguments, an unreadable trace or an
-    unwritable --json, before anything runs."""
-    if args.trace_requests < 1 or min(args.instances) < 1 or args.verify_every < 0:
-        raise UsageError("--trace-requests and --instances must be >= 1, --verify-every >= 0")
-    try:
-        capacities = [(int(d), int(h)) for d, h in (c.split(":") for c in args.capacities)]
-    except ValueError:
-        raise UsageError("--capacities are DEVICE:HOST block counts, e.g. 2000:8000") from None
-    if any(d < 1 or h < d for d, h in capacities):
-        raise UsageError("--capacities: device >= 1 block and host >= device")
-    try:
-        with open(args.trace, "rb"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"--trace {args.trace}: cannot read it ({exc.strerror}); name a "
-                         f"JSONL trace file") from None
-    if args.storage == "redis":
+def _replay_all(args: argparse.Namespace, checked: Checked) -> list[FleetRow]:
+    """One row per capacity, fleet size and store (the shared one, then none)."""
+    from .fleet import FleetRow, replay_fleet
+    from .trace import lru_hit_rate
+
+    ideal = lru_hit_rate(checked.requests, 1 << 62)
+    rows: list[FleetRow] = []
+    with _store_location(checked.storage) as location:
+        kind = "redis" if location.startswith("redis") else "file"
+        for device_blocks, host_blocks in checked.capacities:
+            for instances in args.instances:
+                for store in (kind, "none"):
+                    print(f"  {instances} instances, {device_blocks}:{host_blocks} blocks, "
+                          f"store {store} ...", file=sys.stderr, flush=True)
+                    row = FleetRow(instances, store, device_blocks, host_blocks,
+                                   ideal_hit_rate=ideal)
+                    with _run_location(location, store) as where:
+                        replay_fleet(checked.requests, row, where,
+                                     prefetch_policy=args.prefetch_policy,
+                                     verify_every=args.verify_every,
+                                     settle_backups=not args.no_settle,
+                                     model_revision=uuid.uuid4().hex,
+                                     clear_store=kind == "redis")
+                    rows.append(row)
+    return rows
+
+
+class Checked(NamedTuple):
+    """The validated inputs of a run."""
+
+    capacities: list[tuple[int, int]]
+    requests: list[TraceRequest]
+    storage: str
+    """``file``, ``redis``, a Redis URL or an absolute directory (``file://`` URLs too)."""
+
+
+def _check(args: argparse.Namespace) -> Checked:
+    """The inputs; :class:`UsageError` naming the option and the value for a bad number, a
+    bad ``--storage``, a trace that is unreadable, empty or malformed, or an unwritable
+    ``--json``, before anything runs or is made."""
+    arg_checks.at_least("--trace-requests", args.trace_requests, 1)
+    arg_checks.at_least("--instances", args.instances, 1)
+    arg_checks.at_least("--verify-every", args.verify_every, 0)
+    capacities = arg_checks.capacities("--capacities", args.capacities,
+                                       host_at_least_device=True)
+    storage = _check_storage(args.storage)
+    requests = arg_checks.trace("--trace", args.trace, args.trace_requests)
+    arg_checks.fits("--capacities", capacities, requests)
+    if args.json is not None:
+        check_output_path(args.json, "--json")
+    return Checked(capacities, requests, storage)
+
+
+def _check_storage(storage: str) -> str:
+    """``--storage`` as :func:`_store_location` takes it; :class:`UsageError` if it is
+    none of the forms its help names."""
+    if storage == "file":
+        return storage
+    if storage == "redis":
         from .redis_local import have_redis
 
         if not have_redis():
-            raise UsageError("redis-server is not installed: install it (Debian: apt-get "
-                             "install redis-server), or name a running server with "
-                             "--storage redis://host:port, or use --storage file")
-    if args.json is not None:
-        check_output_path(args.json, "--json")
-    return capacities
+            raise UsageError("--storage redis: redis-server is not installed: install it "
+                             "(Debian: apt-get install redis-server), or name a running server "
+                             "with --storage redis://host:port, or use --storage file")
+        return storage
+    location = arg_checks.store("--storage", storage,
+                                schemes=("file", "redis", "redis+cluster"))
+    # absolute, so that a directory named like "redis-pages" is never taken for a URL
+    return storage if location.path is None else str(Path(location.path).absolute())
 
 
 @contextmanager

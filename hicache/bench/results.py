@@ -122,7 +122,8 @@ def to_json(result: BenchResult) -> dict[str, Any]:
 
 
 def from_json(data: dict[str, Any]) -> BenchResult:
-    """Inverse of :func:`to_json`. Raises ``ValueError`` on a file of another format."""
+    """Inverse of :func:`to_json`. Raises ``ValueError`` on a file of another format or a
+    malformed one."""
     if data.get("format") != FORMAT_VERSION:
         raise ValueError(
             f"not a hicache bench result of format {FORMAT_VERSION} "
@@ -137,8 +138,12 @@ def from_json(data: dict[str, Any]) -> BenchResult:
             measurements=[Measurement(**m) for m in data["measurements"]],
             auto_table=dict(data.get("auto_table", {})),
         )
-    except (KeyError, TypeError) as exc:
-        raise ValueError(f"malformed hicache bench result: {exc}") from exc
+    except KeyError as exc:
+        raise ValueError(f"malformed hicache bench result: no field {exc}; re-run "
+                         f"`hicache bench --json PATH`") from exc
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"malformed hicache bench result ({exc}); re-run "
+                         f"`hicache bench --json PATH`") from exc
 
 
 def save_json(result: BenchResult, path: Path) -> None:
@@ -147,13 +152,22 @@ def save_json(result: BenchResult, path: Path) -> None:
 
 
 def load_json(path: Path) -> BenchResult:
-    """Read a result written by :func:`save_json`."""
+    """Read a result written by :func:`save_json`. Raises ``ValueError`` whose message
+    starts with ``path``: a file that cannot be read (missing, a directory), is not UTF-8
+    JSON, or is no saved result."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ValueError(f"{path}: no such file") from exc
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc}); name a file "
+                         f"written by `hicache bench --json PATH`") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                         f"not a hicache bench result") from None
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from exc
+        raise ValueError(f"{path}: not JSON ({exc})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a hicache bench result")
-    return from_json(data)
+        raise ValueError(f"{path}: not a hicache bench result (not a JSON object)")
+    try:
+        return from_json(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

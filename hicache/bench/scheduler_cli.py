@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 from hicache.cli.output_path import check_output_path
 from hicache.cli.parser import CliParser, UsageError
 
+from . import arg_checks
+from .trace_file import TraceRequest
+
 if TYPE_CHECKING:  # the measuring modules import torch: only a run loads them
     from .scheduler import Figure
     from .scheduler_requests import RequestsRow
@@ -55,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests of the trace to replay")
     parser.add_argument("--capacities", nargs="+", default=["5000:5000", "5000:20000",
                                                             "20000:20000"],
-                        help="device:host capacities of the replay, in 512-token blocks")
+                        help="DEVICE:HOST capacities of the replay, in 512-token blocks "
+                        "(both >= 1; the device must hold the trace's longest request)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: sizes 10000 and 100000, 30 repeats")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures here")
@@ -64,25 +68,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.sizes, args.repeats = [10_000, 100_000], min(args.repeats, 30)
-    if min(args.sizes) < 1_000 or args.repeats < 1 or args.trace_requests < 1:
-        print("hicache bench scheduler: error: --sizes >= 1000 and --repeats, "
-              "--trace-requests >= 1", file=sys.stderr)
-        return 2
     try:
-        capacities = [tuple(int(x) for x in c.split(":")) for c in args.capacities]
-    except ValueError:
-        print("hicache bench scheduler: error: --capacities are DEVICE:HOST block counts",
-              file=sys.stderr)
-        return 2
-    try:
-        _check_files(args)
+        capacities, requests = _check(args)
     except UsageError as exc:
         print(f"hicache bench scheduler: error: {exc}", file=sys.stderr)
         return 2
     import torch
 
     from .scheduler_requests import render_requests
-    from .trace import read_trace, replay
+    from .trace import replay
 
     figures, end_to_end = _measure(args)
     print(f"hicache bench scheduler: {platform.processor() or platform.machine()}, "
@@ -91,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
     print(render_requests(end_to_end))
     rows: list[ReplayRow] = []
     if args.trace is not None:
-        requests = read_trace(args.trace, args.trace_requests)
         rows = [replay(requests, d, h, page_size=16) for d, h in capacities]
         print(render_replay(rows, args.trace.name))
     if args.json is not None:
@@ -105,17 +98,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_files(args: argparse.Namespace) -> None:
-    """The trace can be read and the --json file written, before anything is measured."""
+def _check(args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[TraceRequest]]:
+    """The replay's capacities and the trace's requests (none without ``--trace``), read and
+    validated, and the --json file writable, before anything is measured; otherwise
+    :class:`UsageError` naming the option and the value."""
+    arg_checks.at_least("--sizes", args.sizes, 1_000)
+    arg_checks.at_least("--repeats", args.repeats, 1)
+    arg_checks.at_least("--trace-requests", args.trace_requests, 1)
+    capacities = arg_checks.capacities("--capacities", args.capacities,
+                                       host_at_least_device=False)
+    requests: list[TraceRequest] = []
     if args.trace is not None:
-        try:
-            with open(args.trace, "rb"):
-                pass
-        except OSError as exc:
-            raise UsageError(f"--trace {args.trace}: cannot read it ({exc.strerror}); name "
-                             f"a JSONL trace file") from None
+        requests = arg_checks.trace("--trace", args.trace, args.trace_requests)
+        arg_checks.fits("--capacities", capacities, requests)
     if args.json is not None:
         check_output_path(args.json, "--json")
+    return capacities, requests
 
 
 def _measure(args: argparse.Namespace) -> tuple[list[Figure], list[RequestsRow]]:

@@ -14,10 +14,17 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hicache.cli.output_path import check_output_path
+from hicache.cli.parser import FAILED, USAGE_ERROR, CliParser, UsageError
+
+from . import arg_checks
+
 if TYPE_CHECKING:  # the measuring module imports torch: only a run loads it
     from .storage import Batch, Row
 
 STORES = ("file", "redis", "cluster")
+# option naming a running server -> (the store it serves, its URL scheme)
+_SERVERS = {"--redis": ("redis", "redis"), "--cluster": ("cluster", "redis+cluster")}
 DESCRIPTION = (
     "Measure the shared store (L3) on this machine: put/get GB/s and the latency of an "
     "existence check of 128 pages, for the file store and Redis (a standalone server and a "
@@ -36,11 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes moved per timed call (pages = this / page size)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per figure")
     parser.add_argument("--redis", metavar="URL", help="a running server (redis://host:port) "
-                        "instead of a local one; its namespace is cleared")
+                        "instead of a local one; its namespace is cleared; checked before the run")
     parser.add_argument("--cluster", metavar="URL", help="a running cluster "
-                        "(redis+cluster://host:port,...) instead of a local one")
-    parser.add_argument("--dir", type=Path, help="file store directory (default: a temporary "
-                        "one on the system's temp file system)")
+                        "(redis+cluster://host:port,...) instead of a local one; checked "
+                        "before the run")
+    parser.add_argument("--dir", type=Path, help="file store directory, made if missing "
+                        "(default: a temporary one on the system's temp file system)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 8 MiB batches, 2 repeats")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows here")
@@ -49,15 +57,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.batch_mib, args.repeats = min(args.batch_mib, 8), min(args.repeats, 2)
-    if min(args.page_tokens) < 1 or args.batch_mib < 1 or args.repeats < 1:
-        return _usage("--page-tokens, --batch-mib and --repeats must be >= 1")
-    from .redis_local import have_redis
-
-    local_redis = {"redis": args.redis is None, "cluster": args.cluster is None}
-    if any(local_redis[s] for s in args.stores if s != "file") and not have_redis():
-        return _usage("redis-server is not installed: install it (Debian: apt-get install "
-                      "redis-server), name running servers with --redis/--cluster, or "
-                      "measure --stores file")
+    try:
+        _check(args)
+    except UsageError as exc:
+        return _error(str(exc), USAGE_ERROR)
+    for option, url in (("--redis", args.redis), ("--cluster", args.cluster)):
+        if url is not None and _SERVERS[option][0] in args.stores:
+            problem = arg_checks.reachable(option, url)
+            if problem is not None:
+                return _error(problem, FAILED)
     import torch
 
     from .storage import Batch
@@ -182,13 +190,35 @@ def _cpus() -> int:
         os.cpu_count() or 1
 
 
-def _usage(message: str) -> int:
+def _check(args: argparse.Namespace) -> None:
+    """:class:`UsageError` naming the option and the value for a bad count, ``--json``,
+    ``--dir``, ``--redis`` or ``--cluster``, or a missing redis-server, before any work."""
+    arg_checks.at_least("--page-tokens", args.page_tokens, 1)
+    arg_checks.at_least("--batch-mib", args.batch_mib, 1)
+    arg_checks.at_least("--repeats", args.repeats, 1)
+    if args.json is not None:
+        check_output_path(args.json, "--json")
+    if args.dir is not None:
+        arg_checks.directory("--dir", args.dir)
+    for option, url in (("--redis", args.redis), ("--cluster", args.cluster)):
+        if url is not None:
+            arg_checks.store(option, url, schemes=(_SERVERS[option][1],))
+    from .redis_local import have_redis
+
+    local_redis = {"redis": args.redis is None, "cluster": args.cluster is None}
+    if any(local_redis[s] for s in args.stores if s != "file") and not have_redis():
+        raise UsageError("redis-server is not installed: install it (Debian: apt-get install "
+                         "redis-server), name running servers with --redis/--cluster, or "
+                         "measure --stores file")
+
+
+def _error(message: str, code: int) -> int:
     print(f"hicache bench storage: error: {message}", file=sys.stderr)
-    return 2
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hicache bench storage", description=DESCRIPTION)
+    parser = CliParser(prog="hicache bench storage", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

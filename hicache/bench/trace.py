@@ -2,19 +2,17 @@
 prefix hit rate, next to a block-level LRU cache of the same capacity replayed over the same
 requests in the same run (the reference).
 
-Trace format (one JSON object a line): ``input_length`` tokens and ``hash_ids``, one id per
-512-token block; two requests that share a leading run of ids share that prefix. Block ``b``
-expands to the token ids ``b * 512 .. b * 512 + 511`` (distinct for distinct blocks), cut at
-``input_length``.
+Trace format (:mod:`hicache.bench.trace_file`, which reads and validates it): ``input_length``
+tokens and ``hash_ids``, one id per 512-token block; two requests that share a leading run of
+ids share that prefix. Block ``b`` expands to the token ids ``b * 512 .. b * 512 + 511``
+(distinct for distinct blocks), cut at ``input_length``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections import OrderedDict
-from pathlib import Path
 
 import torch
 
@@ -22,18 +20,10 @@ from hicache.pools import IndexSpace, Indices
 from hicache.service import HiCacheService
 
 from .scheduler import make_service
-
-BLOCK = 512
-
-
-@dataclasses.dataclass(frozen=True)
-class TraceRequest:
-    input_length: int
-    hash_ids: tuple[int, ...]
-
-    def tokens(self) -> list[int]:
-        out = [b * BLOCK + i for b in self.hash_ids for i in range(BLOCK)]
-        return out[: self.input_length]
+from .trace_file import BLOCK as BLOCK
+from .trace_file import TraceError as TraceError
+from .trace_file import TraceRequest as TraceRequest
+from .trace_file import read_trace as read_trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +47,6 @@ class ReplayRow:
     @property
     def requests_per_s(self) -> float:
         return self.requests / max(self.seconds, 1e-9)
-
-
-def read_trace(path: Path, limit: int) -> list[TraceRequest]:
-    """The first ``limit`` requests of a trace file."""
-    requests: list[TraceRequest] = []
-    with path.open(encoding="utf-8") as lines:
-        for line in lines:
-            if len(requests) >= limit:
-                break
-            record = json.loads(line)
-            requests.append(TraceRequest(int(record["input_length"]),
-                                         tuple(int(h) for h in record["hash_ids"])))
-    return requests
 
 
 def replay(requests: list[TraceRequest], device_blocks: int, host_blocks: int,

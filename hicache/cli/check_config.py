@@ -6,7 +6,9 @@ answer within ``storage.timeout_s``) ends the command with exit code 1 after the
 config is valid, but an engine started with it here would find nothing in its L3 (every
 lookup a miss, no backup kept), which an operator checking a deployment wants to know before
 starting it. ``--skip-storage-check`` skips the question, for a config meant for another
-machine, as ``--skip-ram-check`` skips the RAM check.
+machine, as ``--skip-ram-check`` skips the RAM check. A ``device_pool.device`` this machine
+lacks (``cuda`` without CUDA, ``cuda:N`` past its last GPU) ends it the same way, for the same
+reason; ``--skip-device-check`` skips that question. Both failures share one stderr line.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hicache.config.sizing import PoolSize, pool_layers, pool_sizes, staging_byt
 from hicache.pools import HostLayout
 from hicache.storage import describe_location, probe_store
 
+from .device import missing_device
 from .parser import FAILED, one_line
 
 
@@ -55,6 +58,12 @@ def add_check_config(commands: argparse._SubParsersAction[argparse.ArgumentParse
         "(for a config meant for another machine); otherwise a store that cannot be used "
         "ends the command with exit code 1 after the report",
     )
+    parser.add_argument(
+        "--skip-device-check", action="store_true",
+        help="do not check that device_pool.device is on this machine (for a config meant "
+        "for another machine); otherwise a device this machine lacks ends the command with "
+        "exit code 1 after the report",
+    )
     parser.set_defaults(run=_check_config)
 
 
@@ -75,15 +84,30 @@ def _check_config(args: argparse.Namespace) -> int:
         print(f"device staging ({config.controller.io_backend.value} backend, "
               f"{config.controller.staging_tokens} tokens per chunk): up to {staging} bytes, "
               f"{staging / GIB:.4f} GiB")
-    return _check_storage(config.storage, checked=not args.skip_storage_check)
+    problems = [_device_problem(config.device_pool.device, checked=not args.skip_device_check),
+                _check_storage(config.storage, checked=not args.skip_storage_check)]
+    found = [problem for problem in problems if problem is not None]
+    if not found:
+        return 0
+    print(f"hicache: error: {one_line('; and '.join(found))}", file=sys.stderr)
+    return FAILED
 
 
-def _check_storage(storage: StorageConfig, *, checked: bool) -> int:
-    """Print the store and its policies; ``FAILED`` (with one line on stderr) when the store
-    cannot be used from here."""
+def _device_problem(device: str, *, checked: bool) -> str | None:
+    """What to say when ``device`` (a well-formed config value) is not on this machine."""
+    missing = missing_device(device) if checked else None
+    if missing is None:
+        return None
+    return (f"device_pool.device = {device!r}: {missing}; an engine started with this config "
+            f"here could not allocate its pools (--skip-device-check skips this check)")
+
+
+def _check_storage(storage: StorageConfig, *, checked: bool) -> str | None:
+    """Print the store and its policies; what to say on stderr when the store cannot be
+    used from here, else ``None``."""
     if storage.location is None:
         print("storage (L3): none")
-        return 0
+        return None
     if checked:
         probe = probe_store(storage.location, timeout_s=storage.timeout_s,
                             capacity_bytes=storage.capacity_bytes)
@@ -94,11 +118,9 @@ def _check_storage(storage: StorageConfig, *, checked: bool) -> int:
     print(f"storage (L3): {report}")
     print(f"storage policies: {_storage_policies(storage)}")
     if not ok:
-        print(f"hicache: error: {one_line(report)}; an engine started with this config here "
-              f"would find nothing in its L3 (--skip-storage-check skips this check)",
-              file=sys.stderr)
-        return FAILED
-    return 0
+        return (f"{report}; an engine started with this config here would find nothing in "
+                f"its L3 (--skip-storage-check skips this check)")
+    return None
 
 
 def _storage_policies(storage: StorageConfig) -> str:

@@ -13,9 +13,13 @@ from hicache.config import (
     load_default_config,
 )
 
-from .output_path import check_output_path
-from .parser import FAILED, UsageError, integer, one_line
+from .demo_checks import check_demo_args
+from .parser import FAILED, USAGE_ERROR, UsageError, integer, one_line
 from .progress import PhaseBars
+
+MAX_SEED = 2**64 - 1  # torch's generator takes an unsigned 64-bit seed
+MAX_CONVERSATIONS = 10_000  # the workload is drawn up front: bound its size
+MAX_TURNS = 1_000  # far past what the default pools hold (that fails as a named EngineError)
 
 
 def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -35,11 +39,12 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument("--device", default=None,
                         help="cpu, cuda or cuda:N (default: the config's device_pool.device); "
                         "on cuda the forward runs on its own stream")
-    parser.add_argument("--seed", type=integer(0), default=0,
+    parser.add_argument("--seed", type=integer(0, MAX_SEED), default=0,
                         help="seed of the weights and the workload (default: %(default)s)")
-    parser.add_argument("--conversations", type=integer(1), default=None, metavar="N",
+    parser.add_argument("--conversations", type=integer(1, MAX_CONVERSATIONS), default=None,
+                        metavar="N",
                         help="conversations (default: 12; 6 with --quick)")
-    parser.add_argument("--turns", type=integer(1), default=None, metavar="N",
+    parser.add_argument("--turns", type=integer(1, MAX_TURNS), default=None, metavar="N",
                         help="most turns per conversation; each has N-1 or N (default: 4; 3 "
                         "with --quick)")
     parser.add_argument("--quick", action="store_true",
@@ -64,9 +69,9 @@ def add_demo(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 def run_demo_command(args: argparse.Namespace) -> int:
     """Handler of ``hicache demo``: check the outputs, run, print the report."""
     config, name = _config(args.config)
-    if args.json:
-        check_output_path(args.json, "--json")
+    check_demo_args(args, config)
     from hicache.engine import DemoOptions, EngineError, run_demo
+    from hicache.metrics.exporter import MetricsBindError
 
     options = DemoOptions(
         seed=args.seed, device=args.device, conversations=args.conversations,
@@ -79,6 +84,8 @@ def run_demo_command(args: argparse.Namespace) -> int:
             report = run_demo(config, options, name, progress)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    except MetricsBindError as exc:  # the service's metrics address (the config's)
+        return _failed(exc.strerror or str(exc), USAGE_ERROR)
     except EngineError as exc:
         return _failed(str(exc))
     print(report.format())
@@ -99,9 +106,9 @@ def _config(path: str | None) -> tuple[HiCacheConfig, str]:
     return load_config(path), path
 
 
-def _failed(message: str) -> int:
+def _failed(message: str, code: int = FAILED) -> int:
     print(f"hicache: error: {one_line(message)}", file=sys.stderr)
-    return FAILED
+    return code
 
 
 __all__ = ["add_demo", "run_demo_command"]

@@ -1,5 +1,6 @@
 """Output paths checked before a command starts its work, so that a long run never ends in
-an unwritable ``--json`` (or ``--plot``, ``--auto-table``, ``hicache init PATH``)."""
+an unwritable ``--json`` (or ``--plot``, ``--auto-table``, ``hicache init PATH``), nor in one
+that overwrites the command's own input (:func:`check_not_input`)."""
 
 from __future__ import annotations
 
@@ -29,3 +30,23 @@ def check_output_path(path: str | os.PathLike[str], option: str) -> None:
                          f"file in an existing directory you can write to") from None
     if not existed:
         target.unlink(missing_ok=True)
+
+
+def check_not_input(path: str | os.PathLike[str], option: str,
+                    inputs: dict[str, str | os.PathLike[str] | None]) -> None:
+    """Raise :class:`UsageError` when ``path`` (an output, ``option``) is one of ``inputs``
+    (input option -> its path, ``None`` when not given): writing it would destroy what the
+    command reads, e.g. ``--json`` naming the ``--config`` file."""
+    for input_option, input_path in inputs.items():
+        if input_path is not None and _same_file(path, input_path):
+            raise UsageError(f"{option} {path}: is the {input_option} file, which it would "
+                             f"overwrite; name another file to write")
+
+
+def _same_file(first: str | os.PathLike[str], second: str | os.PathLike[str]) -> bool:
+    """Whether both name one file (the same inode, or one resolved path if either is
+    missing)."""
+    try:
+        return os.path.samefile(first, second)
+    except OSError:
+        return Path(first).resolve() == Path(second).resolve()

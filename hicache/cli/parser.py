@@ -37,9 +37,10 @@ class CliParser(argparse.ArgumentParser):
                   f"{self.prog}: error: {one_line(message)}; see '{self.prog} --help'\n")
 
 
-def integer(minimum: int | None = None) -> Callable[[str], int]:
-    """An argparse ``type`` for a whole number (``>= minimum`` when given), whose error says
-    what is expected and what was given: ``expected a whole number >= 1, got 'x'``."""
+def integer(minimum: int | None = None, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type`` for a whole number (``>= minimum``, ``<= maximum`` when given),
+    whose error says what is expected and what was given: ``expected a whole number >= 1,
+    got 'x'``; a value above ``maximum``: ``expected a whole number <= 1000, got 5000``."""
     rule = "a whole number" if minimum is None else f"a whole number >= {minimum}"
 
     def parse(text: str) -> int:
@@ -49,6 +50,8 @@ def integer(minimum: int | None = None) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
         if minimum is not None and value < minimum:
             raise argparse.ArgumentTypeError(f"expected {rule}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"expected a whole number <= {maximum}, got {value}")
         return value
 
     return parse

@@ -1,6 +1,7 @@
 """Strict configuration: YAML -> frozen dataclasses, one per component, validated on load.
 
-- :mod:`~hicache.config.sections`: the choices (enums) and one dataclass per section
+- :mod:`~hicache.config.choices`: the closed choices (enums);
+- :mod:`~hicache.config.sections`: one dataclass per section
   (``model``, ``device_pool``, ``host``, ``controller``, ``service``);
 - :mod:`~hicache.config.storage`: the ``storage`` section (the shared store, L3);
 - :mod:`~hicache.config.hicache`: :class:`HiCacheConfig`, the sections together and the
@@ -16,6 +17,7 @@
 
 from __future__ import annotations
 
+from .choices import DType, EvictionPolicy, IOBackend, SWAHistory, WritePolicy
 from .hicache import HiCacheConfig
 from .loading import (
     DEFAULT_CONFIG_NAME,
@@ -31,14 +33,9 @@ from .parse import ConfigError
 from .sections import (
     ControllerConfig,
     DevicePoolConfig,
-    DType,
-    EvictionPolicy,
     HostTierConfig,
-    IOBackend,
     ModelConfig,
     ServiceConfig,
-    SWAHistory,
-    WritePolicy,
 )
 from .sizing import (
     GIB,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from .choices import IOBackend, SWAHistory
 from .parse import ConfigError, check_min, fail, forbid
 from .sections import (
     ControllerConfig,
@@ -20,6 +21,13 @@ from .sections import (
 )
 from .sizing import GIB, pool_names, pool_sizes, token_bytes
 from .storage import StorageConfig
+
+_CUDA_ONLY = {
+    IOBackend.KERNEL: "the Triton kernel copies between CUDA pools and pinned host memory",
+    IOBackend.STAGED: "staged copies go through CUDA staging buffers on side streams",
+    IOBackend.DIRECT: "direct copies runs of rows with the GPU's copy engine",
+}
+"""The backends that need CUDA pools, and why (``make_backend`` refuses them on a CPU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,8 +52,19 @@ class HiCacheConfig:
                     "model.swa_layers is empty, so there is no SWA pool")
         else:
             self._check_swa_pool()
+        self._check_backend_device()
         self._check_host_pages()
         self._check_storage_cap()
+
+    def _check_backend_device(self) -> None:
+        """The CUDA-only backends with CPU pools (``build_service`` would refuse them)."""
+        backend = self.controller.io_backend
+        if backend in _CUDA_ONLY and self.device_pool.device == "cpu":
+            raise fail("controller.io_backend", backend.value,
+                        f"{_CUDA_ONLY[backend]}, but device_pool.device is cpu",
+                        "choose io_backend: torch or auto for CPU pools, or set "
+                        "device_pool.device: cuda")
+
 
     def _check_swa_pool(self) -> None:
         pool = self.device_pool
@@ -99,3 +118,16 @@ class HiCacheConfig:
         """True when the model has sliding-window layers (full + SWA pools)."""
         return self.model.is_hybrid
 
+
+def check_store_swa_history(config: HiCacheConfig) -> None:
+    """Refuse a store with a hybrid model whose host keeps SWA rows for windows only (its
+    pages go to the store with every SWA row; ``build_service`` refuses it too). Checked on
+    loading, not on construction, so that ``dataclasses.replace`` can still make the
+    variants a report compares (``hicache check-config`` prices each ``swa_history``)."""
+    history = config.host.swa_history
+    storage = config.storage
+    if storage.is_enabled and config.is_hybrid and history is not SWAHistory.ALL:
+        raise fail("host.swa_history", history.value,
+                   f"a hybrid model's pages go to the shared store (storage.backend is "
+                   f"{storage.backend.value}) with their SWA rows, which window_tails keeps "
+                   f"for windows only", "set host.swa_history: all, or storage.backend: none")

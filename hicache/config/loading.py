@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from .hicache import HiCacheConfig
+from .hicache import HiCacheConfig, check_store_swa_history
 from .parse import ConfigError, StrictLoader, build_section, fail, yaml_reason
 from .sizing import GIB, pool_sizes
 
@@ -48,13 +48,18 @@ def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCa
         path: the YAML file.
         check_ram: also check that the pools in RAM fit in the RAM available now.
     Raises:
-        ConfigError: unreadable file, invalid YAML, or any invalid setting; the message is
-            one line starting with ``path``; a missing file's says how to get one.
+        ConfigError: an empty path, an unreadable file, invalid YAML, or any invalid setting;
+            the message is one line starting with ``path``; a missing file's says how to get
+            one.
         TypeError: ``path`` is not a path (for a mapping, call ``config_from_dict``).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"load_config: path must be a str or os.PathLike naming a YAML file, "
                         f"got {type(path).__name__}; for a mapping call config_from_dict")
+    if not os.fspath(path).strip():
+        raise ConfigError(f"load_config: the config path {os.fspath(path)!r} is empty; give "
+                          f"the path of a YAML file, or leave it out to use the built-in "
+                          f"default")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -89,6 +94,7 @@ def config_from_dict(data: object, *, check_ram: bool = True) -> HiCacheConfig:
         raise ConfigError("the config is empty; it needs at least the sections model, "
                           "device_pool, host and the key page_size_tokens")
     config: HiCacheConfig = build_section(HiCacheConfig, data, "")
+    check_store_swa_history(config)
     if check_ram:
         check_host_memory(config)
     return config

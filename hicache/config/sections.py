@@ -1,9 +1,9 @@
-"""The sections of the configuration: one frozen dataclass per component, and its choices.
+"""The sections of the configuration: one frozen dataclass per component.
 
 The YAML file has the sections ``model``, ``device_pool``, ``host``, ``controller`` and
 ``service`` plus the top-level ``page_size_tokens``, and ``storage``
-(:mod:`hicache.config.storage`). Every field carries its unit in its name
-and a docstring; closed choices are enums with string values. Each section checks its own
+(:mod:`hicache.config.storage`). Every field carries its unit in its name and a docstring;
+closed choices are the enums of :mod:`hicache.config.choices`. Each section checks its own
 fields on construction and raises :class:`~hicache.config.parse.ConfigError`, whose one-line
 message names the dotted key (``host.layout``), the value and the fix. Checks that span
 sections live in :class:`~hicache.config.hicache.HiCacheConfig`.
@@ -13,7 +13,6 @@ Validation is pure arithmetic: nothing is allocated.
 
 from __future__ import annotations
 
-import enum
 import re
 from dataclasses import dataclass
 
@@ -21,60 +20,30 @@ import torch
 
 from hicache.pools import AttentionKind, HostLayout, RowGeometry
 
-from .parse import ConfigError, check_min, check_positive, fail, forbid, require
+from .choices import DType, EvictionPolicy, IOBackend, SWAHistory, WritePolicy
+from .parse import (
+    ConfigError,
+    case_hint,
+    check_gib,
+    check_max,
+    check_min,
+    check_positive,
+    fail,
+    forbid,
+    require,
+)
 
+MAX_LAYERS = 4096
+"""The most ``model.num_layers`` may be. The deepest models have a few hundred layers; a
+larger count is a typo, and the pools, per-layer events and layer lists grow with it (10**12
+layers would exhaust memory while the config is checked), so it is refused first."""
 
-class DType(enum.Enum):
-    """Element type of the KV rows."""
+MAX_EVENT_RING = 64
+"""The most ``controller.event_ring_size`` may be: each set holds an event per layer, and
+layer-wise loads overlap a forward a few at a time, so a deeper ring only takes memory."""
 
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FLOAT32 = "float32"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return {"bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float32": torch.float32}[self.value]
-
-
-class IOBackend(enum.Enum):
-    """How pages cross PCIe: index ops, the Triton UVA kernel, staged copies, copy-engine
-    copies per run of slots, or picked."""
-
-    TORCH = "torch"
-    KERNEL = "kernel"
-    STAGED = "staged"
-    DIRECT = "direct"
-    AUTO = "auto"
-
-
-class WritePolicy(enum.Enum):
-    """When pages are backed up to the tier below: device to host (``controller``), host to
-    the shared store (``storage``)."""
-
-    WRITE_THROUGH = "write_through"
-    WRITE_THROUGH_SELECTIVE = "write_through_selective"
-    WRITE_BACK = "write_back"
-
-
-class SWAHistory(enum.Enum):
-    """Which SWA rows of a hybrid model the host tier keeps."""
-
-    ALL = "all"
-    """Every page's SWA rows follow its full rows to the host: any cached prefix can be
-    reused (its window tail is on some tier). The host SWA pool holds as many tokens as the
-    host full pool."""
-    WINDOW_TAILS = "window_tails"
-    """Only the window tail of each inserted sequence: a prefix cut out of a longer sequence
-    (a shared system prompt, an earlier turn) cannot be reused. The host SWA pool is sized
-    like the device SWA pool (``host.ratio`` x its tokens)."""
-
-
-class EvictionPolicy(enum.Enum):
-    """Which cached prefix leaves a full tier first."""
-
-    LRU = "lru"
-    LFU = "lfu"
+MAX_HOST_RATIO = float(2**63)
+"""The most ``host.ratio`` may be: host tokens per device token, counted in int64 slots."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,7 +51,7 @@ class ModelConfig:
     """What one token stores per layer (section ``model``)."""
 
     num_layers: int
-    """Decoder layers of the model (>= 1)."""
+    """Decoder layers of the model (1..4096)."""
     dtype: DType
     """Element type of the KV rows."""
     attention: AttentionKind = AttentionKind.MHA
@@ -100,6 +69,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_min("model.num_layers", self.num_layers, 1)
+        # before anything that walks the layers (full_layer_ids builds a tuple of them)
+        check_max("model.num_layers", self.num_layers, MAX_LAYERS,
+                  "no model has more layers; a larger count is a typo")
         if self.attention is AttentionKind.MHA:
             require("model.num_kv_heads", self.num_kv_heads, 1, "for attention mha")
             require("model.head_dim", self.head_dim, 1, "for attention mha")
@@ -112,14 +84,16 @@ class ModelConfig:
         self._check_swa()
 
     def _check_swa(self) -> None:
+        seen: set[int] = set()
         for i, layer in enumerate(self.swa_layers):
             if not 0 <= layer < self.num_layers:
                 raise fail(f"model.swa_layers[{i}]", layer, "layer id out of range",
                             f"use ids 0..{self.num_layers - 1} (model.num_layers is "
                             f"{self.num_layers})")
-            if layer in self.swa_layers[:i]:
+            if layer in seen:
                 raise fail(f"model.swa_layers[{i}]", layer, "duplicated layer id",
                             "list each sliding-window layer once")
+            seen.add(layer)
         if self.swa_layers and len(self.swa_layers) == self.num_layers:
             raise fail("model.swa_layers", list(self.swa_layers),
                         "every layer is sliding-window; the full pool needs at least one "
@@ -160,6 +134,9 @@ class ModelConfig:
         )
 
 
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DevicePoolConfig:
     """GPU (L1) pools (section ``device_pool``)."""
@@ -175,9 +152,11 @@ class DevicePoolConfig:
         check_min("device_pool.num_tokens", self.num_tokens, 1)
         if self.swa_num_tokens is not None:
             check_min("device_pool.swa_num_tokens", self.swa_num_tokens, 1)
-        if not re.fullmatch(r"cpu|cuda(:[0-9]+)?", self.device):
+        if not _DEVICE.fullmatch(self.device):
+            meant = self.device.lower()
+            hint = case_hint(self.device, [meant]) if _DEVICE.fullmatch(meant) else ""
             raise fail("device_pool.device", self.device, "not a device",
-                        "use cpu, cuda or cuda:N")
+                        f"{hint}use cpu, cuda or cuda:N")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -211,9 +190,15 @@ class HostTierConfig:
             )
         if self.ratio is not None:
             check_positive("host.ratio", self.ratio)
+            if self.ratio > MAX_HOST_RATIO:
+                raise fail("host.ratio", self.ratio, "more host tokens per device token "
+                            "than a slot index can count (2**63)", "use host tokens per "
+                            "device token, e.g. 4.0, or host.size_gib for a size in GiB")
         if self.size_gib is not None:
             check_positive("host.size_gib", self.size_gib)
+            check_gib("host.size_gib", self.size_gib)
         check_min("host.ram_reserve_gib", self.ram_reserve_gib, 0)
+        check_gib("host.ram_reserve_gib", self.ram_reserve_gib)
 
     @property
     def size_key(self) -> tuple[str, float]:
@@ -241,7 +226,7 @@ class ControllerConfig:
     eviction_policy: EvictionPolicy = EvictionPolicy.LRU
     """Eviction order of both tiers."""
     event_ring_size: int = 3
-    """Event sets of layer-wise loads in flight at once (>= 2)."""
+    """Event sets of layer-wise loads in flight at once (2..64)."""
     staging_tokens: int = 1024
     """Chunk budget of the staged backend's device staging buffers, in tokens of every
     layer (>= 1); each buffer holds one page more, for chunks balanced in whole pages."""
@@ -251,6 +236,8 @@ class ControllerConfig:
         check_min("controller.write_through_hits", self.write_through_hits, 1)
         check_min("controller.load_back_threshold_tokens", self.load_back_threshold_tokens, 0)
         check_min("controller.event_ring_size", self.event_ring_size, 2)
+        check_max("controller.event_ring_size", self.event_ring_size, MAX_EVENT_RING,
+                  "event sets of layer-wise loads in flight at once, each an event per layer")
         check_min("controller.staging_tokens", self.staging_tokens, 1)
 
 

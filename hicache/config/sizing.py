@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
+from .choices import SWAHistory
 from .parse import ConfigError
-from .sections import SWAHistory
 
 if TYPE_CHECKING:  # HiCacheConfig checks its host pools with pool_sizes at construction
     from .hicache import HiCacheConfig

@@ -11,12 +11,13 @@ accepted here is one the store opens; nothing is opened or touched while loading
 from __future__ import annotations
 
 import enum
+import os
 from dataclasses import dataclass
 
 from hicache.storage import DEFAULT_TIMEOUT_S, StoreLocation, parse_address, parse_location
 
-from .parse import ConfigError, check_min, check_positive, fail
-from .sections import WritePolicy
+from .choices import WritePolicy
+from .parse import ConfigError, check_gib, check_min, check_positive, fail
 from .sizing import GIB
 
 _CLUSTER_SCHEME = "redis+cluster://"
@@ -48,7 +49,8 @@ class StorageConfig:
     backend: StorageKind = StorageKind.NONE
     """``none`` (no L3), ``file`` or ``redis``."""
     path: str | None = None
-    """``file``: the directory of the pages (made if missing; may be a shared mount)."""
+    """``file``: the directory of the pages (made if missing; may be a shared mount). ``~`` is
+    not expanded (the service may run as another user): write the absolute path."""
     size_cap_gib: float | None = None
     """``file``: cap on the pages' GiB on disk (> 0), least recently used evicted; none: no cap."""
     url: str | None = None
@@ -105,12 +107,19 @@ class StorageConfig:
             raise ConfigError("storage.path: missing, required for backend file; add the "
                               "directory of the pages (e.g. /var/cache/hicache)",
                               key="storage.path")
+        if self.path and not self.path.strip():
+            raise fail("storage.path", self.path, "blank", "give the directory of the pages")
         location = _parsed("storage.path", self.path)
         if location.path is None:
             raise fail("storage.path", self.path, "a Redis URL, not a directory",
                         "set storage.backend: redis and url, or give a directory")
+        if location.path.startswith("~"):
+            raise fail("storage.path", self.path, "'~' is not expanded (it would make a "
+                        "directory named '~')", f"write the absolute path, e.g. "
+                        f"{os.path.expanduser(location.path)}")
         if self.size_cap_gib is not None:
             check_positive("storage.size_cap_gib", self.size_cap_gib)
+            check_gib("storage.size_cap_gib", self.size_cap_gib)
         self._check_unused("backend file keeps pages in storage.path",
                            {"url": "redis", "nodes": "redis"})
 
@@ -144,6 +153,9 @@ class StorageConfig:
             raise fail("storage.nodes", [], "no nodes",
                         "list at least one host:port of the cluster")
         for i, node in enumerate(nodes):
+            if "://" in node:
+                raise fail(f"storage.nodes[{i}]", node, "a URL, not host:port",
+                            "write host:port without a scheme, e.g. 10.0.0.1:7000")
             try:
                 parse_address(node)
             except ValueError:

@@ -9,7 +9,7 @@ matched its backup and every generated token matched the baseline.
 from __future__ import annotations
 
 import dataclasses
-import socket
+import errno
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +21,7 @@ import torch
 from hicache.config import HiCacheConfig, WritePolicy
 from hicache.controller import HybridCacheController
 from hicache.factory import build_service
+from hicache.metrics.exporter import MetricsBindError, probe_bind
 from hicache.radix import CacheStats
 from hicache.service import HiCacheService
 
@@ -71,18 +72,29 @@ class DemoOptions:
 
 def demo_config(config: HiCacheConfig, options: DemoOptions) -> HiCacheConfig:
     """``config`` with the demo's overrides: device, write policy, and a free metrics port
-    when the configured one is taken (reported as such)."""
+    when the configured one is taken (reported as such).
+
+    Raises:
+        MetricsBindError: ``service.metrics_host`` cannot be bound (no address of this
+            machine, or a name that does not resolve).
+    """
     pool = config.device_pool
     if options.device is not None:
         pool = dataclasses.replace(pool, device=options.device)
     controller = config.controller
     if options.write_policy is not None:
         controller = dataclasses.replace(controller, write_policy=options.write_policy)
+    config = dataclasses.replace(config, device_pool=pool, controller=controller)
+    return _with_free_metrics_port(config)
+
+
+def _with_free_metrics_port(config: HiCacheConfig) -> HiCacheConfig:
+    """``config`` with ``service.metrics_port`` 0 (a free one) when the port is taken."""
     service = config.service
     if service.metrics_enabled and not _port_is_free(service.metrics_host,
                                                      service.metrics_port):
         service = dataclasses.replace(service, metrics_port=0)
-    return dataclasses.replace(config, device_pool=pool, controller=controller, service=service)
+    return dataclasses.replace(config, service=service)
 
 
 def run_demo(
@@ -93,6 +105,7 @@ def run_demo(
 
     Raises:
         ValueError: the device or the model is not usable (one line, names the fix).
+        MetricsBindError: ``service.metrics_host`` cannot be bound (one line, names it).
         EngineError: the pools cannot hold one request of the workload.
     """
     wanted_port = config.service.metrics_port
@@ -148,7 +161,7 @@ def serve_twice(
     mismatch = first_token_mismatch(second.generated, expected)
     report.token_mismatch = None if mismatch is None else f"second instance: {mismatch}"
     report.l3 = {
-        "store": where, "stored_pages": len(pages.pages),
+        "store": where, "stored_pages": pages.stored_pages, "failed_pages": pages.failed_pages,
         "first_from_store_tokens": report.l3_from_store_tokens,
         "second_prompt_tokens": second_report.prompt_tokens,
         "second_from_store_tokens": second_report.l3_from_store_tokens,
@@ -170,6 +183,7 @@ def serve(
     ``generated`` holds every turn's tokens. ``wanted_port``: the configured metrics port
     (to say so when another was used). ``store``: the audit of stored pages shared by the
     instances of this run, and the run's id (a salt of the store's namespace)."""
+    config = _with_free_metrics_port(config)  # again: another may have taken it since
     service = (build_service(config) if store is None else
                build_service(config, model_id="hicache-demo-decoder",
                              model_revision=f"seed-{options.seed}", salt=store[1]))
@@ -255,13 +269,14 @@ def _metrics_line(service: HiCacheService, config: HiCacheConfig, wanted_port: i
 
 
 def _port_is_free(host: str, port: int) -> bool:
-    if port == 0:
-        return True
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
+    """Whether ``host:port`` can be bound; ``False`` when another has the port; raises
+    :class:`MetricsBindError` for every other reason (the host is the problem)."""
+    try:
+        probe_bind(host, port)
+    except MetricsBindError as exc:
+        if exc.errno == errno.EADDRINUSE and port != 0:
             return False
+        raise
     return True
 
 

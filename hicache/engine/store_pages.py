@@ -7,7 +7,9 @@ what arrived, match again.
 
 :class:`StorePageAudit` extends :class:`~hicache.engine.verify.TransferAudit` across
 instances: when an instance sends pages to the store it files the digests of their rows
-(taken when they were backed up from the device) under the pages' hashes; when pages arrive
+(taken when they were backed up from the device) under the pages' hashes (a page whose put
+then fails is never found, so its digests are never used; :attr:`StorePageAudit.stored_pages`
+counts only the pages the store took); when pages arrive
 in another instance's host slots, those digests become the expected rows of those slots, so
 the audit's load check compares every row that reaches a device from the store with the
 rows the first instance computed.
@@ -24,8 +26,10 @@ import torch
 
 from hicache.config import HiCacheConfig
 from hicache.config.storage import StorageConfig, StorageKind
+from hicache.l3 import StorageTier
 from hicache.radix import MatchResult
 from hicache.service import HiCacheService
+from hicache.storage.store_url import parse_location
 
 from .verify import TransferAudit
 
@@ -51,6 +55,17 @@ class StorePageAudit:
         self.pages: dict[bytes, tuple[list[bytes], list[bytes] | None]] = {}
         self.arrived_pages = 0
         self.unknown_pages = 0  # arrived, but no instance of this run stored them
+        self._tiers: list[StorageTier] = []  # of the instances watched
+
+    @property
+    def stored_pages(self) -> int:
+        """Pages the store took (their put succeeded), over every instance watched."""
+        return sum(tier.stats.backup_pages["stored"] for tier in self._tiers)
+
+    @property
+    def failed_pages(self) -> int:
+        """Pages sent to the store whose put failed (a server gone, a full disk)."""
+        return sum(tier.stats.backup_pages["failed"] for tier in self._tiers)
 
     def watch(self, service: HiCacheService, audit: TransferAudit) -> None:
         """File the pages ``service`` stores; give its audit the digests of pages that
@@ -58,6 +73,7 @@ class StorePageAudit:
         tier = service.storage
         if tier is None:
             return
+        self._tiers.append(tier)
         page = service.tree.page_size
         full, swa_digests = audit.digests("full"), audit.digests("swa")
 
@@ -100,29 +116,28 @@ class StorePageAudit:
 @contextmanager
 def store_config(config: HiCacheConfig, storage: str) -> Iterator[tuple[HiCacheConfig, str]]:
     """``config`` with a ``storage`` section for ``storage`` (``file``: a temporary
-    directory, removed afterwards; a directory; or a ``redis://`` / ``redis+cluster://``
-    URL), and how to name the store in the report. The demo's prompts are short, so any
-    uncached tail of a page or more is asked for (``prefetch_threshold_tokens``: one page).
+    directory, removed afterwards; a directory or ``file:///`` URL; or a ``redis://`` /
+    ``redis+cluster://`` URL), and how to name the store in the report. The demo's prompts
+    are short, so any uncached tail of a page or more is asked for
+    (``prefetch_threshold_tokens``: one page).
 
     Raises:
-        ValueError: a location the store cannot use (one line, from the config's checks).
+        ValueError: a location the store cannot use (one line, from the parser of store
+            locations or the config's checks).
     """
-    base = config.storage
+    base = dataclasses.replace(StorageConfig(), prefetch_policy=config.storage.prefetch_policy,
+                               prefetch_threshold_tokens=config.page_size_tokens,
+                               timeout_s=config.storage.timeout_s)
     with ExitStack() as stack:
-        if storage.startswith(("redis://", "redis+cluster://")):
-            section = StorageConfig(backend=StorageKind.REDIS, url=storage,
-                                    prefetch_policy=base.prefetch_policy,
-                                    prefetch_threshold_tokens=config.page_size_tokens,
-                                    timeout_s=base.timeout_s)
+        parsed = None if storage == "file" else parse_location(storage)
+        if parsed is None:
+            path = stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-l3-"))
+            section = dataclasses.replace(base, backend=StorageKind.FILE, path=path)
+            where = "file store in a temporary directory"
+        elif parsed.path is None:
+            section = dataclasses.replace(base, backend=StorageKind.REDIS, url=storage)
             where = f"Redis at {storage.split('@')[-1]}"
         else:
-            path = storage
-            where = f"file store in {storage}"
-            if storage == "file":
-                path = stack.enter_context(tempfile.TemporaryDirectory(prefix="hicache-l3-"))
-                where = "file store in a temporary directory"
-            section = StorageConfig(backend=StorageKind.FILE, path=path,
-                                    prefetch_policy=base.prefetch_policy,
-                                    prefetch_threshold_tokens=config.page_size_tokens,
-                                    timeout_s=base.timeout_s)
+            section = dataclasses.replace(base, backend=StorageKind.FILE, path=parsed.path)
+            where = f"file store in {parsed.path}"
         yield dataclasses.replace(config, storage=section), where

@@ -4,6 +4,9 @@
 - ``redis://[:password@]host:port``: :class:`~hicache.storage.RedisStore` on one server;
 - ``redis+cluster://[:password@]host:port[,host:port...]``: a Redis Cluster, from any nodes.
 
+A Redis URL with a user name, a query (``?db=2``) or a fragment is refused: the store would
+ignore them.
+
 :func:`parse_location` is the one parser of these strings: ``open_store`` and the config's
 checks both use it, so a location the config accepts is one ``open_store`` opens.
 """
@@ -11,7 +14,7 @@ checks both use it, so a location the config accepts is one ``open_store`` opens
 from __future__ import annotations
 
 from typing import Any, NamedTuple
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 from .base import StorageBackend
 from .file_store import FileStore
@@ -69,6 +72,7 @@ def parse_location(location: str) -> StoreLocation:
             raise ValueError(f"{location!r}: write file URLs as file:///absolute/path")
         return StoreLocation("file", path=unquote(parts.path))
     if parts.scheme in ("redis", "redis+cluster"):
+        _refuse_ignored_parts(location, parts)
         password = unquote(parts.password) if parts.password else None
         hosts = parts.netloc.rsplit("@", 1)[-1]
         seeds = tuple(parse_address(item, location) for item in hosts.split(",") if item)
@@ -82,6 +86,19 @@ def parse_location(location: str) -> StoreLocation:
         return StoreLocation(parts.scheme, seeds=seeds, password=password)
     raise ValueError(f"{location!r}: unknown storage scheme {parts.scheme!r}; use a directory "
                      f"path or one of {', '.join(s + '://' for s in SCHEMES)}")
+
+
+def _refuse_ignored_parts(location: str, parts: SplitResult) -> None:
+    """A user name, a query or a fragment, which the store would drop without a word."""
+    user = parts.netloc.rsplit("@", 1)[0].partition(":")[0] if "@" in parts.netloc else ""
+    if user:
+        raise ValueError(f"{location!r}: the user name {unquote(user)!r} is not supported (the "
+                         f"store authenticates with a password only); write "
+                         f"{parts.scheme}://:password@host:port")
+    for name, value, mark in (("query", parts.query, "?"), ("fragment", parts.fragment, "#")):
+        if value:
+            raise ValueError(f"{location!r}: the {name} {mark}{value} is not supported (the "
+                             f"store would ignore it); drop it")
 
 
 def parse_address(item: str, location: str | None = None) -> Address:
