@@ -55,12 +55,16 @@ class PrefetchJob:
     batch_pages: int
     phase: PrefetchPhase = PrefetchPhase.QUERY
     found: int = 0  # leading pages the store has (set by the query)
+    # why the query's run of pages ended: a miss, or the store's timeout or error (a dead
+    # store is not an empty one); the pages after ``found`` count as this
+    missing: PageStatus = PageStatus.MISS
     host: torch.Tensor | None = None  # slots of the ``found`` pages (set by the scheduler)
     swa: torch.Tensor | None = None  # their SWA slots (hybrid models; set with ``host``)
     arrived: int = 0  # leading pages loaded and verified, in ``host``
     statuses: list[PageStatus] = field(default_factory=list)  # per page loaded so far
     error: str | None = None  # the store's first error message, for a log line
-    unread: str | None = None  # why found pages were never read: host_full, queue_full
+    unread: str | None = None  # why found pages were never read: host_full, queue_full,
+    # cancelled (the service stopped), error (the job raised)
     cancelled: bool = False  # set by the scheduler: stop after the current batch
     done: bool = False  # back from the worker (reset when submitted again)
     changed: threading.Event = field(default_factory=threading.Event)
@@ -70,6 +74,8 @@ class PrefetchJob:
             result = store.exists(self.hashes)
             self.error = result.error
             self.found = result.num_leading_ok
+            if self.found < len(self.hashes):
+                self.missing = result.statuses[self.found]
             self.phase = PrefetchPhase.ANSWERED if self.found else PrefetchPhase.DONE
             return
         assert self.phase is PrefetchPhase.LOAD and self.host is not None
@@ -90,4 +96,8 @@ class PrefetchJob:
 
     def fail(self, message: str) -> None:
         self.error = message
+        if self.phase is PrefetchPhase.QUERY:
+            self.missing = PageStatus.ERROR
+        else:
+            self.unread = self.unread or "error"
         self.phase = PrefetchPhase.DONE

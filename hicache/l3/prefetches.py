@@ -128,6 +128,9 @@ class Prefetches:
         if job.phase is not PrefetchPhase.ANSWERED or job not in self._active:
             return  # loaded (finish takes it), or finished early before the answer
         self.stats.found_tokens += job.found * self.page_size
+        if job.cancelled:  # the service is stopping: nothing more is read
+            job.phase = PrefetchPhase.DONE
+            return
         num_tokens = job.found * self.page_size
         slots = self._alloc(num_tokens)
         if slots is None:
@@ -193,6 +196,13 @@ class Prefetches:
             self.tree.unlock(prefetch.node)
         return attached
 
+    def cancel_all(self) -> None:
+        """The service stops: every open prefetch reads no more pages (the worker stops after
+        its current batch), and what it never read counts as ``cancelled``."""
+        for prefetch in self._active.values():
+            prefetch.job.unread = "cancelled"
+            prefetch.job.cancelled = True
+
     def open_prefetches(self) -> list[Prefetch]:
         """Prefetches started and not finished yet."""
         return list(self._active.values())
@@ -216,7 +226,7 @@ class Prefetches:
         unread = job.found - max(arrived, len(job.statuses))
         if unread > 0:
             counts[job.unread or "timeout"] += unread * page
-        counts["not_found"] += (total - job.found) * page
+        counts[_STATUS_OUTCOME.get(job.missing, "error")] += (total - job.found) * page
 
     def _deadline(self, now: float, num_tokens: int) -> float | None:
         config = self.config

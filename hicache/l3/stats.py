@@ -4,7 +4,8 @@
 Prefetch outcomes count tokens, by how each prefetched page ended:
 
 - ``used``: arrived and given to the tree (a later match finds it on the host);
-- ``not_found``: the store did not have it (the query's answer, or a miss on read);
+- ``not_found``: the store did not have it (the query's answer, or a miss on read); a
+  query the store failed counts its pages as ``timeout`` or ``error`` instead;
 - ``cached``: arrived, but the tree had the page meanwhile (another request computed it);
 - ``timeout``: not arrived when the prefetch was finished (its policy's deadline, or
   ``best_effort``), or the store's deadline passed;

@@ -117,8 +117,7 @@ class StorageTier:
         if self._closed:
             return
         self._closed = True
-        for prefetch in self.prefetches.open_prefetches():
-            prefetch.job.cancelled = True
+        self.prefetches.cancel_all()
         self.prefetch_worker.close()
         self.backup_worker.close()
         self.poll()
