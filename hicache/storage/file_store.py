@@ -19,6 +19,7 @@ import itertools
 import logging
 import mmap
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -87,6 +88,7 @@ class FileStore(StorageBackend):
         self._scan_lock = threading.Lock()
         self._local = threading.local()
         self._tmp_ids = itertools.count()
+        self._tmp_prefix = f"{os.getpid()}.{secrets.token_hex(4)}"  # this store's own names
         logger.info("file store %s: cap %s bytes, %d threads, direct_io=%s", self.directory,
                     capacity_bytes, num_threads, direct_io)
 
@@ -205,10 +207,12 @@ class FileStore(StorageBackend):
             raise OSError(f"store full: {self.lru.capacity_bytes} bytes cap held by this call")
         self._evict(victims)
         header = self.format.header(key, segments)
-        tmp = path.with_name(f".{name}.{os.getpid()}.{next(self._tmp_ids)}.tmp")
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd, tmp = self._create_tmp(path)
+        except OSError:
+            self.lru.remove(name)
+            raise
+        try:
             try:
                 write_all(fd, [memoryview(header), *segments])
                 if self.fsync:
@@ -224,6 +228,19 @@ class FileStore(StorageBackend):
         return PageStatus.OK
 
     # ---- helpers --------------------------------------------------------------------------
+
+    def _create_tmp(self, path: Path) -> tuple[int, Path]:
+        """A new temporary file beside ``path``, open for writing, that no other writer
+        uses: other stores (of this process, or of a host with the same pid) write the same
+        page under their own names. The page's directory, or the whole store directory if
+        it was removed while running (a cache cleaned by hand), is made again."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            tmp = path.with_name(f".{path.name}.{self._tmp_prefix}.{next(self._tmp_ids)}.tmp")
+            try:
+                return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), tmp
+            except FileExistsError:
+                continue  # someone else's: never ours to remove
 
     def _path(self, key: bytes) -> str:
         name = key.hex() + SUFFIX
