@@ -299,9 +299,10 @@ def test_a_queued_put_sends_the_sliding_window_rows_of_its_own_tokens(
         tmp_path: Path, own_server: RedisServer) -> None:
     """A hybrid page goes to the store with its SWA rows, read from the node's host SWA
     slots when the put runs. Here X's put waits behind another (the server is stopped,
-    within the store's deadline) while a backup short of SWA host room frees X's host SWA
-    copies (evict_host_swa passes over the put in flight) and takes their slots for Z's
-    rows. Another engine that prefetches X must get X's SWA rows, not Z's."""
+    within the store's deadline) while a backup short of SWA host room looks for SWA copies
+    to free: X's stay until its put is back, as its full rows do (before, evict_host_swa
+    passed over the put in flight and gave X's slots to Z's rows), so Z's backup is refused
+    for room. Another engine that prefetches X must get X's SWA rows, not Z's."""
     config = l3_config(tmp_path / "l3", url=url_of(own_server), hybrid=True, device_tokens=16,
                        timeout_s=LIVENESS_S, interval_s=60.0)
     config = dataclasses.replace(config, host=dataclasses.replace(config.host, ratio=1.0))
@@ -322,11 +323,12 @@ def test_a_queued_put_sends_the_sliding_window_rows_of_its_own_tokens(
         backed_up(a)
         assert a.evict(len(x)) == len(x)  # X is now on the host only, its put still queued
         put(a, z)
-        backed_up(a)  # Z's backup needs SWA host room
-        assert a.tree.stats.evicted_host_swa_tokens == len(x)  # X's SWA copies left
+        backed_up(a)  # Z's backup needs SWA host room: none is free while X's put waits
+        assert a.tree.stats.evicted_host_swa_tokens == 0  # X's SWA copies stayed
+        assert a.tree.stats.refused_backups == {"host_full": len(z)}
         own_server.resume()
         quiesce(a)
-        assert tier_of(a).stats.backup_pages == {"stored": 6, "failed": 0, "no_swa_rows": 0}
+        assert tier_of(a).stats.backup_pages == {"stored": 4, "failed": 0, "no_swa_rows": 0}
         prefetch = start(b, x)
         assert b.wait_prefetch(prefetch, timeout_s=LIVENESS_S)
         assert b.finish_prefetch(prefetch) == len(x)
@@ -413,3 +415,4 @@ def test_a_removed_store_directory_is_made_again(tmp_path: Path) -> None:
         service.check_integrity()
     finally:
         service.stop()
+

@@ -230,9 +230,11 @@ class TieredRadixTree(RadixTree):
                 and node is not self.root)
 
     def _is_host_swa_candidate(self, node: TreeNode) -> bool:
-        """An unlocked node with host SWA copies and nothing in flight; O(1)."""
+        """An unlocked node with host SWA copies and nothing in flight; O(1). A put to the
+        store in flight reads the SWA copies as it reads the full rows (a page goes to the
+        store with its SWA rows), so they stay until it is back, as the full rows do."""
         return (node.host_swa is not None and node.lock_count == 0 and node.write_op is None
-                and node.load_op is None and node is not self.root)
+                and node.load_op is None and node.store_op is None and node is not self.root)
 
     def _free_device(self, node: TreeNode) -> int:
         """Free the device (and SWA) slots of ``node``; it stays in the tree."""
