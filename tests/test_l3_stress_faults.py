@@ -431,3 +431,29 @@ def test_a_removed_store_directory_is_made_again(tmp_path: Path) -> None:
     finally:
         service.stop()
 
+
+def test_failed_puts_are_logged_once_when_they_start_and_when_they_end(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The store's directory replaced by a file: every put fails; the first failure is one
+    WARNING with the store's message, the next ones DEBUG lines only, and the first put
+    stored after the directory is back one INFO line."""
+    service = build(l3_config(tmp_path / "l3", interval_s=60.0), tmp_path.name)
+    caplog.set_level("DEBUG", logger="hicache.l3")
+    try:
+        put(service, TOKENS[:4])
+        quiesce(service)
+        directory = namespace_dir(tmp_path / "l3")
+        shutil.rmtree(directory)
+        directory.write_bytes(b"")
+        for first in (0, 4, 8):
+            put(service, TOKENS[8 + first:12 + first])
+            quiesce(service)
+        directory.unlink()
+        put(service, TOKENS[20:24])
+        quiesce(service)
+        assert tier_of(service).stats.backup_pages == {"stored": 4, "failed": 6}
+        lines = [(r.levelname, r.getMessage()) for r in caplog.records if "puts" in r.getMessage()]
+        assert [level for level, _ in lines] == ["WARNING", "DEBUG", "DEBUG", "INFO"], lines
+        assert "Not a directory" in lines[0][1], lines[0][1]
+    finally:
+        service.stop()

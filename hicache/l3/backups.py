@@ -27,7 +27,7 @@ from hicache.storage import PageStatus
 
 from .hashes import node_page_hashes, split_hashes
 from .jobs import PutJob
-from .stats import PageObserver, StorageTierStats
+from .stats import FailureLog, PageObserver, StorageTierStats
 from .worker import StorageWorker
 
 if TYPE_CHECKING:
@@ -47,6 +47,7 @@ class StoreBackups:
         self.notify = notify
         # host slots (full, aligned SWA) of nodes gone while their put reads them
         self._pending_free: dict[PendingStore, list[tuple[Indices, Indices | None]]] = {}
+        self._failures = FailureLog("puts")
 
     def host_copies_ready(self, nodes: list[TreeNode]) -> None:
         if self.policy is WritePolicy.WRITE_BACK:
@@ -115,6 +116,9 @@ class StoreBackups:
         stored = sum(1 for status in statuses if status is PageStatus.OK)
         self.stats.backup_pages["stored"] += stored
         self.stats.backup_pages["failed"] += len(statuses) - stored
+        failed = len(statuses) - stored
+        self._failures.note(None if not failed else
+                            job.result.error or f"{failed} of {len(statuses)} pages not stored")
         pending = job.pending
         tree = self.tree
         for node in pending.nodes:

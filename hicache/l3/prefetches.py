@@ -30,7 +30,7 @@ from hicache.storage.keys import PAGE_HASH_BYTES
 
 from .hashes import key_page_hashes, last_hash, split_hashes
 from .jobs import PrefetchJob, PrefetchPhase
-from .stats import PageObserver, StorageTierStats
+from .stats import FailureLog, PageObserver, StorageTierStats
 from .worker import StorageWorker
 
 if TYPE_CHECKING:
@@ -40,6 +40,15 @@ BATCH_PAGES = 16  # pages per store read: what a best-effort finish can use at t
 
 _STATUS_OUTCOME = {PageStatus.MISS: "not_found", PageStatus.CORRUPT: "corrupt",
                    PageStatus.TIMEOUT: "timeout", PageStatus.ERROR: "error"}
+
+_FAILED = (PageStatus.TIMEOUT, PageStatus.ERROR)
+
+
+def _store_failure(job: PrefetchJob) -> str | None:
+    """Why the store failed ``job``'s calls (its message), ``None`` if it answered them all
+    (misses and corrupt pages are answers)."""
+    failed = job.missing in _FAILED or any(status in _FAILED for status in job.statuses)
+    return job.error or ("the store's deadline passed" if failed else None)
 
 
 @dataclass(eq=False)
@@ -84,6 +93,7 @@ class Prefetches:
         self._active: dict[PrefetchJob, Prefetch] = {}
         # finished early: (full, SWA) slots freed when the job is back
         self._abandoned: dict[PrefetchJob, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._failures = FailureLog("prefetch reads")
 
     def start(self, key: bytes, match: MatchResult) -> Prefetch | None:
         """Start a prefetch of ``key``'s pages after ``match``; ``None`` when the tail is
@@ -186,6 +196,8 @@ class Prefetches:
             self.stats.prefetch_tokens["used"] += attached
             self.stats.prefetch_tokens["cached"] += len(duplicate)
         self._count_rest(prefetch, arrived)
+        if job.phase is not PrefetchPhase.QUERY:  # else the store has not answered yet
+            self._failures.note(_store_failure(job))
         if job.host is not None and len(job.host) > cut:
             rest = (job.host[cut:], None if job.swa is None else job.swa[cut:])
             if job.done:

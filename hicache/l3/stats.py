@@ -22,11 +22,14 @@ store with its SWA rows or not at all).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 PageObserver = Callable[[str, list[bytes], torch.Tensor, torch.Tensor | None], None]
 """Called on the scheduler thread with ``("put", hashes, host_slots, swa_slots)`` when pages
@@ -58,3 +61,26 @@ class StorageTierStats:
     """Host nodes written back to the store before their host copy left (``write_back``)."""
     worker_errors: int = 0
     """Exceptions a storage worker caught (the job ended as ``error``; logged)."""
+
+
+class FailureLog:
+    """Log lines for the store's failures of one kind of call (``what``), which the
+    counters above count: a WARNING with the store's message when they start, DEBUG lines
+    while they go on (a dead store fails every call), INFO once a call succeeds again."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.failing = False
+
+    def note(self, error: str | None) -> None:
+        """One call's outcome: the store's first error message, ``None`` if it had none."""
+        if error is None:
+            if self.failing:
+                logger.info("shared store: %s succeed again", self.what)
+            self.failing = False
+        elif self.failing:
+            logger.debug("shared store: %s failed: %s", self.what, error)
+        else:
+            self.failing = True
+            logger.warning("shared store: %s failed: %s (counted; further failures are "
+                           "logged at DEBUG until one succeeds)", self.what, error)
