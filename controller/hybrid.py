@@ -102,10 +102,8 @@ class HybridCacheController(TransferCore):
             return None
         host_swa = _scatter_aligned(host_swa_part, mapped, IndexSpace.HOST_SWA)
         if len(host_full):
-            transfers = [
-                self._full_transfer(host_full, device_indices),
-                self._swa_transfer(host_swa_part, swa_part),
-            ]
+            transfers = [self._full_transfer(host_full, device_indices),
+                         self._swa_transfer(host_swa_part, swa_part)]
             self._queue(Direction.DEVICE_TO_HOST, transfers, tag, marks=marks,
                         cancel=lambda: self.evict_host(host_full, host_swa))
         return HybridSlots(host_full, host_swa)
@@ -164,13 +162,14 @@ class HybridCacheController(TransferCore):
         if device_swa_part is None:
             self.device_allocator.free(device_full)
             return None
+        def cancel() -> None:
+            self.hybrid_pool.free_swa(swa_full)
+            self.device_allocator.free(device_full)
+
         if len(device_full) or len(restore_full):
-            transfers = [
-                self._full_transfer(host_indices, device_full),
-                self._swa_transfer(swa_sources, device_swa_part),
-            ]
-            self._queue(Direction.HOST_TO_DEVICE, transfers, tag, cancel=lambda: (
-                self.hybrid_pool.free_swa(swa_full), self.device_allocator.free(device_full)))
+            transfers = [self._full_transfer(host_indices, device_full),
+                         self._swa_transfer(swa_sources, device_swa_part)]
+            self._queue(Direction.HOST_TO_DEVICE, transfers, tag, cancel=cancel)
         span_swa = Indices(device_swa_part.tensor[:len(swa_tail)], IndexSpace.DEVICE_SWA)
         return HybridSlots(device_full, _scatter_aligned(span_swa, tail, IndexSpace.DEVICE_SWA))
 

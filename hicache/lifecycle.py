@@ -97,5 +97,7 @@ def leave(service: HiCacheService, exc: BaseException | None) -> None:
     stop(service, surface=exc is None)
     failure = service._gate.unsurfaced
     if exc is not None and failure is not None:
-        exc.add_note(f"hicache background thread had failed too: {failure!r}")
+        add_note = getattr(exc, "add_note", None)  # Python 3.11+ (the log has it anyway)
+        if add_note is not None:
+            add_note(f"hicache background thread had failed too: {failure!r}")
         service._gate.surfaced()
