@@ -84,7 +84,8 @@ class CacheController(TransferCore):
         if device_pages.size:
             transfer = self._full_transfer(owned_indices(host), owned_indices(device_indices))
             self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
-                        owned=True, marks=marks)
+                        owned=True, marks=marks,
+                        cancel=lambda: self.host_pool.allocator.free_pages(host_pages))
         return host
 
     def load(self, host_indices: Indices, tag: object = None) -> Indices | None:
@@ -111,7 +112,7 @@ class CacheController(TransferCore):
         if host_pages.size:
             transfer = self._full_transfer(owned_indices(host_indices), owned_indices(device))
             self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)],
-                        owned=True)
+                        owned=True, cancel=lambda: self.device_allocator.free_pages(device_pages))
         return device
 
     def evict_device(self, device_indices: Indices, *, pages: np.ndarray | None = None

@@ -9,7 +9,7 @@ Thread ownership: one thread (the engine's scheduler) calls everything here, exc
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -93,7 +93,7 @@ class TransferCore:
         (``write``, ``load`` and the hybrid controller's), on the scheduler thread once its
         slots are allocated, before the op is issued: ``transfers`` are its
         :class:`PoolTransfer` s (one per pool, aligned slots). For audits, tracing and
-        tests; an observer's exception reaches the caller, after the op was queued."""
+        tests; an observer's exception un-queues the call, frees its slots, reaches the caller."""
         self._ops.observers.append(observer)
 
     def remove_observer(self, observer: TransferObserver) -> None:
@@ -280,9 +280,9 @@ class TransferCore:
 
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
                pages: Sequence[TransferPages] | None = None, owned: bool = False,
-               marks: Sequence[Event] = ()) -> None:
+               marks: Sequence[Event] = (), cancel: Callable[[], object] = bool) -> None:
         after = self._streams.mark_caller(marks) if direction is Direction.DEVICE_TO_HOST else ()
-        self._ops.queue(direction, transfers, tag, pages, owned, after)
+        self._ops.queue(direction, transfers, tag, pages, owned, after, cancel)
 
     def _submitted(self, op: TransferOp) -> None:
         self._ops.issued(op)

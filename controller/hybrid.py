@@ -102,11 +102,10 @@ class HybridCacheController(TransferCore):
             return None
         host_swa = _scatter_aligned(host_swa_part, mapped, IndexSpace.HOST_SWA)
         if len(host_full):
-            transfers = [
-                self._full_transfer(host_full, device_indices),
-                self._swa_transfer(host_swa_part, swa_part),
-            ]
-            self._queue(Direction.DEVICE_TO_HOST, transfers, tag, marks=marks)
+            transfers = [self._full_transfer(host_full, device_indices),
+                         self._swa_transfer(host_swa_part, swa_part)]
+            self._queue(Direction.DEVICE_TO_HOST, transfers, tag, marks=marks,
+                        cancel=lambda: self.evict_host(host_full, host_swa))
         return HybridSlots(host_full, host_swa)
 
     def load(
@@ -158,17 +157,19 @@ class HybridCacheController(TransferCore):
         if device_full is None:
             return None
         tail_full = Indices(device_full.tensor[tail], IndexSpace.DEVICE_FULL)
-        device_swa_part = self.hybrid_pool.try_alloc_swa(
-            _cat_space([tail_full, restore_full], IndexSpace.DEVICE_FULL))
+        swa_full = _cat_space([tail_full, restore_full], IndexSpace.DEVICE_FULL)
+        device_swa_part = self.hybrid_pool.try_alloc_swa(swa_full)
         if device_swa_part is None:
             self.device_allocator.free(device_full)
             return None
+        def cancel() -> None:
+            self.hybrid_pool.free_swa(swa_full)
+            self.device_allocator.free(device_full)
+
         if len(device_full) or len(restore_full):
-            transfers = [
-                self._full_transfer(host_indices, device_full),
-                self._swa_transfer(swa_sources, device_swa_part),
-            ]
-            self._queue(Direction.HOST_TO_DEVICE, transfers, tag)
+            transfers = [self._full_transfer(host_indices, device_full),
+                         self._swa_transfer(swa_sources, device_swa_part)]
+            self._queue(Direction.HOST_TO_DEVICE, transfers, tag, cancel=cancel)
         span_swa = Indices(device_swa_part.tensor[:len(swa_tail)], IndexSpace.DEVICE_SWA)
         return HybridSlots(device_full, _scatter_aligned(span_swa, tail, IndexSpace.DEVICE_SWA))
 
@@ -204,7 +205,8 @@ class HybridCacheController(TransferCore):
                 self._swa_transfer(allocated[0], swa_part),
             ]
             self._queue(Direction.DEVICE_TO_HOST, transfers, tag,
-                        [(none, none), (allocated[1], swa_pages)], owned=True)
+                        [(none, none), (allocated[1], swa_pages)], owned=True,
+                        cancel=lambda: self.host_swa.allocator.free_pages(allocated[1]))
         mapped = torch.from_numpy(np.repeat(have, page))
         return _scatter_aligned(allocated[0], mapped, IndexSpace.HOST_SWA)
 
@@ -217,17 +219,13 @@ class HybridCacheController(TransferCore):
                     "restore only device slots the tree owns")
         host = self._checks.cpu(restore.swa, self.host_swa, "load (restore)")
         if host.numel() != len(restore.full):
-            raise ValueError(
-                f"load (restore): {host.numel()} HOST_SWA slots for {len(restore.full)} "
-                f"device slots; pass them aligned"
-            )
+            raise ValueError(f"load (restore): {host.numel()} HOST_SWA slots for "
+                             f"{len(restore.full)} device slots; pass them aligned")
         if bool((host == 0).any()):
             raise ValueError("load (restore): a token to restore has no SWA host slot")
         if bool((self.hybrid_pool.swa_slots_of(restore.full).tensor != 0).any()):
-            raise ValueError(
-                "load (restore): a device slot to restore already has an SWA slot; restore "
-                "only tokens whose SWA rows left the device"
-            )
+            raise ValueError("load (restore): a device slot to restore already has an SWA "
+                             "slot; restore only tokens whose SWA rows left the device")
         return restore.full, Indices(host.to(torch.int64), IndexSpace.HOST_SWA)
 
     def move_hybrid_indices(self, op: TransferOp) -> list[MovedTransfer]:

@@ -61,11 +61,13 @@ class OpQueue:
 
     def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
               pages: Sequence[TransferPages] | None = None, owned: bool = False,
-              after: tuple[Event, ...] = ()) -> None:
+              after: tuple[Event, ...] = (), cancel: Callable[[], object] = bool) -> None:
         """Queue one call's transfers (their pages are held from now on) and tell the
-        observers. The op keeps its own copies of the slots: a caller that changes its
-        index tensors after the call (or the host slots it got back) cannot change what the
-        op copies or unbalance the in-flight counts.
+        observers; an observer's exception un-queues the call, runs ``cancel`` (which frees
+        the slots allocated for it: the caller never gets them) and reaches the caller. The
+        op keeps its own copies of the slots: a caller that changes its index tensors after
+        the call (or the host slots it got back) cannot change what the op copies or
+        unbalance the in-flight counts.
 
         ``pages``: per transfer, the (host, device) page ids its slots' entry checks or
         allocations gave; found from the slots when ``None``. ``owned``: the transfers'
@@ -83,11 +85,22 @@ class OpQueue:
             parts.append((transfer.host_indices.space, host_pages))
             parts.append((transfer.device_indices.space, device_pages))
         held = HeldCall(direction, tuple(parts))
+        call = QueuedCall(transfers, tag, held, may_pad, after)
+        queued = self.queued[direction]
         self.held.take(held)
-        self.queued[direction].append(QueuedCall(transfers, tag, held, may_pad, after))
-        if self.observers:
-            for observer in list(self.observers):
-                observer(direction, transfers, tag)
+        try:
+            queued.append(call)
+            if self.observers:
+                for observer in list(self.observers):
+                    observer(direction, transfers, tag)
+        except BaseException:
+            # an observer's exception (or a Ctrl-C) cancels the call: its caller never gets
+            # the slots, so an op it could not track must not run
+            if queued and queued[-1] is call:
+                queued.pop()
+            self.held.give_back(held)
+            cancel()
+            raise
 
     def _pages_of(self, indices: Indices) -> np.ndarray:
         return pages_of_slots(indices.tensor.numpy(), self.held.page_sizes[indices.space])

@@ -21,6 +21,7 @@ An exception in the thread is never swallowed: it is recorded in the
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -107,10 +108,11 @@ class BackgroundPoller:
         return self._thread is not None
 
     def start(self) -> None:
-        """Start the thread (the caller makes sure it is not running)."""
+        """Start the thread (the caller makes sure it is not running). Kept from the start
+        so that :meth:`stop` joins it even when an interrupt lands inside ``start()``."""
+        self._thread = threading.Thread(target=self._run, name="hicache-service", daemon=True)
         self._controller.add_observer(self._on_queued)
         self._tree.on_backup_queued = self._on_queued
-        self._thread = threading.Thread(target=self._run, name="hicache-service", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -118,11 +120,17 @@ class BackgroundPoller:
         self._stop_requested = True
         self._stop_bell.put(None)
         self._wake.put(None)
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return
+        # never launched (start() interrupted first): nothing to join, and join() would raise;
+        # one launched later sees the stop request at its first pass and ends
+        if thread.ident is not None:
+            thread.join()
+        self._thread = None
+        with contextlib.suppress(ValueError):  # not added if start() was interrupted first
             self._controller.remove_observer(self._on_queued)
-            self._tree.on_backup_queued = None
+        self._tree.on_backup_queued = None
 
     def _on_queued(self, *_: object) -> None:
         """A transfer or a tree backup was queued: a thread in an idle sleep polls again (on

@@ -1,14 +1,19 @@
 """The way every scheduler call enters :class:`~hicache.service.HiCacheService`.
 
 A call first raises the background thread's recorded failure (as
-:class:`~hicache.service.ServiceError`, with the original as ``__cause__``) and refuses to
-run after ``stop``; then it counts itself and notes its time *before* it waits for the
-service lock, so that a background integrity check between two of its slices sees the call
-and gives up, and the idle timer of the background thread restarts; then it holds the lock
-for the rest of the call.
+:class:`~hicache.service.ServiceError`, with the original as ``__cause__``); then it counts
+itself and notes its time *before* it waits for the service lock, so that a background
+integrity check between two of its slices sees the call and gives up, and the idle timer of
+the background thread restarts; then it refuses to run once ``stop`` has begun; then it
+holds the lock for the rest of the call.
+
+``stop`` sets ``stopped`` when it begins, before it waits for the lock, so that a call made
+while a ``stop`` on another thread drains is refused rather than run on a stopped service
+once the lock is free; ``closed`` says that ``stop`` finished (a second ``stop`` returns).
+A call that passed the check just before ``stop`` began is in progress, and runs.
 
 The failure is recorded by the background thread and read by the scheduler thread; the
-call counters and the stopped flag are written by the scheduler thread only.
+call counters are written by the scheduler thread only.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import time
 
 
 class CallGate:
-    """The service lock, the count and time of scheduler calls, the stopped flag and the
-    background failure that calls surface.
+    """The service lock, the count and time of scheduler calls, the stopped and closed flags
+    and the background failure that calls surface.
 
     Args:
         lock: the service lock (``HiCacheService.service_lock``).
@@ -29,7 +34,8 @@ class CallGate:
 
     def __init__(self, lock: threading.Lock, error_type: type[Exception]) -> None:
         self.lock = lock
-        self.stopped = False
+        self.stopped = False  # stop() began: calls are refused
+        self.closed = False  # stop() finished
         self.last_call_s = 0.0  # monotonic time of the latest scheduler call
         self.num_calls = 0  # scheduler calls started (the background check compares it)
         self._error_type = error_type
@@ -52,10 +58,10 @@ class CallGate:
         """
         if self._error is not None:  # read here: six calls a request, no failure
             self.raise_if_failed()
-        if self.stopped:
-            raise RuntimeError("the service was stopped")
         self.last_call_s = time.monotonic()
         self.num_calls += 1  # before the lock: a background check between slices sees it
+        if self.stopped:
+            raise RuntimeError("the service was stopped")
         return self.lock
 
     def fail(self, exc: BaseException) -> None:
@@ -77,7 +83,17 @@ class CallGate:
         if self.stopped:
             raise RuntimeError(f"{op}: the service was stopped")
 
+    @property
+    def unsurfaced(self) -> BaseException | None:
+        """The recorded failure if no call has raised it yet, else ``None``."""
+        return None if self._error_raised else self._error
+
+    def surfaced(self) -> None:
+        """Note that the recorded failure reached the engine another way (``stop`` need not
+        raise it)."""
+        self._error_raised = True
+
     def raise_if_unsurfaced(self) -> None:
         """Raise the recorded failure if no call has raised it yet (for ``stop``)."""
-        if self._error is not None and not self._error_raised:
+        if self.unsurfaced is not None:
             self.raise_if_failed()

@@ -27,7 +27,14 @@ from hicache.controller import (
 )
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, PageAllocator
 
-from .config import GIB, HiCacheConfig, SWAHistory
+from .config import (
+    GIB,
+    ConfigError,
+    HiCacheConfig,
+    StorageKind,
+    SWAHistory,
+    check_machine_memory,
+)
 from .config.sizing import (
     PoolName,
     device_num_pages,
@@ -51,7 +58,7 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
                   model_revision: str | None = None, tp_rank: int = 0, tp_size: int = 1,
                   salt: str = "") -> HiCacheService:
     """Pools, backend, controller, tree, shared-store tier and service for ``config``; no
-    thread started (the store's worker threads start with its tier).
+    thread started (the store's worker threads start with their first job).
 
     Args:
         config: the configuration.
@@ -63,6 +70,9 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
         ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
             store without ``model_id``/``model_revision``; a store with a hybrid model whose
             host keeps SWA rows for windows only.
+        ConfigError: pools in RAM larger than this machine's RAM (naming the size key,
+            checked before anything is allocated); a ``storage.path`` that cannot be a
+            writable directory.
     """
     if not isinstance(config, HiCacheConfig):
         raise TypeError(f"build_service: config must be a HiCacheConfig (load_config(path) or "
@@ -78,6 +88,7 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
         raise ValueError("build_service: a hybrid model's pages go to the shared store with "
                          "their SWA rows, which host.swa_history: window_tails keeps for "
                          "windows only; set host.swa_history: all, or storage.backend: none")
+    check_machine_memory(config)  # before anything is allocated: not a MemoryError part-way
     device = torch.device(config.device_pool.device)
     ctl = config.controller
     backend = make_backend(ctl.io_backend.value, device, ctl.kernel_programs,
@@ -209,11 +220,14 @@ def open_configured_store(config: HiCacheConfig, namespace: Namespace) -> Storag
     """The store of ``config.storage`` for ``namespace``; ``None`` for ``backend: none``.
 
     Opens no connection (a Redis store connects on its first call); a file store makes its
-    directory and starts its worker threads. Close it (``with`` or ``close()``) when done.
+    directory (its worker threads start with its first call). Close it (``with`` or
+    ``close()``) when done.
 
     Raises:
         ValueError: ``namespace`` does not describe this config's pages (make it with
-            :func:`storage_namespace`), or the file store's directory cannot be made.
+            :func:`storage_namespace`).
+        ConfigError: the file store's directory cannot be made or written (naming
+            ``storage.path``).
     """
     storage = config.storage
     if storage.location is None:
@@ -233,4 +247,11 @@ def open_configured_store(config: HiCacheConfig, namespace: Namespace) -> Storag
     options: dict[str, object] = {"timeout_s": storage.timeout_s, "checksum": storage.checksum}
     if storage.capacity_bytes is not None:
         options["capacity_bytes"] = storage.capacity_bytes
-    return open_store(storage.location, namespace, **options)
+    try:
+        return open_store(storage.location, namespace, **options)
+    except ValueError as exc:
+        if storage.backend is not StorageKind.FILE:
+            raise
+        # the config checked every other option: what the store refuses is the directory
+        raise ConfigError(f"storage.path = {storage.path!r}: {exc}", key="storage.path"
+                          ) from None

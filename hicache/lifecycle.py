@@ -45,17 +45,25 @@ def start(service: HiCacheService) -> None:
     service._poller.start()
 
 
-def stop(service: HiCacheService) -> None:
+def stop(service: HiCacheService, *, surface: bool = True) -> None:
     """Join the thread, close the metrics endpoint, drain every op in flight and apply its
     ack, close the shared store's tier (finishing its prefetches and backups), close the host
     pools.
 
-    Idempotent. Raises the background thread's error (``ServiceError``) if no scheduler
-    call did.
+    Idempotent; a ``stop`` that was interrupted part-way goes on where it was when called
+    again. Raises the background thread's error (``ServiceError``) if no scheduler call did,
+    unless ``surface`` is off (``with`` leaving on the body's own exception).
     """
     gate = service._gate
-    if gate.stopped:
-        return
+    gate.stopped = True  # first: a call made while this drains is refused, not run after it
+    if not gate.closed:
+        _close(service)
+    if surface:
+        gate.raise_if_unsurfaced()
+
+
+def _close(service: HiCacheService) -> None:
+    gate = service._gate
     service._poller.stop()
     if service.exporter is not None:
         service.exporter.stop()
@@ -68,8 +76,7 @@ def stop(service: HiCacheService) -> None:
             service.storage = None
         for pool in service._host_pools:
             pool.close()
-        gate.stopped = True
-    gate.raise_if_unsurfaced()
+        gate.closed = True
 
 
 def enter(service: HiCacheService) -> None:
@@ -78,5 +85,19 @@ def enter(service: HiCacheService) -> None:
     try:
         service.start()
     except BaseException:
-        service.stop()
+        stop(service, surface=False)  # what start raised is the news, not an older failure
         raise
+
+
+def leave(service: HiCacheService, exc: BaseException | None) -> None:
+    """Leaving ``with service``: :func:`stop`. On the body's own exception a background
+    failure no call raised is not raised over it (``with`` would replace the engine's error
+    by the cache's); it goes with it as a note (it was logged and counted already), and a
+    later ``stop`` does not raise it again."""
+    stop(service, surface=exc is None)
+    failure = service._gate.unsurfaced
+    if exc is not None and failure is not None:
+        add_note = getattr(exc, "add_note", None)  # Python 3.11+ (the log has it anyway)
+        if add_note is not None:
+            add_note(f"hicache background thread had failed too: {failure!r}")
+        service._gate.surfaced()

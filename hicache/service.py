@@ -297,4 +297,4 @@ class HiCacheService(PrefetchCalls):
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
+        lifecycle.leave(self, exc)

@@ -107,14 +107,18 @@ class MetricsExporter:
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port {port} is not a TCP port; use 0..65535 "
                              f"(0 picks a free port)")
-        server = _bind(host, port)
-        server.set_app(_only_metrics_path(make_wsgi_app(self.registry)))
-        thread = threading.Thread(
+        self._server = server = _bind(host, port)
+        # kept before it starts: stop() closes the socket even if an interrupt lands in start()
+        self._thread = thread = threading.Thread(
             target=server.serve_forever, kwargs={"poll_interval": _SHUTDOWN_POLL_S},
             name="hicache-metrics-http", daemon=True,
         )
-        thread.start()
-        self._server, self._thread = server, thread
+        try:
+            server.set_app(_only_metrics_path(make_wsgi_app(self.registry)))
+            thread.start()
+        except BaseException:
+            self.stop()
+            raise
         logger.info("serving metrics on http://%s:%d/metrics", host, server.server_port)
         return server.server_port
 
@@ -134,12 +138,17 @@ class MetricsExporter:
     def stop(self) -> None:
         """Stop serving and close the socket (no-op when not serving)."""
         server, thread = self._server, self._thread
-        if server is None or thread is None:
+        if server is None:
             return
         self._server = self._thread = None
-        server.shutdown()
+        # a thread never launched (start_http interrupted) never serves: shutdown() would
+        # wait for it forever, and join() raises
+        launched = thread is not None and thread.ident is not None
+        if launched:
+            server.shutdown()
         server.server_close()
-        thread.join()
+        if thread is not None and launched:
+            thread.join()
 
     def __enter__(self) -> MetricsExporter:
         return self

@@ -102,15 +102,24 @@ def config_from_dict(data: object, *, check_ram: bool = True) -> HiCacheConfig:
 
 def available_ram_bytes() -> int | None:
     """RAM available to new allocations now, in bytes (``MemAvailable``); ``None`` if unknown."""
+    return _ram_bytes("MemAvailable:", "SC_AVPHYS_PAGES")
+
+
+def total_ram_bytes() -> int | None:
+    """This machine's RAM in bytes (``MemTotal``); ``None`` if unknown."""
+    return _ram_bytes("MemTotal:", "SC_PHYS_PAGES")
+
+
+def _ram_bytes(meminfo_field: str, sysconf_name: str) -> int | None:
     with (
         contextlib.suppress(OSError, ValueError, IndexError),
         open("/proc/meminfo", encoding="ascii") as meminfo,
     ):
         for line in meminfo:
-            if line.startswith("MemAvailable:"):
+            if line.startswith(meminfo_field):
                 return int(line.split()[1]) * 1024
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf(sysconf_name) * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
 
@@ -120,28 +129,50 @@ def check_host_memory(config: HiCacheConfig) -> None:
     device pools too when ``device_pool.device`` is ``cpu``) fit in available RAM minus the
     reserve. The fix offered names the pool to shrink: the host's size key while shrinking
     it can make room, else ``device_pool.num_tokens``."""
+    available = available_ram_bytes()
+    reserve = int(config.host.ram_reserve_gib * GIB)
+    _check_ram(config, "available", available, reserve,
+               f"{_gib(available)} GiB of RAM is available and host.ram_reserve_gib keeps "
+               f"{_gib(reserve)} GiB of it",
+               "lower host.ram_reserve_gib, or free memory")
+
+
+def check_machine_memory(config: HiCacheConfig) -> None:
+    """Raise ``ConfigError`` unless the pools in RAM fit in this machine's RAM at all
+    (``MemTotal``, no reserve). ``build_service`` checks it before it allocates anything,
+    also for a config made with ``check_ram=False``, so that a size no machine here can
+    hold is refused naming its key rather than failing part-way with a ``MemoryError``."""
+    total = total_ram_bytes()
+    _check_ram(config, "total", total, 0, f"this machine has {_gib(total)} GiB of RAM in all",
+               "or run on a machine with more RAM")
+
+
+def _check_ram(config: HiCacheConfig, what: str, ram: int | None, reserve: int,
+               have: str, other_fix: str) -> None:
+    """Refuse ``config`` unless its pools in RAM fit in ``ram - reserve`` bytes (``what``
+    RAM); ``have`` says what RAM there is, ``other_fix`` ends the message's fix."""
     sizes = pool_sizes(config)
     host = sum(size.size_bytes for size in sizes if size.tier == "host")
     on_cpu = config.device_pool.device == "cpu"
     device = sum(size.size_bytes for size in sizes if size.tier == "device") if on_cpu else 0
     need = host + device
-    available = available_ram_bytes()
-    if available is None:
-        logger.warning("cannot read available RAM; pools of %.2f GiB in RAM are not checked",
+    if ram is None:
+        logger.warning("cannot read %s RAM; pools of %.2f GiB in RAM are not checked", what,
                        need / GIB)
         return
-    reserve = int(config.host.ram_reserve_gib * GIB)
-    budget = available - reserve
+    budget = ram - reserve
     if need <= budget:
         return
     pools = "host pools" if not device else "host and CPU device pools"
-    problem = (f"{pools} need {need / GIB:.2f} GiB but {available / GIB:.2f} GiB of RAM is "
-               f"available and host.ram_reserve_gib keeps {reserve / GIB:.2f} GiB of it")
+    problem = f"{pools} need {_gib(need)} GiB but {have}"
     key, value = config.host.size_key
     most = math.floor(value * max(budget - device, 0) / host * 100) / 100
     if most > 0:
-        raise fail(key, value, problem,
-                   f"lower {key} to at most {most}, lower host.ram_reserve_gib, or free memory")
+        raise fail(key, value, problem, f"lower {key} to at most {most}, {other_fix}")
     raise fail("device_pool.num_tokens", config.device_pool.num_tokens, problem,
-               "the device pool on the cpu alone leaves no room for a host pool: lower "
-               "device_pool.num_tokens, lower host.ram_reserve_gib, or free memory")
+               f"the device pool on the cpu alone leaves no room for a host pool: lower "
+               f"device_pool.num_tokens, {other_fix}")
+
+
+def _gib(size_bytes: int | None) -> str:
+    return f"{(size_bytes or 0) / GIB:.2f}"

@@ -1,4 +1,5 @@
 """A storage worker: one thread that runs jobs against the shared store, from a bounded queue.
+The thread starts with the first job, not with the worker.
 
 The scheduler thread submits jobs (:meth:`StorageWorker.submit` never blocks: a full queue
 refuses the job, and the caller counts it) and collects finished ones with :meth:`finished`.
@@ -31,7 +32,8 @@ class Job(Protocol):
 
 
 class StorageWorker:
-    """A daemon thread running :class:`Job` s in order (see the module docstring).
+    """A daemon thread running :class:`Job` s in order, started by the first (see the module
+    docstring).
 
     Args:
         name: the thread's name (``hicache-l3-prefetch``, ``hicache-l3-backup``).
@@ -49,8 +51,8 @@ class StorageWorker:
         self._finished: collections.deque[Job] = collections.deque()
         self._wake = threading.Event()  # set whenever a job finishes
         self._closed = False
+        # started by the first job: a tier built and dropped unused leaves no thread behind
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
 
     @property
     def depth(self) -> int:
@@ -65,6 +67,8 @@ class StorageWorker:
             self._queue.put_nowait(job)
         except queue.Full:
             return False
+        if self._thread.ident is None:
+            self._thread.start()
         return True
 
     def finished(self) -> list[Job]:
@@ -85,6 +89,10 @@ class StorageWorker:
         if self._closed:
             return
         self._closed = True
+        if self._thread.ident is None:  # never started
+            if self._queue.empty():
+                return
+            self._thread.start()  # a job queued as a Ctrl-C landed before its start: run it
         self._queue.put(None)
         self._thread.join()
 

@@ -73,22 +73,34 @@ def issue_queued(tree: TieredRadixTree, evict: bool = True) -> None:
     as they are stay queued for the scheduler's next step."""
     ops, tree.queued_backups = tree.queued_backups, []
     if ops:
-        nodes = [node for op in ops for node in op.nodes]
-        short = sum(node.num_tokens for node in nodes) - tree.io.host_free_tokens()
-        if short > 0 and evict:
-            tree.evict_host(short)
-        batch = ops[0] if len(ops) == 1 else PendingOp(
-            Direction.DEVICE_TO_HOST, nodes, [lock for op in ops for lock in op.locks],
-            marks=tuple(mark for op in ops for mark in op.marks))  # shared: waited once
-        if not evict:
-            if short > 0 or not _write(tree, batch):
-                tree.queued_backups = ops + tree.queued_backups  # for the step, which evicts
-        elif not _write(tree, batch) and not (
-                _room_for_swa(tree, batch) and _write(tree, batch)):
-            for op in ops:  # the host cannot take them all: as many as fit
-                if len(ops) == 1 or not _write(tree, op):
-                    _refuse(tree, op)
+        try:
+            _issue(tree, ops, evict)
+        except BaseException:
+            # the write that raised (an observer's exception, a Ctrl-C) was cancelled: the
+            # ops not written or refused go back to the queue, to be issued at a later call
+            tree.queued_backups = [op for op in ops if op.queued and op.nodes[0].write_op is op
+                                   ] + tree.queued_backups
+            raise
     tree.controller.start_writing()
+
+
+def _issue(tree: TieredRadixTree, ops: list[PendingOp], evict: bool) -> None:
+    """:func:`issue_queued` of ``ops``, taken off the tree's queue."""
+    nodes = [node for op in ops for node in op.nodes]
+    short = sum(node.num_tokens for node in nodes) - tree.io.host_free_tokens()
+    if short > 0 and evict:
+        tree.evict_host(short)
+    batch = ops[0] if len(ops) == 1 else PendingOp(
+        Direction.DEVICE_TO_HOST, nodes, [lock for op in ops for lock in op.locks],
+        marks=tuple(mark for op in ops for mark in op.marks))  # shared: waited once
+    if not evict:
+        if short > 0 or not _write(tree, batch):
+            tree.queued_backups = ops + tree.queued_backups  # for the step, which evicts
+    elif not _write(tree, batch) and not (
+            _room_for_swa(tree, batch) and _write(tree, batch)):
+        for op in ops:  # the host cannot take them all: as many as fit
+            if len(ops) == 1 or not _write(tree, op):
+                _refuse(tree, op)
 
 
 def _write(tree: TieredRadixTree, op: PendingOp) -> bool:

@@ -52,11 +52,15 @@ def load_back(tree: HiRadixCache, node: TreeNode, device_quota_tokens: int) -> L
         return refuse(tree, Refusal.SWA_TAIL_MISSING, num_tokens)
     op = PendingOp(Direction.HOST_TO_DEVICE, list(span), [node])
     tree.lock(node)  # held until the ack; also shields the span while we evict
-    loaded = tree.io.load(host, host_swa, op, restore.slots)
-    if loaded is None:
-        tree.evict_swa(restore.num_tokens + tree.io.tail_tokens)
-        tree.evict(num_tokens)
+    try:
         loaded = tree.io.load(host, host_swa, op, restore.slots)
+        if loaded is None:
+            tree.evict_swa(restore.num_tokens + tree.io.tail_tokens)
+            tree.evict(num_tokens)
+            loaded = tree.io.load(host, host_swa, op, restore.slots)
+    except BaseException:  # the load that raised was cancelled (an observer's, a Ctrl-C)
+        tree.unlock(node)
+        raise
     if loaded is None:
         tree.unlock(node)
         return refuse(tree, Refusal.DEVICE_FULL, num_tokens)
