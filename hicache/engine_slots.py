@@ -115,7 +115,8 @@ class EngineSlots:
                 return None  # the engine's own copy of a cached page: the general check
             firsts.append(node_slots[::page])
             at += used
-        parts = [np.concatenate(firsts) // page] if firsts else []
+        parts = [] if not firsts else [  # one node, most often: no concatenation
+            (firsts[0] if len(firsts) == 1 else np.concatenate(firsts)) // page]
         if at < num_tokens:  # whole pages: the key's, less the nodes' (whole pages too)
             held = valid_slot_pages(slots[at:num_tokens], page, self.allocator.num_pages)
             if held is None or count_nonzero(self._held[held]) != held.size:

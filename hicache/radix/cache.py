@@ -36,6 +36,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
+import numpy as np
+import torch
+
 from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import Ack, Direction, TransferCore
 from hicache.pools import IndexSpace, Indices
@@ -144,13 +147,13 @@ class HiRadixCache(TieredRadixTree):
         keeps a copy of its part, and the duplicates freed are copies too."""
         num_tokens = len(key) // TOKEN_BYTES
         path, taken, duplicates, cached = self._insert_walk(key, slots)
-        duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
-        if len(duplicate):
+        if duplicates:  # most inserts hand the tree's own pages back: none
+            duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
             self.io.free_device(duplicate)
+            self.stats.duplicate_tokens += len(duplicate)
         if self.io.is_hybrid:  # a full-attention model has no SWA rows nor copies of them
             self._take_swa(taken, num_tokens)
         self.stats.inserted_tokens += num_tokens - cached
-        self.stats.duplicate_tokens += len(duplicate)
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             self._backup_nodes(path)
         return cached
@@ -180,11 +183,12 @@ class HiRadixCache(TieredRadixTree):
         taken: list[tuple[TreeNode, int]] = []
         duplicates: list[Indices] = []
         step, total = self._page_bytes, len(slots)
+        given = slots.tensor.numpy()  # read here; a node keeps a copy of its part
         while at < len(key):
             pos = at // TOKEN_BYTES
             child = node.children.get(key[at:at + step])
             if child is None:
-                child = self._new_child(node, key[at:], slice_indices(slots, pos, total))
+                child = self._new_child(node, key[at:], _copy(given, pos, total))
                 child.last_access = now
                 taken.append((child, pos))
                 path.append(child)
@@ -193,11 +197,12 @@ class HiRadixCache(TieredRadixTree):
             if common < child.num_tokens:
                 child = self._split(child, common)
             if child.device is None:  # re-attach: the host-only node is on the device again
-                child.device = slice_indices(slots, pos, pos + common)
+                child.device = _copy(given, pos, pos + common)
                 taken.append((child, pos))
             else:  # compared through a view: differing_pages returns a copy
-                duplicates.append(self.io.differing_pages(
-                    child.device, Indices(slots.tensor[pos:pos + common], slots.space)))
+                differing = self.io.differing_pages(child.device, given[pos:pos + common])
+                if differing is not None:
+                    duplicates.append(differing)
             child.last_access = now
             self._touch(child)
             path.append(child)
@@ -287,3 +292,9 @@ class HiRadixCache(TieredRadixTree):
         last_device = on_device[-1] if on_device else self.root
         last_host = path[-1] if path else self.root
         return MatchResult(device, last_device, last_host, sum(n.num_tokens for n in host_only))
+
+
+def _copy(slots: np.ndarray, begin: int, end: int) -> Indices:
+    """``DEVICE_FULL`` slots ``[begin, end)`` of ``slots`` (int64) as a node's own tensor:
+    a numpy copy wrapped, cheaper than slicing and cloning the tensor."""
+    return Indices(torch.from_numpy(slots[begin:end].copy()), IndexSpace.DEVICE_FULL)

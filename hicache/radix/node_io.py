@@ -94,17 +94,17 @@ class NodeIO:
             raise ValueError("insert: some slots are not allocated; insert only slots you hold")
         return slots
 
-    def differing_pages(self, mine: Indices, theirs: Indices) -> Indices:
-        """Pages of ``theirs`` that are not the tree's page at the same position
-        (``mine``: a node's ``DEVICE_FULL`` slots; both whole ordered pages, aligned, so a
-        page is named by its first slot). The common case, the engine handing the tree's
-        own pages back, costs two strided numpy reads and a comparison. A new tensor,
-        never a view of ``theirs``."""
+    def differing_pages(self, mine: Indices, given: np.ndarray) -> Indices | None:
+        """The slots of the pages of ``given`` (the caller's ``DEVICE_FULL`` slots, int64)
+        that are not the tree's page at the same position (``mine``: a node's slots; both
+        whole ordered pages, aligned, so a page is named by its first slot); ``None`` when
+        every page is the tree's. That common case, the engine handing the tree's own pages
+        back, costs two strided numpy reads and a comparison, and makes no tensor. A new
+        tensor otherwise, never a view of ``given``."""
         size = self.page_size
-        given = theirs.tensor.numpy()
         differ = mine.tensor.numpy()[::size] != given[::size]
         if not count_nonzero(differ):
-            return Indices(torch.empty(0, dtype=torch.int64), IndexSpace.DEVICE_FULL)
+            return None
         return Indices(torch.from_numpy(given.reshape(-1, size)[differ].reshape(-1)),
                        IndexSpace.DEVICE_FULL)
 
