@@ -56,3 +56,29 @@ def test_a_ctrl_c_as_a_thread_is_launched_leaves_nothing_running(
     monkeypatch.undo()
     assert not service_thread_names(), service_thread_names()
     assert can_bind(port)
+
+
+@pytest.mark.parametrize("name", THREADS)
+def test_a_ctrl_c_as_stop_joins_a_thread_finishes_the_stop(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C as ``stop`` starts joining ``name`` (leaving ``with`` normally, where
+    nothing calls ``stop`` again): ``stop`` finishes, then raises it."""
+    join = threading.Thread.join
+    armed = [True]
+
+    def interrupt_then_join(thread: threading.Thread, timeout: float | None = None) -> None:
+        if armed and thread.name == name:
+            armed.clear()
+            _thread.interrupt_main()
+        join(thread, timeout)
+
+    port = free_port()
+    service = build_service(make_config(metrics_port=port))
+    with pytest.raises(KeyboardInterrupt), service:
+        monkeypatch.setattr(threading.Thread, "join", interrupt_then_join)
+    monkeypatch.undo()
+    assert not armed, f"{name} was not joined"
+    assert not service_thread_names(), service_thread_names()
+    assert can_bind(port)
+    with pytest.raises(RuntimeError, match="stopped"):
+        service.match(A)
