@@ -35,6 +35,7 @@ from hicache.metrics import MetricsExporter
 
 from .call_gate import CallGate
 from .integrity_slices import SlicedIntegrityCheck
+from .interrupts import interrupts_held
 from .radix import HiRadixCache
 
 if TYPE_CHECKING:
@@ -108,27 +109,26 @@ class BackgroundPoller:
         return self._thread is not None
 
     def start(self) -> None:
-        """Start the thread (the caller makes sure it is not running). Kept from the start
-        so that :meth:`stop` joins it even when an interrupt lands inside ``start()``."""
-        self._thread = threading.Thread(target=self._run, name="hicache-service", daemon=True)
-        self._controller.add_observer(self._on_queued)
-        self._tree.on_backup_queued = self._on_queued
-        self._thread.start()
+        """Start the thread (the caller makes sure it is not running). A Ctrl-C is held
+        until it runs and is recorded (:mod:`hicache.interrupts`): recorded iff it runs, so
+        :meth:`stop` joins exactly the thread that runs."""
+        thread = threading.Thread(target=self._run, name="hicache-service", daemon=True)
+        with interrupts_held():
+            self._controller.add_observer(self._on_queued)
+            self._tree.on_backup_queued = self._on_queued
+            thread.start()
+            self._thread = thread
 
     def stop(self) -> None:
-        """Tell the thread to end and join it; it is not started again."""
+        """Tell the thread to end and join it; it is not started again. One cut short by a
+        Ctrl-C goes on where it was when called again."""
         self._stop_requested = True
         self._stop_bell.put(None)
         self._wake.put(None)
-        thread = self._thread
-        if thread is None:
-            return
-        # never launched (start() interrupted first): nothing to join, and join() would raise;
-        # one launched later sees the stop request at its first pass and ends
-        if thread.ident is not None:
-            thread.join()
-        self._thread = None
-        with contextlib.suppress(ValueError):  # not added if start() was interrupted first
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        with contextlib.suppress(ValueError):  # not added (start interrupted), or removed
             self._controller.remove_observer(self._on_queued)
         self._tree.on_backup_queued = None
 

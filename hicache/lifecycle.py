@@ -50,14 +50,21 @@ def stop(service: HiCacheService, *, surface: bool = True) -> None:
     ack, close the shared store's tier (finishing its prefetches and backups), close the host
     pools.
 
-    Idempotent; a ``stop`` that was interrupted part-way goes on where it was when called
-    again. Raises the background thread's error (``ServiceError``) if no scheduler call did,
-    unless ``surface`` is off (``with`` leaving on the body's own exception).
+    Idempotent. A Ctrl-C part-way is raised once the rest is done (nothing else would call
+    ``stop`` again: it unwinds through ``with`` and the command's handler); one cut short
+    anyway (a second Ctrl-C) goes on where it was when called again. Raises the background
+    thread's error (``ServiceError``) if no scheduler call did, unless ``surface`` is off
+    (``with`` leaving on the body's own exception).
     """
     gate = service._gate
     gate.stopped = True  # first: a call made while this drains is refused, not run after it
-    if not gate.closed:
-        _close(service)
+    try:
+        if not gate.closed:
+            _close(service)
+    except KeyboardInterrupt:
+        if not gate.closed:
+            _close(service)  # no thread left running and the port closed, then raise
+        raise
     if surface:
         gate.raise_if_unsurfaced()
 

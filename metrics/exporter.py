@@ -35,6 +35,8 @@ from wsgiref.simple_server import WSGIRequestHandler
 from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
+from hicache.interrupts import interrupts_held
+
 from .collector import HiCacheCollector
 from .names import DURATION_BUCKETS_S
 from .sources import CacheSource, PoolUsageFn, ServiceSource, StorageTierFn, TransferSource
@@ -107,15 +109,15 @@ class MetricsExporter:
         if not 0 <= port <= 65535:
             raise ValueError(f"metrics port {port} is not a TCP port; use 0..65535 "
                              f"(0 picks a free port)")
-        self._server = server = _bind(host, port)
-        # kept before it starts: stop() closes the socket even if an interrupt lands in start()
-        self._thread = thread = threading.Thread(
-            target=server.serve_forever, kwargs={"poll_interval": _SHUTDOWN_POLL_S},
-            name="hicache-metrics-http", daemon=True,
-        )
+        self._server = server = _bind(host, port)  # from here stop() closes it
         try:
             server.set_app(_only_metrics_path(make_wsgi_app(self.registry)))
-            thread.start()
+            thread = threading.Thread(target=server.serve_until_stopped,
+                                      name="hicache-metrics-http", daemon=True)
+            # recorded iff it runs: stop() joins exactly the thread that runs
+            with interrupts_held():
+                thread.start()
+                self._thread = thread
         except BaseException:
             self.stop()
             raise
@@ -136,19 +138,28 @@ class MetricsExporter:
         return str(host), int(port)
 
     def stop(self) -> None:
-        """Stop serving and close the socket (no-op when not serving)."""
-        server, thread = self._server, self._thread
+        """Stop serving, join the thread and close the socket (no-op when not serving).
+
+        A Ctrl-C part-way is raised once that is done; a stop cut short anyway (a second
+        Ctrl-C) goes on where it was when called again.
+        """
+        try:
+            self._stop_serving()
+        except KeyboardInterrupt:
+            self._stop_serving()  # no thread left serving and the port closed, then raise
+            raise
+
+    def _stop_serving(self) -> None:
+        # Each step is forgotten only once done, so that a second call finishes the first.
+        server = self._server
         if server is None:
             return
-        self._server = self._thread = None
-        # a thread never launched (start_http interrupted) never serves: shutdown() would
-        # wait for it forever, and join() raises
-        launched = thread is not None and thread.ident is not None
-        if launched:
-            server.shutdown()
+        server.stop_requested = True
+        if self._thread is not None:
+            self._thread.join()  # within _SHUTDOWN_POLL_S
+            self._thread = None
         server.server_close()
-        if thread is not None and launched:
-            thread.join()
+        self._server = None
 
     def __enter__(self) -> MetricsExporter:
         return self
@@ -227,7 +238,17 @@ class _MetricsServer(ThreadingWSGIServer):  # type: ignore[misc]
     """``prometheus_client``'s threaded WSGI server bound to ``(host, port)``, IPv4 or IPv6
     as ``host`` resolves."""
 
+    timeout = _SHUTDOWN_POLL_S  # how long handle_request() waits: how soon a stop is seen
+
     def __init__(self, host: str, port: int) -> None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         self.address_family = infos[0][0]
         super().__init__((host, port), _QuietHandler)
+        self.stop_requested = False
+
+    def serve_until_stopped(self) -> None:
+        """Serve requests until :attr:`stop_requested`. Not ``serve_forever()``: its
+        ``shutdown()`` waits on a ``threading.Event``, which a Ctrl-C landing inside can turn
+        into ``RuntimeError: release unlocked lock``; a flag and ``join()`` cannot."""
+        while not self.stop_requested:
+            self.handle_request()
