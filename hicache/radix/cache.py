@@ -183,7 +183,7 @@ class HiRadixCache(TieredRadixTree):
         taken: list[tuple[TreeNode, int]] = []
         duplicates: list[Indices] = []
         step, total = self._page_bytes, len(slots)
-        given = slots.tensor.numpy()  # read here; a node keeps a copy of its part
+        given = slots.tensor.numpy()  # compared through; a node keeps a torch copy of its part
         while at < len(key):
             pos = at // TOKEN_BYTES
             child = node.children.get(key[at:at + step])
@@ -295,6 +295,6 @@ class HiRadixCache(TieredRadixTree):
 
 
 def _copy(slots: np.ndarray, begin: int, end: int) -> Indices:
-    """``DEVICE_FULL`` slots ``[begin, end)`` of ``slots`` (int64) as a node's own tensor:
-    a numpy copy wrapped, cheaper than slicing and cloning the tensor."""
-    return Indices(torch.from_numpy(slots[begin:end].copy()), IndexSpace.DEVICE_FULL)
+    """``DEVICE_FULL`` slots ``[begin, end)`` of ``slots`` (int64) as a node's own tensor,
+    cloned by torch from a numpy slice (cheaper than slicing the tensor)."""
+    return Indices(torch.from_numpy(slots[begin:end]).clone(), IndexSpace.DEVICE_FULL)
