@@ -35,6 +35,7 @@ from .config import (
     SWAHistory,
     check_machine_memory,
 )
+from .config.hicache import check_store_swa_history
 from .config.sizing import (
     PoolName,
     device_num_pages,
@@ -83,11 +84,7 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             f"build_service: storage.backend is {config.storage.backend.value}: pass "
             f"model_id and model_revision (a commit or weights digest), which name the pages "
             f"in the shared store so that no other weights ever read them")
-    if config.storage.is_enabled and config.is_hybrid and \
-            config.host.swa_history is not SWAHistory.ALL:
-        raise ValueError("build_service: a hybrid model's pages go to the shared store with "
-                         "their SWA rows, which host.swa_history: window_tails keeps for "
-                         "windows only; set host.swa_history: all, or storage.backend: none")
+    check_store_swa_history(config)  # loading checks it too; a config made by hand may not
     check_machine_memory(config)  # before anything is allocated: not a MemoryError part-way
     device = torch.device(config.device_pool.device)
     ctl = config.controller

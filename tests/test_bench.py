@@ -597,7 +597,7 @@ def test_outputs_never_overwrite_a_from_json_input(option: str, tmp_path: Path,
     (tmp_path / "sub").mkdir()
     assert main(["--from-json", *map(str, paths), option, str(other_spelling)]) == 2
     err = capsys.readouterr().err
-    assert f"{option} {other_spelling}: is the --from-json input" in err, err
+    assert f"{option} {other_spelling}: is the --from-json file" in err, err
     assert paths[1].read_bytes() == before
 
 

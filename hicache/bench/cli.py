@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.cli.output_path import check_output_path
+from hicache.cli.output_path import check_not_input, check_output_path
 from hicache.cli.parser import INTERRUPTED, CliParser, UsageError
 
 from . import arg_checks
@@ -205,20 +205,10 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path is None:
             continue
         for source in args.from_json or ():
-            if _same_file(path, source):
-                raise UsageError(f"{option} {path}: is the --from-json input {source}; name "
-                                 f"another file so the saved result is kept")
+            check_not_input(path, option, {"--from-json": source})
         check_output_path(path, option)
     if args.plot is not None and not have_matplotlib():
         raise UsageError("--plot needs matplotlib: pip install 'hicache[plot]'")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    """Whether ``a`` and ``b`` name one file (the same path, or links to one)."""
-    try:
-        return a.resolve() == b.resolve() or (a.exists() and b.exists() and a.samefile(b))
-    except OSError:
-        return False
 
 
 def run_bench(args: argparse.Namespace) -> int:
