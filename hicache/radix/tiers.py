@@ -151,9 +151,7 @@ class TieredRadixTree(RadixTree):
         entries once those pile up."""
         touched, self._touched = self._touched, {}
         for heap in self._heaps:
-            if touched:
-                heap.offer_all(touched)
-            heap.compact_if_stale(self.num_nodes)
+            heap.offer_all(touched, self.num_nodes)
 
     # ---- backups (hicache.radix.backups) ----------------------------------------------
 
