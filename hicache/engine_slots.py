@@ -10,6 +10,8 @@ Bookkeeping only, on CPU; the caller holds the service lock.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -18,6 +20,19 @@ from hicache.pools.nonzero_count import count_nonzero
 from hicache.pools.page_ids import owned_page_ids, valid_slot_pages
 
 from .radix import RadixTree, TokenKey
+
+
+class InsertSlots(NamedTuple):
+    """What ``insert``'s check of the engine's slots found (:meth:`EngineSlots.check_insert`).
+
+    ``pages``: page ids of the ``num_tokens`` slots inserted. ``slots``: those slots as an
+    int64 numpy view of the engine's tensor (to read at once, never keep), or ``None`` when
+    the check did not read them so. ``own_tokens``: leading tokens whose slots were compared
+    slot for slot with the tree's own (none of them is a duplicate)."""
+
+    pages: np.ndarray
+    slots: np.ndarray | None
+    own_tokens: int
 
 
 class EngineSlots:
@@ -67,10 +82,18 @@ class EngineSlots:
         """Pages of ``device_indices[:num_tokens]`` (``num_tokens``: the whole pages of
         ``key``); ``ValueError`` for a page that is neither held by the engine nor the tree's
         own page at the same position."""
-        pages = self._insertable_as_served(tree, key, device_indices, num_tokens)
-        if pages is not None:
-            return pages
-        return self.insertable_by_page(tree, key, device_indices, num_tokens)
+        return self.check_insert(tree, key, device_indices, num_tokens).pages
+
+    def check_insert(
+        self, tree: RadixTree, key: TokenKey, device_indices: Indices, num_tokens: int
+    ) -> InsertSlots:
+        """:meth:`insertable`, with what the check learnt of the slots for the insert that
+        follows (:class:`InsertSlots`)."""
+        served = self._insertable_as_served(tree, key, device_indices, num_tokens)
+        if served is not None:
+            return served
+        return InsertSlots(self.insertable_by_page(tree, key, device_indices, num_tokens),
+                           None, 0)
 
     def insertable_by_page(
         self, tree: RadixTree, key: TokenKey, device_indices: Indices, num_tokens: int
@@ -93,8 +116,8 @@ class EngineSlots:
 
     def _insertable_as_served(
         self, tree: RadixTree, key: TokenKey, device_indices: Indices, num_tokens: int
-    ) -> np.ndarray | None:
-        """The pages of :meth:`insertable` for the slots a served request gives back: the
+    ) -> InsertSlots | None:
+        """:meth:`check_insert` of the slots a served request gives back: the
         tree's own slots of the cached prefix, byte for byte, then whole pages the engine
         holds (its ``alloc_device``). ``None`` for any other slots, which the page-by-page
         check then takes (and names what is wrong).
@@ -122,9 +145,9 @@ class EngineSlots:
             if held is None or count_nonzero(self._held[held]) != held.size:
                 return None
             parts.append(held)
-        if not parts:
-            return np.empty(0, dtype=np.int64)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        pages = (np.empty(0, dtype=np.int64) if not parts else
+                 parts[0] if len(parts) == 1 else np.concatenate(parts))
+        return InsertSlots(pages, slots[:num_tokens], at)
 
     def forget(self, pages: np.ndarray) -> None:
         """The engine no longer holds ``pages`` (inserted into the tree, or freed)."""

@@ -99,18 +99,20 @@ def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices:
         check_indices(Indices(device_indices.tensor[num_tokens:], device_indices.space),
                       space=IndexSpace.DEVICE_FULL, pool_name=allocator.name,
                       num_slots=allocator.num_slots, device=None, op="insert")
-    pages = service._engine.insertable(tree, key, device_indices, num_tokens)
-    finish_window_backups(service, device_indices)
+    checked = service._engine.check_insert(tree, key, device_indices, num_tokens)
+    own_tokens = checked.own_tokens
+    if finish_window_backups(service, device_indices):
+        own_tokens = 0  # the acks it applied may have changed the tree since the check
     # Every page is the engine's (so allocated) or the tree's own: what take_slots checks.
-    # No copy here: the tree copies the parts it keeps (see HiRadixCache.insert_checked).
-    given = device_indices.tensor[:num_tokens]
-    if given.dtype is not torch.int64:
-        given = given.to(torch.int64)
-    cached = tree.insert_checked(key.data, Indices(given, IndexSpace.DEVICE_FULL))
+    # No copy here: the tree copies the parts it keeps (see HiRadixCache.insert_slots).
+    given = checked.slots
+    if given is None:
+        given = device_indices.tensor[:num_tokens].to(torch.int64).numpy()
+    cached = tree.insert_slots(key.data, given, own_tokens)
     if tree.io.is_hybrid:  # copies of duplicate pages, which the tree freed
         head = Indices(device_indices.tensor[:num_tokens], IndexSpace.DEVICE_FULL)
         tree.io.free_host_swa(tree.window_backups.take(head))
-    service._engine.forget(pages)
+    service._engine.forget(checked.pages)
     return cached
 
 
@@ -137,11 +139,13 @@ def release_window(service: HiCacheService, device_indices: Indices) -> None:
     tree.back_up_window(device_indices)
 
 
-def finish_window_backups(service: HiCacheService, device_indices: Indices) -> None:
+def finish_window_backups(service: HiCacheService, device_indices: Indices) -> bool:
     """Wait for the window backups of these engine pages still in flight (a short wait for
     copies already issued) and apply them, so that ``insert`` and ``free_device`` see
-    complete host copies."""
+    complete host copies; True when there were any (acks were applied)."""
     tree = service.tree
     if tree.io.is_hybrid and tree.window_backups.in_flight(device_indices):
         service.controller.finish_writes()
         service._poller.apply(service._poller.collect())
+        return True
+    return False

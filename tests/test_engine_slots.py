@@ -143,9 +143,10 @@ def test_slots_as_served_take_the_fast_path() -> None:
         slots = Indices(torch.cat([match.device_indices.tensor, new.tensor]),
                         IndexSpace.DEVICE_FULL)
         engine, key = engine_of(service), service.key(tokens)
-        pages = engine._insertable_as_served(service.tree, key, slots, 6)
-        assert pages is not None
-        assert pages.tolist() == (slots.tensor[::PAGE] // PAGE).tolist()
+        served = engine._insertable_as_served(service.tree, key, slots, 6)
+        assert served is not None
+        assert served.own_tokens == 4  # the match's slots: compared with the tree's own
+        assert served.pages.tolist() == (slots.tensor[::PAGE] // PAGE).tolist()
         copy = service.alloc_device(4)
         assert copy is not None
         mixed = Indices(torch.cat([copy.tensor, new.tensor]), IndexSpace.DEVICE_FULL)

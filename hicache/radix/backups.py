@@ -30,6 +30,7 @@ import torch
 from hicache.controller import Direction
 from hicache.pools import IndexSpace, Indices
 
+from .key import TOKEN_BYTES
 from .node import PendingOp, TreeNode, cat_indices, slice_indices
 from .tree import slots_of
 from .window_tail import evict_host_swa, make_swa_host_room
@@ -42,8 +43,8 @@ def queue(tree: TieredRadixTree, nodes: list[TreeNode]) -> None:
     """Queue backups of those of ``nodes`` on the device with no host copy and no op (one
     lock each until the ack). Issued at once when the tree's
     :attr:`~hicache.radix.tiers.TieredRadixTree.issue_backups` is on."""
-    todo = [n for n in nodes if n.on_device and n.host is None and n.write_op is None
-            and n.load_op is None]
+    todo = [n for n in nodes if n.device is not None and n.host is None
+            and n.write_op is None and n.load_op is None]
     if not todo:
         return
     # the rows may still be written on the caller's stream: the copy, issued later with
@@ -86,8 +87,8 @@ def issue_queued(tree: TieredRadixTree, evict: bool = True) -> None:
 
 def _issue(tree: TieredRadixTree, ops: list[PendingOp], evict: bool) -> None:
     """:func:`issue_queued` of ``ops``, taken off the tree's queue."""
-    nodes = [node for op in ops for node in op.nodes]
-    short = sum(node.num_tokens for node in nodes) - tree.io.host_free_tokens()
+    nodes = ops[0].nodes if len(ops) == 1 else [node for op in ops for node in op.nodes]
+    short = sum([len(node.key) for node in nodes]) // TOKEN_BYTES - tree.io.host_free_tokens()
     if short > 0 and evict:
         tree.evict_host(short)
     batch = ops[0] if len(ops) == 1 else PendingOp(

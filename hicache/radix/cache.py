@@ -33,7 +33,6 @@ access with its lock).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable
 
 import numpy as np
@@ -103,13 +102,13 @@ class HiRadixCache(TieredRadixTree):
         """
         key = self.key_data(tokens, "match")
         path = [node for node, _ in self._descend(key, split=True)]
-        now = self._clock()
+        now, touched, hits = self._clock(), self._touched, self.backup_hits
         for node in path:
             node.last_access = now
             node.hit_count += 1
-            self._touch(node)
-        if self.backup_hits is not None:
-            self._backup_nodes([n for n in path if n.hit_count >= self.backup_hits])
+            touched[node] = None  # _touch, inlined: per matched node of every request
+        if hits is not None:  # write_through (1): every matched node
+            self._backup_nodes(path if hits == 1 else [n for n in path if n.hit_count >= hits])
         if self.storage is not None:
             self.storage.matched(path)
         result = self._result(path)
@@ -136,17 +135,17 @@ class HiRadixCache(TieredRadixTree):
         does not look for that caller bug (``HiCacheService.insert`` refuses it).
         """
         key = self.key_data(tokens, "insert")
-        return self.insert_checked(key, self.io.take_slots(device_indices,
-                                                           len(key) // TOKEN_BYTES))
+        slots = self.io.take_slots(device_indices, len(key) // TOKEN_BYTES)
+        return self.insert_slots(key, slots.tensor.numpy(), 0)
 
-    def insert_checked(self, key: bytes, slots: Indices) -> int:
-        """:meth:`insert` of key bytes (``TokenKey.data``) and ``slots`` that the caller
-        checked as :meth:`NodeIO.take_slots` does (``DEVICE_FULL`` CPU int64, exactly the
-        key's length, allocated pages): the service, whose engine-slot check of the same
-        pages implies all of that. ``slots`` may be a view of the engine's tensor: a node
-        keeps a copy of its part, and the duplicates freed are copies too."""
+    def insert_slots(self, key: bytes, slots: np.ndarray, own_tokens: int) -> int:
+        """:meth:`insert` of key bytes (``TokenKey.data``) and int64 ``slots`` (one a token)
+        checked as :meth:`NodeIO.take_slots` does (the service's engine-slot check implies
+        it); they may view the engine's tensor (nodes and duplicates get copies).
+        ``own_tokens``: leading tokens whose slots the check compared slot for slot with the
+        tree's own, nothing changed since (no duplicate among them)."""
         num_tokens = len(key) // TOKEN_BYTES
-        path, taken, duplicates, cached = self._insert_walk(key, slots)
+        path, taken, duplicates, cached = self._insert_walk(key, slots, own_tokens)
         if duplicates:  # most inserts hand the tree's own pages back: none
             duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
             self.io.free_device(duplicate)
@@ -173,17 +172,16 @@ class HiRadixCache(TieredRadixTree):
             adopt_window_backups(self, node)
 
     def _insert_walk(
-        self, key: bytes, slots: Indices
+        self, key: bytes, given: np.ndarray, own_tokens: int
     ) -> tuple[list[TreeNode], list[tuple[TreeNode, int]], list[Indices], int]:
-        """Walk and extend the tree along ``key`` (bytes). Returns the path, the nodes that
-        took caller slots (with their token offset), the duplicate slots and the cached
-        length in tokens."""
+        """Walk and extend the tree along ``key`` (bytes) with the caller's slots ``given``
+        (see :meth:`insert_slots`). Returns the path, the nodes that took caller slots (with
+        their token offset), the duplicate slots and the cached length in tokens."""
         now, node, at, cached = self._clock(), self.root, 0, 0  # at: a byte offset
         path: list[TreeNode] = []
         taken: list[tuple[TreeNode, int]] = []
         duplicates: list[Indices] = []
-        step, total = self._page_bytes, len(slots)
-        given = slots.tensor.numpy()  # compared through; a node keeps a torch copy of its part
+        step, total = self._page_bytes, given.size  # a node keeps a torch copy of its part
         while at < len(key):
             pos = at // TOKEN_BYTES
             child = node.children.get(key[at:at + step])
@@ -199,7 +197,7 @@ class HiRadixCache(TieredRadixTree):
             if child.device is None:  # re-attach: the host-only node is on the device again
                 child.device = _copy(given, pos, pos + common)
                 taken.append((child, pos))
-            else:  # compared through a view: differing_pages returns a copy
+            elif pos + common > own_tokens:  # a view: differing_pages returns a copy
                 differing = self.io.differing_pages(child.device, given[pos:pos + common])
                 if differing is not None:
                     duplicates.append(differing)
@@ -280,21 +278,23 @@ class HiRadixCache(TieredRadixTree):
     # ---- internals ----------------------------------------------------------------------
 
     def _result(self, path: list[TreeNode]) -> MatchResult:
-        on_device = list(itertools.takewhile(lambda n: n.on_device, path))
-        host_only = path[len(on_device):]
-        assert all(n.is_host_only and n.is_backed_up for n in host_only), \
+        parts = []  # the device prefix: the nodes' tensors up to the first not on the device
+        for node in path:
+            if node.device is None:
+                break
+            parts.append(node.device.tensor)
+        on_device = len(parts)
+        host_only = path[on_device:]  # most matches: none (no generator made then)
+        assert not host_only or all(n.device is None and n.is_backed_up for n in host_only), \
             "a node below the device prefix has no complete host copy"
-        parts = [slots_of(n, "device") for n in on_device]
-        # The engine's own tensor, never a node's: an engine writing into it (reusing its
-        # buffer) would rename the pages the node owns. A cat is a new tensor already.
-        device = (Indices(parts[0].tensor.clone(), IndexSpace.DEVICE_FULL) if len(parts) == 1
-                  else cat_indices(parts, IndexSpace.DEVICE_FULL))
-        last_device = on_device[-1] if on_device else self.root
-        last_host = path[-1] if path else self.root
-        return MatchResult(device, last_device, last_host, sum(n.num_tokens for n in host_only))
+        host_tokens = sum(len(n.key) for n in host_only) // TOKEN_BYTES if host_only else 0
+        # a new tensor, never a node's: an engine reusing it would rename the node's pages
+        device = (cat_indices([], IndexSpace.DEVICE_FULL) if not parts else Indices(
+            parts[0].clone() if on_device == 1 else torch.cat(parts), IndexSpace.DEVICE_FULL))
+        return MatchResult(device, path[on_device - 1] if on_device else self.root,
+                           path[-1] if path else self.root, host_tokens)
 
 
 def _copy(slots: np.ndarray, begin: int, end: int) -> Indices:
-    """``DEVICE_FULL`` slots ``[begin, end)`` of ``slots`` (int64) as a node's own tensor,
-    cloned by torch from a numpy slice (cheaper than slicing the tensor)."""
+    """Slots ``[begin, end)`` of int64 ``slots``: a node's own tensor (torch's clone)."""
     return Indices(torch.from_numpy(slots[begin:end]).clone(), IndexSpace.DEVICE_FULL)

@@ -72,15 +72,18 @@ class CandidateHeap:
             return
         heapq.heappush(self._heap, (self._key(node), node.node_id, next(self._sequence), node))
 
-    def offer_all(self, nodes: Iterable[TreeNode]) -> None:
-        """:meth:`offer` each of ``nodes``, in one call (the refresh before an eviction
-        offers every node changed since the last one to every heap)."""
+    def offer_all(self, nodes: Iterable[TreeNode], num_nodes: int) -> None:
+        """:meth:`offer` each of ``nodes``, then :meth:`compact_if_stale` (``num_nodes``:
+        the tree's), in one call: the refresh before every eviction offers every node
+        changed since the last one to every heap."""
         heap, key, is_candidate, sequence = (self._heap, self._key, self._is_candidate,
                                              self._sequence)
         push = heapq.heappush
         for node in nodes:
             if not node.is_detached and is_candidate(node):
                 push(heap, (key(node), node.node_id, next(sequence), node))
+        if len(heap) > _ENTRIES_PER_NODE * num_nodes + _MIN_ENTRIES:
+            self.compact_if_stale(num_nodes)
 
     def pop(self) -> TreeNode | None:
         """Remove and return the first candidate in eviction order, or ``None`` if there is

@@ -12,6 +12,7 @@ import torch
 
 from hicache.pools import IndexSpace, Indices
 
+from .key import TOKEN_BYTES
 from .node import TreeNode, cat_indices
 from .tree import slots_of
 
@@ -66,6 +67,6 @@ def _free(tree: TieredRadixTree, nodes: list[TreeNode]) -> int:
                                         IndexSpace.HOST_SWA) for node in nodes],
                           IndexSpace.HOST_SWA)
     tree.io.free_host(cat_indices(hosts, IndexSpace.HOST_FULL), swa)
-    freed = sum(node.num_tokens for node in nodes)
+    freed = sum([len(node.key) for node in nodes]) // TOKEN_BYTES
     tree.stats.evicted_host_tokens += freed
     return freed

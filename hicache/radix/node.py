@@ -128,7 +128,7 @@ class TreeNode:
         return self.write_op is not None or self.load_op is not None
 
     def has_device_child(self) -> bool:
-        return any(child.on_device for child in self.children.values())
+        return any(child.device is not None for child in self.children.values())
 
     def depth(self) -> int:
         """Nodes between this one and the root (the root's children have depth 1)."""

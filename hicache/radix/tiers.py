@@ -35,6 +35,7 @@ from hicache.pools import IndexSpace, Indices
 
 from . import backups, host_eviction
 from .eviction import CandidateHeap, eviction_key
+from .key import TOKEN_BYTES
 from .node import CacheStats, PendingOp, TreeNode, cat_indices
 from .node_io import HybridNodeIO, NodeIO
 from .storage_hooks import StorageHooks
@@ -150,9 +151,7 @@ class TieredRadixTree(RadixTree):
         entries once those pile up."""
         touched, self._touched = self._touched, {}
         for heap in self._heaps:
-            if touched:
-                heap.offer_all(touched)
-            heap.compact_if_stale(self.num_nodes)
+            heap.offer_all(touched, self.num_nodes)
 
     # ---- backups (hicache.radix.backups) ----------------------------------------------
 
@@ -178,15 +177,20 @@ class TieredRadixTree(RadixTree):
         """A backup's ack: its nodes' host copies are valid, a write-through lock drops, and
         a write-back eviction frees the device slots (unless the node was locked or gained
         device children meanwhile)."""
+        touched, key_bytes, flagged = self._touched, 0, False
         for node in op.nodes:
             assert node.write_op is op, f"{node!r} lost track of its write"
             node.write_op = None
-            self._touch(node)
-        self.stats.backed_up_tokens += sum(node.num_tokens for node in op.nodes)
+            touched[node] = None  # _touch, inlined: every backup's ack comes here
+            key_bytes += len(node.key)
+            flagged = flagged or node.evict_on_ack
+        self.stats.backed_up_tokens += key_bytes // TOKEN_BYTES
         if self.storage is not None:
             self.storage.host_copies_ready(op.nodes)
         for node in op.locks:
             self.unlock(node)
+        if not flagged:  # a write-through backup: nothing leaves the device
+            return
         for node in sorted(op.nodes, key=TreeNode.depth, reverse=True):
             if node.evict_on_ack:
                 node.evict_on_ack = False

@@ -63,12 +63,9 @@ class RadixTree:
         return make_key(tokens, self.page_size, op)
 
     def page_key(self, tokens: TokenIds | TokenKey, op: str = "page_key") -> tuple[int, ...]:
-        """``tokens`` truncated to whole pages, as a tuple of Python ints; a
-        :class:`~hicache.radix.key.TokenKey` gives its pages with no check.
-
-        Every raw token is checked (the partial tail page too), before anything changes;
-        errors as for :meth:`key`.
-        """
+        """``tokens`` truncated to whole pages, as a tuple of Python ints (a
+        :class:`~hicache.radix.key.TokenKey` gives its pages unchecked); every raw token is
+        checked, the partial tail page too, before anything changes; errors as for :meth:`key`."""
         if isinstance(tokens, TokenKey):
             self._check_key(tokens, op)
             return tokens.pages
@@ -97,8 +94,7 @@ class RadixTree:
             stack.extend(node.children.values())
 
     def device_prefix(self, tokens: TokenIds | TokenKey) -> Indices:
-        """``DEVICE_FULL`` slots of the device-resident prefix of ``tokens``; no side effect
-        (no split, no hit, no access time)."""
+        """``DEVICE_FULL`` slots of the device-resident prefix of ``tokens`` (no side effect)."""
         parts = []
         for node, used in self._descend(self.key_data(tokens, "device_prefix"), split=False):
             if node.device is None:
@@ -107,8 +103,7 @@ class RadixTree:
         return cat_indices(parts, IndexSpace.DEVICE_FULL)
 
     def device_prefix_pages(self, tokens: TokenIds | TokenKey) -> np.ndarray:
-        """Page ids of :meth:`device_prefix` (int64), read off the nodes without copying
-        their slots."""
+        """Page ids of :meth:`device_prefix` (int64), read off the nodes' slots (no copy)."""
         page = self.page_size
         parts = [slots[::page] for slots in self.device_prefix_views(tokens, "device_prefix")]
         return np.concatenate(parts) // page if parts else np.empty(0, dtype=np.int64)
@@ -134,8 +129,11 @@ class RadixTree:
             TypeError: ``node`` is not a :class:`TreeNode`.
             ValueError: ``node`` belongs to another tree, or was removed from this one.
         """
-        for ancestor in self._ancestry(node, "lock"):
-            ancestor.lock_count += 1
+        self._check_node(node, "lock")
+        current: TreeNode | None = node  # a loop: a generator would cost a call per node
+        while current is not None and current is not self.root:
+            current.lock_count += 1
+            current = current.parent
         if caller:
             node.caller_locks += 1
 
@@ -143,19 +141,22 @@ class RadixTree:
         """Release one :meth:`lock` of ``node`` (``caller``: one the engine took); raises
         ``RuntimeError`` if not locked so, and as :meth:`lock` for a node that is not a live
         node of this tree. ``op``: the caller's name, for error messages."""
-        chain = list(self._ancestry(node, op))
+        self._check_node(node, op)
         if caller and node.caller_locks <= 0:
             raise RuntimeError(f"{op}: {node!r} is not locked by the engine: release only "
                                f"what lock() took (the cache releases its own locks of "
                                f"load-backs, backups and prefetches when they finish)")
-        if any(ancestor.lock_count <= 0 for ancestor in chain):
+        root = self.root  # locks propagate: no ancestor has fewer than the node (or root)
+        if node.lock_count <= 0 and node is not root:
             raise RuntimeError(f"{op}: {node!r} is not locked (unbalanced {op})")
         if caller:
             node.caller_locks -= 1
-        for ancestor in chain:
-            ancestor.lock_count -= 1
-            if ancestor.lock_count == 0:
-                self._touch(ancestor)
+        current: TreeNode | None = node
+        while current is not None and current is not root:
+            current.lock_count -= 1
+            if current.lock_count == 0:
+                self._touched[current] = None  # _touch, inlined
+            current = current.parent
 
     # ---- shape --------------------------------------------------------------------------
 
@@ -251,17 +252,15 @@ class RadixTree:
         """Note that ``node`` may have become evictable or changed its eviction key; O(1)."""
         self._touched[node] = None
 
-    def _ancestry(self, node: TreeNode, op: str) -> Iterator[TreeNode]:
-        """``node`` and its ancestors below the root, once :meth:`_check_node` passed (at
-        once: nothing is changed by a caller that gets the error)."""
+    def _ancestry(self, node: TreeNode, op: str) -> list[TreeNode]:
+        """``node`` and its ancestors below the root, once :meth:`_check_node` passed."""
         self._check_node(node, op)
-        return self._walk_up(node)
-
-    def _walk_up(self, node: TreeNode) -> Iterator[TreeNode]:
+        chain: list[TreeNode] = []
         current: TreeNode | None = node
         while current is not None and current is not self.root:
-            yield current
+            chain.append(current)
             current = current.parent
+        return chain
 
     def _check_node(self, node: object, op: str) -> None:
         """Refuse anything but a live node of this tree; O(1)."""
