@@ -85,7 +85,8 @@ class CacheController(TransferCore):
             transfer = self._full_transfer(owned_indices(host), owned_indices(device_indices))
             self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
                         owned=True, marks=marks,
-                        cancel=lambda: self.host_pool.allocator.free_pages(host_pages))
+                        cancel=lambda: self.host_pool.allocator.free_pages(host_pages),
+                        host_ascending=True)
         return host
 
     def load(self, host_indices: Indices, tag: object = None) -> Indices | None:

@@ -62,10 +62,13 @@ _CONFLICTS: dict[Direction, tuple[tuple[int, str], ...]] = {
 
 class HeldCall(NamedTuple):
     """The pages one queued call holds: ``parts`` are ``(space, pages)`` with distinct int64
-    page ids (never page 0), two per pool transfer of the call, host then device."""
+    page ids (never page 0), two per pool transfer of the call, host then device.
+    ``host_ascending``: every host part's pages are ascending (an allocation's), so one
+    comparison of the first and last tells whether they are a single run."""
 
     direction: Direction
     parts: tuple[tuple[IndexSpace, np.ndarray], ...]
+    host_ascending: bool = False
 
 
 class InFlightPages:

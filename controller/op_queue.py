@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hicache.pools import DeviceKVPool, HostKVPool, Indices
+from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import Event
@@ -23,6 +23,8 @@ from .index_moves import cat_parts, move_checked, owned_copy
 from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
+_LOAD = Direction.HOST_TO_DEVICE  # a member read through the class is a Python-level call
+_OWN_EXECUTOR = TransferBackend.select  # a backend that does not override it executes its ops
 
 # (direction, the queued call's pool transfers, its tag): see TransferCore.add_observer
 TransferObserver = Callable[[Direction, Sequence[PoolTransfer], object], None]
@@ -61,7 +63,8 @@ class OpQueue:
 
     def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
               pages: Sequence[TransferPages] | None = None, owned: bool = False,
-              after: tuple[Event, ...] = (), cancel: Callable[[], object] = bool) -> None:
+              after: tuple[Event, ...] = (), cancel: Callable[[], object] = bool,
+              host_ascending: bool = False) -> None:
         """Queue one call's transfers (their pages are held from now on) and tell the
         observers; an observer's exception un-queues the call, runs ``cancel`` (which frees
         the slots allocated for it: the caller never gets them) and reaches the caller. The
@@ -73,18 +76,25 @@ class OpQueue:
         allocations gave; found from the slots when ``None``. ``owned``: the transfers'
         index tensors are already int64 copies made for the queue (not copied again).
         ``after``: events the op waits on before it reads anything (the caller's stream
-        when the call was queued, and any the caller marked earlier)."""
+        when the call was queued, and any the caller marked earlier). ``host_ascending``:
+        every transfer's host pages in ``pages`` are ascending (an allocation's)."""
         if not owned:
             transfers = [owned_copy(t) for t in transfers]
         may_pad = pages is None
         if pages is None:
             pages = [(self._pages_of(t.host_indices), self._pages_of(t.device_indices))
                      for t in transfers]
-        parts = []
-        for transfer, (host_pages, device_pages) in zip(transfers, pages, strict=True):
-            parts.append((transfer.host_indices.space, host_pages))
-            parts.append((transfer.device_indices.space, device_pages))
-        held = HeldCall(direction, tuple(parts))
+        if len(transfers) == 1:  # one pool pair (a full-attention model): no loop
+            transfer, (host_pages, device_pages) = transfers[0], pages[0]
+            parts: tuple[tuple[IndexSpace, np.ndarray], ...] = (
+                (transfer.host_indices.space, host_pages),
+                (transfer.device_indices.space, device_pages))
+        else:
+            parts = tuple(part for transfer, (host_pages, device_pages)
+                          in zip(transfers, pages, strict=True)
+                          for part in ((transfer.host_indices.space, host_pages),
+                                       (transfer.device_indices.space, device_pages)))
+        held = HeldCall(direction, parts, host_ascending and not may_pad)
         call = QueuedCall(transfers, tag, held, may_pad, after)
         queued = self.queued[direction]
         self.held.take(held)
@@ -112,11 +122,14 @@ class OpQueue:
         """One op from all queued calls of ``direction`` (indices concatenated per pool),
         its executor chosen by ``backend`` and its indices moved where that executor reads
         them; ``None`` when nothing is queued."""
-        queued, self.queued[direction] = self.queued[direction], []
+        queued = self.queued[direction]
         if not queued:
             return None
-        if len(queued) == 1:
-            merged = queued[0].transfers
+        self.queued[direction] = []
+        if len(queued) == 1:  # one call (most steps): its own transfers, nothing to join
+            call = queued[0]
+            merged, tags, held = call.transfers, [call.tag], [call.held]
+            may_pad, after = call.may_pad, list(call.after)
         else:
             merged = [
                 PoolTransfer(
@@ -127,20 +140,22 @@ class OpQueue:
                 )
                 for i, first in enumerate(queued[0].transfers)
             ]
+            tags, held = [c.tag for c in queued], [c.held for c in queued]
+            may_pad = any(c.may_pad for c in queued)
+            after = [event for c in queued for event in c.after]
         first = merged[0]
-        executor = backend.select(direction, first.host_pool.layout, first.num_tokens,
-                                  layer_wise=direction is Direction.HOST_TO_DEVICE, pairs=first)
-        op = TransferOp(next(self._op_ids), direction, merged, [c.tag for c in queued],
-                        backend=executor.name, executor=executor,
-                        held=[c.held for c in queued])
+        if type(backend).select is _OWN_EXECUTOR:  # no choice to make: skip its arguments
+            executor = backend
+        else:
+            executor = backend.select(direction, first.host_pool.layout, first.num_tokens,
+                                      layer_wise=direction is _LOAD, pairs=first)
+        op = TransferOp(next(self._op_ids), direction, merged, tags, backend=executor.name,
+                        executor=executor, held=held, after=after)
+        tokens, size = op.tokens_by_pool, op.bytes_by_pool
         for transfer in merged:
             num_tokens = transfer.host_indices.tensor.numel()
-            op.tokens_by_pool[transfer.name] = num_tokens
-            op.bytes_by_pool[transfer.name] = num_tokens * transfer.token_bytes
-        may_pad = False
-        for call in queued:
-            may_pad |= call.may_pad
-            op.after.extend(call.after)
+            tokens[transfer.name] = num_tokens
+            size[transfer.name] = num_tokens * transfer.token_bytes
         op.moved = move_op_indices(op, may_pad)
         return op
 
