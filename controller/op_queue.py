@@ -59,7 +59,9 @@ class OpQueue:
         # calls queued per direction, not issued yet (read, never changed, outside this class:
         # wait_until checks it per layer of every forward)
         self.queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
-        self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
+        # issued ops with their finish events (read per poll without a call), FIFO
+        self._in_flight: dict[Direction, deque[tuple[Event, TransferOp]]] = {
+            d: deque() for d in Direction}
 
     def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
               pages: Sequence[TransferPages] | None = None, owned: bool = False,
@@ -160,11 +162,13 @@ class OpQueue:
         return op
 
     def issued(self, op: TransferOp) -> None:
-        """``op`` was issued on its side stream: it is in flight until :meth:`pop_done`."""
-        self._in_flight[op.direction].append(op)
+        """``op`` was issued on its side stream (its finish event recorded): it is in flight
+        until :meth:`pop_done`."""
+        assert op.finish_event is not None, f"op {op.op_id} was issued without a finish event"
+        self._in_flight[op.direction].append((op.finish_event, op))
 
-    def in_flight(self, direction: Direction) -> Sequence[TransferOp]:
-        return self._in_flight[direction]
+    def in_flight(self, direction: Direction) -> list[TransferOp]:
+        return [op for _, op in self._in_flight[direction]]
 
     def pop_done(self) -> list[TransferOp]:
         """Issued ops whose finish event fired, FIFO per direction (``query()`` only); their
@@ -173,8 +177,8 @@ class OpQueue:
         give_back = self.held.give_back
         for direction in _DIRECTIONS:
             queue = self._in_flight[direction]
-            while queue and queue[0].is_done():
-                op = queue.popleft()
+            while queue and queue[0][0].query():
+                op = queue.popleft()[1]
                 for call in op.held:
                     give_back(call)
                 done.append(op)
@@ -206,7 +210,9 @@ def acknowledgement(op: TransferOp) -> Ack:
     """The :class:`Ack` of a finished ``op`` (its duration from its timing events); the
     op's moved indices and temporaries are released."""
     start, finish = op.start_event, op.finish_event
-    duration = start.elapsed_s(finish) if start is not None and finish is not None else None
+    # (on a CPU every op shares one completed event, and has no duration)
+    duration = (start.elapsed_s(finish) if start is not None and finish is not None
+                and start is not finish else None)
     ack = Ack(op.op_id, op.direction, op.tags, op.tokens_by_pool, op.bytes_by_pool, duration,
               op.backend)
     op.moved.clear()
