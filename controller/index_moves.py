@@ -78,6 +78,16 @@ def move_checked(
     return to_device(host, host_target), to_device(device, device_target)
 
 
+def reads_in_place(backend: TransferBackend, transfer: PoolTransfer) -> bool:
+    """True when ``backend`` keeps index pairs in their order and reads both of
+    ``transfer``'s index tensors on the CPU: :func:`move_checked` of checked, owned indices
+    without padding returns them as they are (a fixed answer per backend and pool pair)."""
+    if type(backend).order_pairs is not _AS_GIVEN:
+        return False
+    host_target, device_target = backend.index_devices(transfer.host_pool, transfer.device_pool)
+    return host_target == _CPU and device_target == _CPU
+
+
 def to_device(index: torch.Tensor, target: torch.device) -> torch.Tensor:
     """CPU int64 ``index`` on ``target``: staged through a reused pinned buffer
     (:mod:`hicache.pools.pinned_uploads`), copied without blocking."""

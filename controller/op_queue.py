@@ -19,7 +19,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import Event
-from .index_moves import cat_parts, move_checked, owned_copy
+from .index_moves import cat_parts, move_checked, owned_copy, reads_in_place
 from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
@@ -56,6 +56,10 @@ class OpQueue:
         self.held = InFlightPages(pools)
         self.observers: list[TransferObserver] = []
         self._op_ids = itertools.count()
+        # bytes a token moves, by (device space, layers): one device pool per space
+        self._bytes_per_token: dict[tuple[IndexSpace, int], int] = {}
+        # whether a backend reads a space's op indices on the CPU as given (reads_in_place)
+        self._in_place: dict[tuple[TransferBackend, IndexSpace], bool] = {}
         # calls queued per direction, not issued yet (read, never changed, outside this class:
         # wait_until checks it per layer of every forward)
         self.queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
@@ -151,15 +155,40 @@ class OpQueue:
         else:
             executor = backend.select(direction, first.host_pool.layout, first.num_tokens,
                                       layer_wise=direction is _LOAD, pairs=first)
-        op = TransferOp(next(self._op_ids), direction, merged, tags, backend=executor.name,
-                        executor=executor, held=held, after=after)
-        tokens, size = op.tokens_by_pool, op.bytes_by_pool
+        tokens, size = {}, {}
         for transfer in merged:
             num_tokens = transfer.host_indices.tensor.numel()
             tokens[transfer.name] = num_tokens
-            size[transfer.name] = num_tokens * transfer.token_bytes
-        op.moved = move_op_indices(op, may_pad)
+            size[transfer.name] = num_tokens * self._token_bytes(transfer)
+        op = TransferOp(next(self._op_ids), direction, merged, tags, executor.name, executor,
+                        held, after, tokens, size)
+        op.moved = self._moved(op, executor, may_pad)
         return op
+
+    def _moved(self, op: TransferOp, executor: TransferBackend, may_pad: bool
+               ) -> list[MovedTransfer]:
+        """:func:`move_op_indices`, or, when ``executor`` reads every transfer's indices on
+        the CPU as they are and none may name the padding slot, the op's own tensors as
+        they are (what ``move_checked`` would return, without its calls)."""
+        moved = []
+        for t in op.transfers:
+            key = (executor, t.device_indices.space)
+            in_place = self._in_place.get(key)
+            if in_place is None:
+                in_place = self._in_place[key] = reads_in_place(executor, t)
+            if may_pad or not in_place:
+                return move_op_indices(op, may_pad)
+            moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor))
+        return moved
+
+    def _token_bytes(self, transfer: PoolTransfer) -> int:
+        """``transfer.token_bytes``, found once per pool and layer count (per op it was a
+        property and a geometry call per pool transfer)."""
+        key = (transfer.device_indices.space, len(transfer.layers))
+        found = self._bytes_per_token.get(key)
+        if found is None:
+            found = self._bytes_per_token[key] = transfer.token_bytes
+        return found
 
     def issued(self, op: TransferOp) -> None:
         """``op`` was issued on its side stream (its finish event recorded): it is in flight
