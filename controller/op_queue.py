@@ -58,8 +58,9 @@ class OpQueue:
         self._op_ids = itertools.count()
         # bytes a token moves, by (device space, layers): one device pool per space
         self._bytes_per_token: dict[tuple[IndexSpace, int], int] = {}
-        # whether a backend reads a space's op indices on the CPU as given (reads_in_place)
-        self._in_place: dict[tuple[TransferBackend, IndexSpace], bool] = {}
+        # whether a backend reads a space's op indices on the CPU as given (reads_in_place),
+        # by (id of the backend, device space)
+        self._in_place: dict[tuple[int, IndexSpace], tuple[TransferBackend, bool]] = {}
         # calls queued per direction, not issued yet (read, never changed, outside this class:
         # wait_until checks it per layer of every forward)
         self.queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
@@ -170,13 +171,15 @@ class OpQueue:
         """:func:`move_op_indices`, or, when ``executor`` reads every transfer's indices on
         the CPU as they are and none may name the padding slot, the op's own tensors as
         they are (what ``move_checked`` would return, without its calls)."""
+        if may_pad:
+            return move_op_indices(op, may_pad)
         moved = []
         for t in op.transfers:
-            key = (executor, t.device_indices.space)
-            in_place = self._in_place.get(key)
-            if in_place is None:
-                in_place = self._in_place[key] = reads_in_place(executor, t)
-            if may_pad or not in_place:
+            key = (id(executor), t.device_indices.space)
+            found = self._in_place.get(key)
+            if found is None:  # kept with its answer, the executor's id is not reused
+                found = self._in_place[key] = (executor, reads_in_place(executor, t))
+            if not found[1]:
                 return move_op_indices(op, may_pad)
             moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor))
         return moved
