@@ -91,7 +91,7 @@ class MovedTransfer:
     direct_move: DirectMove | None = None  # the direct backend's runs and planned copies
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, init=False)
 class TransferOp:
     """One submitted move. Owns its tensors until acknowledged.
 
@@ -122,6 +122,23 @@ class TransferOp:
     after: list[Event] = field(default_factory=list)  # marks of the queuing callers' streams
     tokens_by_pool: dict[str, int] = field(default_factory=dict)
     bytes_by_pool: dict[str, int] = field(default_factory=dict)
+
+    def __init__(self, op_id: int, direction: Direction, transfers: list[PoolTransfer],
+                 tags: list[object], backend: str = "", executor: TransferBackend | None = None,
+                 held: list[HeldCall] | None = None, after: list[Event] | None = None,
+                 tokens_by_pool: dict[str, int] | None = None,
+                 bytes_by_pool: dict[str, int] | None = None) -> None:
+        # Written by hand (one op per merge): the generated one tests a sentinel per
+        # defaulted field and calls eight factories, about a third more.
+        self.op_id, self.direction, self.transfers, self.tags = op_id, direction, transfers, tags
+        self.backend, self.executor = backend, executor
+        self.moved, self.keep_alive, self.layer_events = [], [], []
+        self.start_event = self.finish_event = None
+        self.event_set = None
+        self.held = [] if held is None else held
+        self.after = [] if after is None else after
+        self.tokens_by_pool = {} if tokens_by_pool is None else tokens_by_pool
+        self.bytes_by_pool = {} if bytes_by_pool is None else bytes_by_pool
 
     @property
     def primary(self) -> PoolTransfer:

@@ -81,11 +81,13 @@ class CacheController(TransferCore):
         if allocated is None:
             return None
         host, host_pages = allocated
-        if device_pages.size:
-            transfer = self._full_transfer(owned_indices(host), owned_indices(device_indices))
+        if device_pages.size:  # the op's own copies (an allocation's slots are int64 already)
+            transfer = self._full_transfer(Indices(host.tensor.clone(), host.space),
+                                           owned_indices(device_indices))
             self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
                         owned=True, marks=marks,
-                        cancel=lambda: self.host_pool.allocator.free_pages(host_pages))
+                        cancel=lambda: self.host_pool.allocator.free_pages(host_pages),
+                        host_ascending=True)
         return host
 
     def load(self, host_indices: Indices, tag: object = None) -> Indices | None:

@@ -280,9 +280,10 @@ class TransferCore:
 
     def _queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
                pages: Sequence[TransferPages] | None = None, owned: bool = False,
-               marks: Sequence[Event] = (), cancel: Callable[[], object] = bool) -> None:
+               marks: Sequence[Event] = (), cancel: Callable[[], object] = bool,
+               host_ascending: bool = False) -> None:
         after = self._streams.mark_caller(marks) if direction is Direction.DEVICE_TO_HOST else ()
-        self._ops.queue(direction, transfers, tag, pages, owned, after, cancel)
+        self._ops.queue(direction, transfers, tag, pages, owned, after, cancel, host_ascending)
 
     def _submitted(self, op: TransferOp) -> None:
         self._ops.issued(op)

@@ -17,6 +17,7 @@ from hicache.pools.pinned_uploads import UPLOADS
 from .base import PoolTransfer, TransferBackend, TransferOp
 
 _CPU = torch.device("cpu")
+_AS_GIVEN = TransferBackend.order_pairs  # a backend that does not override it keeps the order
 
 
 def owned_copy(transfer: PoolTransfer) -> PoolTransfer:
@@ -64,14 +65,27 @@ def move_checked(
         elif not owned:
             host = torch.from_numpy(host_np.astype(np.int64))  # the op owns what it moves
             device = torch.from_numpy(device_np.astype(np.int64))
-    host, device = backend.order_pairs(host, device)
+    if type(backend).order_pairs is not _AS_GIVEN:
+        host, device = backend.order_pairs(host, device)
     host_target, device_target = backend.index_devices(host_pool, device_pool)
-    if host_target == device_target and host_target != _CPU:
+    if host_target == device_target:
+        if host_target == _CPU:  # a CPU pool's op: nothing to move
+            return host, device
         # one pinned staging and one copy for both (each costs tens of microseconds of CPU);
         # the two results are views of one tensor, recorded and held like any other
         both = UPLOADS.upload((host.numpy(), device.numpy()), host_target)
         return both[:host.numel()], both[host.numel():]
     return to_device(host, host_target), to_device(device, device_target)
+
+
+def reads_in_place(backend: TransferBackend, transfer: PoolTransfer) -> bool:
+    """True when ``backend`` keeps index pairs in their order and reads both of
+    ``transfer``'s index tensors on the CPU: :func:`move_checked` of checked, owned indices
+    without padding returns them as they are (a fixed answer per backend and pool pair)."""
+    if type(backend).order_pairs is not _AS_GIVEN:
+        return False
+    host_target, device_target = backend.index_devices(transfer.host_pool, transfer.device_pool)
+    return host_target == _CPU and device_target == _CPU
 
 
 def to_device(index: torch.Tensor, target: torch.device) -> torch.Tensor:

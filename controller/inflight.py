@@ -11,6 +11,11 @@ of a call are one array operation each. Counts are taken and given back per queu
 (:class:`HeldCall`), where no page repeats, so ops merged from several calls balance exactly
 even when two calls name one host page.
 
+A call's pages enter the counts only when a check reads them: a call taken and given back
+with no check in between (a scheduler that acknowledges each op before it checks the next)
+never touches the arrays, and a check with no call held has nothing to look up. A check
+first counts every call kept aside, so each answer is the one counts kept eagerly would give.
+
 Conflicts refused for a new op (the side streams do not wait for each other):
 
 - a write's device slots must not be held by another write (a second backup of a page) or
@@ -57,10 +62,13 @@ _CONFLICTS: dict[Direction, tuple[tuple[int, str], ...]] = {
 
 class HeldCall(NamedTuple):
     """The pages one queued call holds: ``parts`` are ``(space, pages)`` with distinct int64
-    page ids (never page 0), two per pool transfer of the call, host then device."""
+    page ids (never page 0), two per pool transfer of the call, host then device.
+    ``host_ascending``: every host part's pages are ascending (an allocation's), so one
+    comparison of the first and last tells whether they are a single run."""
 
     direction: Direction
     parts: tuple[tuple[IndexSpace, np.ndarray], ...]
+    host_ascending: bool = False
 
 
 class InFlightPages:
@@ -78,6 +86,8 @@ class InFlightPages:
                         for pool, page_size in pools}
         # the queued calls holding pages now, by id (for busy_slots)
         self._held: dict[int, HeldCall] = {}
+        # those of them not in _counts yet (see the module's docstring), by id
+        self._uncounted: dict[int, HeldCall] = {}
 
     def pool(self, space: IndexSpace, op: str) -> Pool:
         """The pool of ``space``; ``ValueError`` naming the spaces there are otherwise."""
@@ -90,22 +100,37 @@ class InFlightPages:
         return pool
 
     def take(self, call: HeldCall) -> None:
-        """Count the pages of ``call`` as held until :meth:`give_back`."""
-        self._held[id(call)] = call
-        _bump(self._counts, call, _UNIT[call.direction])
+        """Hold the pages of ``call`` until :meth:`give_back` (counted at the next check)."""
+        key = id(call)
+        self._held[key] = call
+        self._uncounted[key] = call
 
     def give_back(self, call: HeldCall) -> None:
-        """Release the pages :meth:`take` counted for ``call``."""
-        del self._held[id(call)]
-        _bump(self._counts, call, -_UNIT[call.direction])
+        """Release the pages :meth:`take` held for ``call``."""
+        key = id(call)
+        del self._held[key]
+        if self._uncounted.pop(key, None) is None:  # a check counted it: uncount it
+            _bump(self._counts, call, -_UNIT[call.direction])
+
+    def _counted(self, space: IndexSpace) -> np.ndarray:
+        """The counts of ``space`` with every held call in them."""
+        uncounted = self._uncounted
+        for key, call in list(uncounted.items()) if uncounted else ():
+            _bump(self._counts, call, _UNIT[call.direction])
+            del uncounted[key]
+        return self._counts[space]
 
     def mask(self, space: IndexSpace, slots: np.ndarray) -> np.ndarray:
         """Which of ``slots`` (checked, in range) any op holds."""
-        return self._counts[space][slots // self.page_sizes[space]] != 0
+        if not self._held:
+            return np.zeros(slots.shape, dtype=bool)
+        return self._counted(space)[slots // self.page_sizes[space]] != 0
 
     def first_busy_page(self, space: IndexSpace, pages: np.ndarray) -> int | None:
         """The first of ``pages`` (checked, in range) that any op holds, or ``None``."""
-        counts = self._counts[space]
+        if not self._held:
+            return None
+        counts = self._counted(space)
         if pages.size == 1:
             page = pages.item()
             return page if counts[page] else None
@@ -133,7 +158,9 @@ class InFlightPages:
         ``pages`` (checked page ids of the new op's source slots), naming the first slot of
         the first such page (or, given the ``slots`` those pages are of, one per slot, the
         first such slot)."""
-        counts = self._counts[space]
+        if not self._held:
+            return
+        counts = self._counted(space)
         if pages.size == 1:
             word = int(counts[pages[0]])
             if not word:

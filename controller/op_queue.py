@@ -15,14 +15,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hicache.pools import DeviceKVPool, HostKVPool, Indices
+from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import Event
-from .index_moves import cat_parts, move_checked, owned_copy
+from .index_moves import cat_parts, move_checked, owned_copy, reads_in_place
 from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
+_LOAD = Direction.HOST_TO_DEVICE  # a member read through the class is a Python-level call
+_OWN_EXECUTOR = TransferBackend.select  # a backend that does not override it executes its ops
 
 # (direction, the queued call's pool transfers, its tag): see TransferCore.add_observer
 TransferObserver = Callable[[Direction, Sequence[PoolTransfer], object], None]
@@ -54,14 +56,22 @@ class OpQueue:
         self.held = InFlightPages(pools)
         self.observers: list[TransferObserver] = []
         self._op_ids = itertools.count()
+        # bytes a token moves, by (device space, layers): one device pool per space
+        self._bytes_per_token: dict[tuple[IndexSpace, int], int] = {}
+        # whether a backend reads a space's op indices on the CPU as given (reads_in_place),
+        # by (id of the backend, device space)
+        self._in_place: dict[tuple[int, IndexSpace], tuple[TransferBackend, bool]] = {}
         # calls queued per direction, not issued yet (read, never changed, outside this class:
         # wait_until checks it per layer of every forward)
         self.queued: dict[Direction, list[QueuedCall]] = {d: [] for d in Direction}
-        self._in_flight: dict[Direction, deque[TransferOp]] = {d: deque() for d in Direction}
+        # issued ops with their finish events (read per poll without a call), FIFO
+        self._in_flight: dict[Direction, deque[tuple[Event, TransferOp]]] = {
+            d: deque() for d in Direction}
 
     def queue(self, direction: Direction, transfers: list[PoolTransfer], tag: object,
               pages: Sequence[TransferPages] | None = None, owned: bool = False,
-              after: tuple[Event, ...] = (), cancel: Callable[[], object] = bool) -> None:
+              after: tuple[Event, ...] = (), cancel: Callable[[], object] = bool,
+              host_ascending: bool = False) -> None:
         """Queue one call's transfers (their pages are held from now on) and tell the
         observers; an observer's exception un-queues the call, runs ``cancel`` (which frees
         the slots allocated for it: the caller never gets them) and reaches the caller. The
@@ -73,18 +83,25 @@ class OpQueue:
         allocations gave; found from the slots when ``None``. ``owned``: the transfers'
         index tensors are already int64 copies made for the queue (not copied again).
         ``after``: events the op waits on before it reads anything (the caller's stream
-        when the call was queued, and any the caller marked earlier)."""
+        when the call was queued, and any the caller marked earlier). ``host_ascending``:
+        every transfer's host pages in ``pages`` are ascending (an allocation's)."""
         if not owned:
             transfers = [owned_copy(t) for t in transfers]
         may_pad = pages is None
         if pages is None:
             pages = [(self._pages_of(t.host_indices), self._pages_of(t.device_indices))
                      for t in transfers]
-        parts = []
-        for transfer, (host_pages, device_pages) in zip(transfers, pages, strict=True):
-            parts.append((transfer.host_indices.space, host_pages))
-            parts.append((transfer.device_indices.space, device_pages))
-        held = HeldCall(direction, tuple(parts))
+        if len(transfers) == 1:  # one pool pair (a full-attention model): no loop
+            transfer, (host_pages, device_pages) = transfers[0], pages[0]
+            parts: tuple[tuple[IndexSpace, np.ndarray], ...] = (
+                (transfer.host_indices.space, host_pages),
+                (transfer.device_indices.space, device_pages))
+        else:
+            parts = tuple(part for transfer, (host_pages, device_pages)
+                          in zip(transfers, pages, strict=True)
+                          for part in ((transfer.host_indices.space, host_pages),
+                                       (transfer.device_indices.space, device_pages)))
+        held = HeldCall(direction, parts, host_ascending and not may_pad)
         call = QueuedCall(transfers, tag, held, may_pad, after)
         queued = self.queued[direction]
         self.held.take(held)
@@ -112,11 +129,14 @@ class OpQueue:
         """One op from all queued calls of ``direction`` (indices concatenated per pool),
         its executor chosen by ``backend`` and its indices moved where that executor reads
         them; ``None`` when nothing is queued."""
-        queued, self.queued[direction] = self.queued[direction], []
+        queued = self.queued[direction]
         if not queued:
             return None
-        if len(queued) == 1:
-            merged = queued[0].transfers
+        self.queued[direction] = []
+        if len(queued) == 1:  # one call (most steps): its own transfers, nothing to join
+            call = queued[0]
+            merged, tags, held = call.transfers, [call.tag], [call.held]
+            may_pad, after = call.may_pad, list(call.after)
         else:
             merged = [
                 PoolTransfer(
@@ -127,29 +147,60 @@ class OpQueue:
                 )
                 for i, first in enumerate(queued[0].transfers)
             ]
+            tags, held = [c.tag for c in queued], [c.held for c in queued]
+            may_pad = any(c.may_pad for c in queued)
+            after = [event for c in queued for event in c.after]
         first = merged[0]
-        executor = backend.select(direction, first.host_pool.layout, first.num_tokens,
-                                  layer_wise=direction is Direction.HOST_TO_DEVICE, pairs=first)
-        op = TransferOp(next(self._op_ids), direction, merged, [c.tag for c in queued],
-                        backend=executor.name, executor=executor,
-                        held=[c.held for c in queued])
+        if type(backend).select is _OWN_EXECUTOR:  # no choice to make: skip its arguments
+            executor = backend
+        else:
+            executor = backend.select(direction, first.host_pool.layout, first.num_tokens,
+                                      layer_wise=direction is _LOAD, pairs=first)
+        tokens, size = {}, {}
         for transfer in merged:
             num_tokens = transfer.host_indices.tensor.numel()
-            op.tokens_by_pool[transfer.name] = num_tokens
-            op.bytes_by_pool[transfer.name] = num_tokens * transfer.token_bytes
-        may_pad = False
-        for call in queued:
-            may_pad |= call.may_pad
-            op.after.extend(call.after)
-        op.moved = move_op_indices(op, may_pad)
+            tokens[transfer.name] = num_tokens
+            size[transfer.name] = num_tokens * self._token_bytes(transfer)
+        op = TransferOp(next(self._op_ids), direction, merged, tags, executor.name, executor,
+                        held, after, tokens, size)
+        op.moved = self._moved(op, executor, may_pad)
         return op
 
-    def issued(self, op: TransferOp) -> None:
-        """``op`` was issued on its side stream: it is in flight until :meth:`pop_done`."""
-        self._in_flight[op.direction].append(op)
+    def _moved(self, op: TransferOp, executor: TransferBackend, may_pad: bool
+               ) -> list[MovedTransfer]:
+        """:func:`move_op_indices`, or, when ``executor`` reads every transfer's indices on
+        the CPU as they are and none may name the padding slot, the op's own tensors as
+        they are (what ``move_checked`` would return, without its calls)."""
+        if may_pad:
+            return move_op_indices(op, may_pad)
+        moved = []
+        for t in op.transfers:
+            key = (id(executor), t.device_indices.space)
+            found = self._in_place.get(key)
+            if found is None:  # kept with its answer, the executor's id is not reused
+                found = self._in_place[key] = (executor, reads_in_place(executor, t))
+            if not found[1]:
+                return move_op_indices(op, may_pad)
+            moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor))
+        return moved
 
-    def in_flight(self, direction: Direction) -> Sequence[TransferOp]:
-        return self._in_flight[direction]
+    def _token_bytes(self, transfer: PoolTransfer) -> int:
+        """``transfer.token_bytes``, found once per pool and layer count (per op it was a
+        property and a geometry call per pool transfer)."""
+        key = (transfer.device_indices.space, len(transfer.layers))
+        found = self._bytes_per_token.get(key)
+        if found is None:
+            found = self._bytes_per_token[key] = transfer.token_bytes
+        return found
+
+    def issued(self, op: TransferOp) -> None:
+        """``op`` was issued on its side stream (its finish event recorded): it is in flight
+        until :meth:`pop_done`."""
+        assert op.finish_event is not None, f"op {op.op_id} was issued without a finish event"
+        self._in_flight[op.direction].append((op.finish_event, op))
+
+    def in_flight(self, direction: Direction) -> list[TransferOp]:
+        return [op for _, op in self._in_flight[direction]]
 
     def pop_done(self) -> list[TransferOp]:
         """Issued ops whose finish event fired, FIFO per direction (``query()`` only); their
@@ -158,8 +209,8 @@ class OpQueue:
         give_back = self.held.give_back
         for direction in _DIRECTIONS:
             queue = self._in_flight[direction]
-            while queue and queue[0].is_done():
-                op = queue.popleft()
+            while queue and queue[0][0].query():
+                op = queue.popleft()[1]
                 for call in op.held:
                     give_back(call)
                 done.append(op)
@@ -191,7 +242,9 @@ def acknowledgement(op: TransferOp) -> Ack:
     """The :class:`Ack` of a finished ``op`` (its duration from its timing events); the
     op's moved indices and temporaries are released."""
     start, finish = op.start_event, op.finish_event
-    duration = start.elapsed_s(finish) if start is not None and finish is not None else None
+    # (on a CPU every op shares one completed event, and has no duration)
+    duration = (start.elapsed_s(finish) if start is not None and finish is not None
+                and start is not finish else None)
     ack = Ack(op.op_id, op.direction, op.tags, op.tokens_by_pool, op.bytes_by_pool, duration,
               op.backend)
     op.moved.clear()

@@ -73,7 +73,8 @@ class SideStreams:
     def issue_write(self, op: TransferOp) -> None:
         """Copy every layer of every pool transfer of ``op`` on the write stream."""
         if self._done is not None:
-            executor = _executor(op)
+            executor = op.executor
+            assert executor is not None, f"op {op.op_id} has no backend"
             for moved in op.moved:
                 executor.copy(moved, range(len(moved.source.layers)), op.direction,
                               op.keep_alive)

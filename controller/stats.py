@@ -82,14 +82,19 @@ class TransferStats:
         direction = _VALUES[op.direction]
         self.ops_submitted[direction] += 1
         self.backend_ops[(direction, op.backend)] += 1
+        held = op.held
+        ascending = len(held) == 1 and held[0].host_ascending
         for i, transfer in enumerate(op.transfers):
-            pages = host_pages_of(op, i)
-            if not pages.size:
+            pages = held[0].parts[2 * i][1] if len(held) == 1 else host_pages_of(op, i)
+            size = pages.size
+            if not size:
                 continue
             page_size = transfer.host_pool.page_size
             key = (direction, transfer.name)
-            self.host_runs[key] += 1 + _breaks(pages, page_size)
-            self.host_run_tokens[key] += int(pages.size) * page_size
+            # distinct ascending pages are one run when they span their count (no array call)
+            one_run = ascending and pages.item(-1) - pages.item(0) == size - 1
+            self.host_runs[key] += 1 if one_run else 1 + _breaks(pages, page_size)
+            self.host_run_tokens[key] += size * page_size
 
     def mean_host_run_tokens(self, direction: str, pool: str) -> float | None:
         """Mean length, in tokens, of the contiguous host-slot runs that ops of ``direction``

@@ -158,3 +158,57 @@ def test_pages_of_slots_equals_the_distinct_pages(slots: list[int], ordered: boo
     want = sorted({s // page for s in slots} - {0})
     got = pages_of_slots(values, page)
     assert got.dtype == np.int64 and got.tolist() == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(steps=st.lists(st.tuples(st.booleans(), st.sampled_from([D2H, H2D]), pages_st, pages_st,
+                                st.integers(0, 5), st.booleans()), min_size=1, max_size=30),
+       probe=pages_st)
+def test_checks_now_and_then_match_the_reference(
+    steps: list[tuple[bool, Direction, list[int], list[int], int, bool]], probe: list[int]
+) -> None:
+    """Calls given back with or without a check since their take (counted or not yet):
+    every later check still answers as the reference does."""
+    held, ref = tracker(), Reference()
+    live: list[HeldCall] = []
+    for take, direction, device_pages, host_pages, pick, check in steps:
+        if take or not live:
+            call = HeldCall(direction, ((HOST, np.array(host_pages, dtype=np.int64)),
+                                        (DEVICE, np.array(device_pages, dtype=np.int64))))
+            held.take(call)
+            live.append(call)
+            ref.calls[id(call)] = (direction, {
+                HOST: {p * PAGE + o for p in host_pages for o in range(PAGE)},
+                DEVICE: {p * PAGE + o for p in device_pages for o in range(PAGE)}})
+        else:
+            call = live.pop(pick % len(live))
+            held.give_back(call)
+            del ref.calls[id(call)]
+        if check:
+            space = HOST if pick % 2 else DEVICE
+            every = np.arange(NUM_PAGES * PAGE)
+            assert held.mask(space, every).tolist() == [s in ref.held(space) for s in every]
+    pages = np.array(probe, dtype=np.int64)
+    for space in (DEVICE, HOST):
+        expected = next((p for p in probe if p * PAGE in ref.held(space)), None)
+        assert held.first_busy_page(space, pages) == expected
+        every = np.arange(NUM_PAGES * PAGE)
+        assert held.mask(space, every).tolist() == [s in ref.held(space) for s in every]
+
+
+def test_a_lone_call_given_back_unchecked_leaves_no_count() -> None:
+    """A call taken and given back with no check between leaves every page free, and a
+    call taken after it is seen by the next check."""
+    held = tracker()
+    first = HeldCall(D2H, ((HOST, np.array([2, 3], dtype=np.int64)),
+                           (DEVICE, np.array([5], dtype=np.int64))))
+    held.take(first)
+    held.give_back(first)
+    assert held.first_busy_page(DEVICE, np.array([5], dtype=np.int64)) is None
+    assert not held.mask(HOST, np.arange(NUM_PAGES * PAGE)).any()
+    second = HeldCall(D2H, ((DEVICE, np.array([5], dtype=np.int64)),))
+    held.take(second)
+    with pytest.raises(ValueError, match=r"^write: DEVICE_FULL slot 10 "):
+        held.refuse_conflicts(DEVICE, np.array([5], dtype=np.int64), "write", D2H)
+    held.give_back(second)
+    held.refuse_conflicts(DEVICE, np.array([5], dtype=np.int64), "write", D2H)
