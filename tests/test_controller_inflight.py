@@ -74,18 +74,7 @@ def test_counts_match_the_reference(
     held, ref = tracker(), Reference()
     live: list[HeldCall] = []
     for take, direction, device_pages, host_pages, pick in steps:
-        if take or not live:
-            call = HeldCall(direction, ((HOST, np.array(host_pages, dtype=np.int64)),
-                                        (DEVICE, np.array(device_pages, dtype=np.int64))))
-            held.take(call)
-            live.append(call)
-            ref.calls[id(call)] = (direction, {
-                HOST: {p * PAGE + o for p in host_pages for o in range(PAGE)},
-                DEVICE: {p * PAGE + o for p in device_pages for o in range(PAGE)}})
-        else:
-            call = live.pop(pick % len(live))
-            held.give_back(call)
-            del ref.calls[id(call)]
+        _take_or_give_back(held, ref, live, take, direction, device_pages, host_pages, pick)
         for space in (DEVICE, HOST):
             assert held.held_slots(space).tolist() == sorted(ref.held(space))
             every = np.arange(NUM_PAGES * PAGE)
@@ -172,18 +161,7 @@ def test_checks_now_and_then_match_the_reference(
     held, ref = tracker(), Reference()
     live: list[HeldCall] = []
     for take, direction, device_pages, host_pages, pick, check in steps:
-        if take or not live:
-            call = HeldCall(direction, ((HOST, np.array(host_pages, dtype=np.int64)),
-                                        (DEVICE, np.array(device_pages, dtype=np.int64))))
-            held.take(call)
-            live.append(call)
-            ref.calls[id(call)] = (direction, {
-                HOST: {p * PAGE + o for p in host_pages for o in range(PAGE)},
-                DEVICE: {p * PAGE + o for p in device_pages for o in range(PAGE)}})
-        else:
-            call = live.pop(pick % len(live))
-            held.give_back(call)
-            del ref.calls[id(call)]
+        _take_or_give_back(held, ref, live, take, direction, device_pages, host_pages, pick)
         if check:
             space = HOST if pick % 2 else DEVICE
             every = np.arange(NUM_PAGES * PAGE)
@@ -212,3 +190,22 @@ def test_a_lone_call_given_back_unchecked_leaves_no_count() -> None:
         held.refuse_conflicts(DEVICE, np.array([5], dtype=np.int64), "write", D2H)
     held.give_back(second)
     held.refuse_conflicts(DEVICE, np.array([5], dtype=np.int64), "write", D2H)
+
+
+def _take_or_give_back(held: InFlightPages, ref: Reference, live: list[HeldCall], take: bool,
+                       direction: Direction, device_pages: list[int], host_pages: list[int],
+                       pick: int) -> None:
+    """One step of a property test: take a new call (always when none is live) or give back
+    the live call ``pick`` picks, in ``held`` and in the reference alike."""
+    if take or not live:
+        call = HeldCall(direction, ((HOST, np.array(host_pages, dtype=np.int64)),
+                                    (DEVICE, np.array(device_pages, dtype=np.int64))))
+        held.take(call)
+        live.append(call)
+        ref.calls[id(call)] = (direction, {
+            HOST: {p * PAGE + o for p in host_pages for o in range(PAGE)},
+            DEVICE: {p * PAGE + o for p in device_pages for o in range(PAGE)}})
+        return
+    call = live.pop(pick % len(live))
+    held.give_back(call)
+    del ref.calls[id(call)]
