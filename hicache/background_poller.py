@@ -270,9 +270,10 @@ class BackgroundPoller:
     def _step_check(self) -> bool:
         """One slice of the background integrity check; True when it completed a check."""
         check = self._check
-        abandoned = check.stats.abandoned
+        given_up = check.stats.abandoned + check.stats.unconfirmed  # a call's race: given up
         done = check.step()
-        self._stats.integrity_checks_abandoned += check.stats.abandoned - abandoned
+        self._stats.integrity_checks_abandoned += (
+            check.stats.abandoned + check.stats.unconfirmed - given_up)
         if done:
             self._stats.integrity_checks += 1
         return done

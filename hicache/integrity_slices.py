@@ -8,10 +8,18 @@ gives up (and a later one starts over) as soon as a scheduler call happens betwe
 its slices: the tree it was walking may have changed, and a check of a mix of two trees
 proves nothing. So every completed check saw one consistent state, and the scheduler waits
 at most one slice for the lock.
+
+A call counts itself before it waits for the lock, so one that counted before a check began
+but took the lock only between two of its slices changes the tree unseen by that count; the
+walk then reads a mix of two trees and may find an inconsistency that is not there. So a
+sliced check reports nothing itself: what it finds is confirmed by the full check in one
+hold of the lock (a stall, taken only when something looked wrong), which raises what it
+finds; a finding it does not confirm is dropped and counted (``SliceStats.unconfirmed``).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -23,6 +31,8 @@ from hicache.pools.allocator import AllocatorSnapshot
 from .radix import HiRadixCache
 from .radix.integrity import TreeCheck
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class SliceStats:
@@ -31,6 +41,7 @@ class SliceStats:
 
     completed: int = 0
     abandoned: int = 0
+    unconfirmed: int = 0  # findings the full check did not confirm (a call's race)
     slices: int = 0
     longest_slice_s: float = 0.0
 
@@ -77,12 +88,26 @@ class SlicedIntegrityCheck:
     def step(self) -> bool:
         """Run one slice if the lock is free right now (never waits for the scheduler);
         returns ``True`` when this slice completed a check. Raises ``RuntimeError`` for an
-        inconsistency, as ``check_integrity`` does (the next step starts a new check)."""
+        inconsistency that the full check confirms (the next step starts a new check)."""
         try:
             return self._step()
+        except Exception as found:
+            self._check = None
+            self._confirm(found)
+            return False
         except BaseException:
             self._check = None
             raise
+
+    def _confirm(self, found: Exception) -> None:
+        """Run the full check in one hold of the lock after a slice found ``found``: it
+        raises what it finds; if it finds nothing, ``found`` came from a tree that changed
+        under the walk (see the module's docstring) and is dropped."""
+        with self._lock:
+            self._tree.check_integrity(engine_device=self._engine_slots(), sync_device=False)
+        self.stats.unconfirmed += 1
+        logger.info("integrity: a sliced check's finding was not confirmed by the full check "
+                    "(the tree changed under the walk): %r", found)
 
     def _step(self) -> bool:
         if not self._lock.acquire(blocking=False):

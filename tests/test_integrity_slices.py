@@ -51,6 +51,7 @@ def test_sliced_check_finds_a_leaked_page() -> None:
             run_to_end(service)
         with pytest.raises(RuntimeError, match="leak"):
             service.check_integrity()
+        assert service.background_check.stats.unconfirmed == 0  # confirmed, then raised
     finally:
         service.controller.device_allocator.free(leaked)
         service.stop()
