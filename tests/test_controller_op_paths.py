@@ -3,6 +3,8 @@ stats) give what the general paths give: rows, pair order, host runs, acks."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
 from controller_helpers import device_rows, host_rows, make_controller
 
@@ -73,3 +75,41 @@ def test_caller_tensors_are_not_the_ops() -> None:
     ctrl.start_writing()
     assert len(ctrl.poll()) == 1
     assert torch.equal(host_rows(ctrl.host_pool)[expected], before[device.tensor])
+
+
+def test_write_without_copies_reads_the_callers_tensors() -> None:
+    """write_without_copies queues the op on the caller's device tensor and the host tensor
+    it hands back (no copies), and the rows land in those host slots."""
+    ctrl = make_controller(TorchBackend(), page_size=2)
+    before = device_rows(ctrl.device_pool)
+    device = ctrl.device_allocator.try_alloc(4)
+    assert device is not None
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    ctrl.add_observer(lambda _d, transfers, _t: seen.append(
+        (transfers[0].host_indices.tensor, transfers[0].device_indices.tensor)))
+    host = ctrl.write_without_copies(device, np.array([1, 2], dtype=np.int64))
+    assert host is not None
+    assert seen[0][0] is host.tensor and seen[0][1] is device.tensor
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    assert torch.equal(host_rows(ctrl.host_pool)[host.tensor], before[device.tensor])
+
+
+def test_write_without_copies_keeps_the_checks_of_write() -> None:
+    """write_without_copies refuses a page in flight and an unallocated page, as write does,
+    with nothing allocated or queued."""
+    ctrl = make_controller(TorchBackend(), page_size=2)
+    device = ctrl.device_allocator.try_alloc(4)
+    assert device is not None
+    pages = np.array([1, 2], dtype=np.int64)
+    assert ctrl.write_without_copies(device, pages) is not None
+    free_host = ctrl.host_pool.allocator.num_free_tokens
+    with pytest.raises(ValueError, match="write_without_copies: .*already being backed up"):
+        ctrl.write_without_copies(device, pages)
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    ctrl.evict_device(device)
+    with pytest.raises(ValueError, match="write_without_copies: .*not allocated"):
+        ctrl.write_without_copies(device, pages)
+    assert ctrl.host_pool.allocator.num_free_tokens == free_host
+    assert ctrl.num_in_flight == 0
