@@ -80,12 +80,16 @@ class MovedTransfer:
     derived from them once and reuses for every layer group of a load (the CPU copy's numpy
     selectors; the staged backend's chunks with their host runs and planned copies; the
     kernel's checked launch; the direct backend's runs and copies), made at its first use.
+    ``slot_runs``: what the op's page ids already told of the two index tensors, when it
+    moves them as they are: each as a ``slice`` when its slots are one ascending run, ``None``
+    when they are not; ``None`` for the pair when not known (a backend looks itself).
     """
 
     source: PoolTransfer
     host_index: torch.Tensor
     device_index: torch.Tensor
     row_selectors: tuple[slice | np.ndarray, slice | np.ndarray] | None = None
+    slot_runs: tuple[slice | None, slice | None] | None = None
     staged_move: StagedMove | None = None  # the staged backend's plans of this move
     row_copy: RowCopy | None = None  # the kernel backend's prepared launch
     direct_move: DirectMove | None = None  # the direct backend's runs and planned copies

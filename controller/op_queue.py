@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices
+from hicache.pools.page_ids import is_run
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import Event
@@ -174,15 +175,31 @@ class OpQueue:
         if may_pad:
             return move_op_indices(op, may_pad)
         moved = []
-        for t in op.transfers:
+        one_call = op.held[0] if len(op.held) == 1 else None
+        for i, t in enumerate(op.transfers):
             key = (id(executor), t.device_indices.space)
             found = self._in_place.get(key)
             if found is None:  # kept with its answer, the executor's id is not reused
                 found = self._in_place[key] = (executor, reads_in_place(executor, t))
             if not found[1]:
                 return move_op_indices(op, may_pad)
-            moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor))
+            moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor,
+                                       slot_runs=None if one_call is None
+                                       else self._slot_runs(one_call, i)))
         return moved
+
+    def _slot_runs(self, call: HeldCall, index: int) -> tuple[slice | None, slice | None]:
+        """The ``slot_runs`` of the call's ``index``-th transfer, from the page ids its entry
+        checks or allocations gave (whole pages, in slot order: its slots are one run when
+        its pages are): an allocation's ascending host pages by their first and last."""
+        (host_space, host_pages), (device_space, device_pages) = call.parts[2 * index:2 * index + 2]
+        if not host_pages.size:
+            return None, None
+        host_run = (host_pages.item(-1) - host_pages.item(0) == host_pages.size - 1
+                    if call.host_ascending else is_run(host_pages))
+        sizes = self.held.page_sizes
+        return (_slots(host_pages, sizes[host_space]) if host_run else None,
+                _slots(device_pages, sizes[device_space]) if is_run(device_pages) else None)
 
     def _token_bytes(self, transfer: PoolTransfer) -> int:
         """``transfer.token_bytes``, found once per pool and layer count (per op it was a
@@ -221,6 +238,11 @@ class OpQueue:
         """Ops queued or issued and not yet acknowledged."""
         queued = sum(len(q) for q in self.queued.values())
         return queued + sum(len(q) for q in self._in_flight.values())
+
+
+def _slots(pages: np.ndarray, page_size: int) -> slice:
+    """The slots of a run of ``pages`` (non-empty, ascending, consecutive) as a slice."""
+    return slice(pages.item(0) * page_size, (pages.item(-1) + 1) * page_size)
 
 
 def move_op_indices(op: TransferOp, may_pad: bool = True) -> list[MovedTransfer]:
