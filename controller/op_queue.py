@@ -25,6 +25,8 @@ from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
 _LOAD = Direction.HOST_TO_DEVICE  # a member read through the class is a Python-level call
+_WRITE = Direction.DEVICE_TO_HOST
+assert set(_DIRECTIONS) == {_LOAD, _WRITE}, "OpQueue.num_ops counts two directions"
 _OWN_EXECUTOR = TransferBackend.select  # a backend that does not override it executes its ops
 
 # (direction, the queued call's pool transfers, its tag): see TransferCore.add_observer
@@ -235,9 +237,11 @@ class OpQueue:
 
     @property
     def num_ops(self) -> int:
-        """Ops queued or issued and not yet acknowledged."""
-        queued = sum(len(q) for q in self.queued.values())
-        return queued + sum(len(q) for q in self._in_flight.values())
+        """Ops queued or issued and not yet acknowledged (four lengths, no generator: an
+        allocation that evicted asks before it polls)."""
+        queued, in_flight = self.queued, self._in_flight
+        return (len(queued[_WRITE]) + len(queued[_LOAD]) + len(in_flight[_WRITE])
+                + len(in_flight[_LOAD]))
 
 
 def _slots(pages: np.ndarray, page_size: int) -> slice:
