@@ -188,13 +188,13 @@ class KernelBackend(TransferBackend):
 
 
 def _row_selectors(moved: MovedTransfer) -> tuple[slice | np.ndarray, slice | np.ndarray]:
-    """The numpy row selectors of ``moved``'s host and device slots: a slice for one run of
-    slots (what its pages showed when the op knows, else :func:`_block_or_index`)."""
-    runs = moved.slot_runs
-    if runs is None:
+    """The numpy row selectors of ``moved``'s host and device slots: a slice for one long
+    run of slots (found from its pages when the op has them, else
+    :func:`_block_or_index`)."""
+    if moved.pages is None or moved.host_index.numel() < _BLOCK_MIN_ROWS:
         return (_block_or_index(moved.host_index.numpy()),
                 _block_or_index(moved.device_index.numpy()))
-    host_run, device_run = runs
+    host_run, device_run = moved.pages.runs()
     return (moved.host_index.numpy() if host_run is None else host_run,
             moved.device_index.numpy() if device_run is None else device_run)
 

@@ -16,9 +16,16 @@ from typing import NamedTuple
 import numpy as np
 
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices
-from hicache.pools.page_ids import is_run
 
-from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
+from .base import (
+    Ack,
+    Direction,
+    MovedTransfer,
+    PoolTransfer,
+    SlotPages,
+    TransferBackend,
+    TransferOp,
+)
 from .events import Event
 from .index_moves import cat_parts, move_checked, owned_copy, reads_in_place
 from .inflight import HeldCall, InFlightPages, pages_of_slots
@@ -186,22 +193,17 @@ class OpQueue:
             if not found[1]:
                 return move_op_indices(op, may_pad)
             moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor,
-                                       slot_runs=None if one_call is None
-                                       else self._slot_runs(one_call, i)))
+                                       pages=None if one_call is None
+                                       else self._slot_pages(one_call, i)))
         return moved
 
-    def _slot_runs(self, call: HeldCall, index: int) -> tuple[slice | None, slice | None]:
-        """The ``slot_runs`` of the call's ``index``-th transfer, from the page ids its entry
-        checks or allocations gave (whole pages, in slot order: its slots are one run when
-        its pages are): an allocation's ascending host pages by their first and last."""
+    def _slot_pages(self, call: HeldCall, index: int) -> SlotPages:
+        """The :class:`SlotPages` of the call's ``index``-th transfer: the page ids its entry
+        checks or allocations gave (whole pages, in slot order)."""
         (host_space, host_pages), (device_space, device_pages) = call.parts[2 * index:2 * index + 2]
-        if not host_pages.size:
-            return None, None
-        host_run = (host_pages.item(-1) - host_pages.item(0) == host_pages.size - 1
-                    if call.host_ascending else is_run(host_pages))
         sizes = self.held.page_sizes
-        return (_slots(host_pages, sizes[host_space]) if host_run else None,
-                _slots(device_pages, sizes[device_space]) if is_run(device_pages) else None)
+        return SlotPages(host_pages, sizes[host_space], device_pages, sizes[device_space],
+                         call.host_ascending)
 
     def _token_bytes(self, transfer: PoolTransfer) -> int:
         """``transfer.token_bytes``, found once per pool and layer count (per op it was a
@@ -242,11 +244,6 @@ class OpQueue:
         queued, in_flight = self.queued, self._in_flight
         return (len(queued[_WRITE]) + len(queued[_LOAD]) + len(in_flight[_WRITE])
                 + len(in_flight[_LOAD]))
-
-
-def _slots(pages: np.ndarray, page_size: int) -> slice:
-    """The slots of a run of ``pages`` (non-empty, ascending, consecutive) as a slice."""
-    return slice(pages.item(0) * page_size, (pages.item(-1) + 1) * page_size)
 
 
 def move_op_indices(op: TransferOp, may_pad: bool = True) -> list[MovedTransfer]:

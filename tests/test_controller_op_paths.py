@@ -130,29 +130,33 @@ class RecordingBackend(TorchBackend):
 
 
 def test_slot_runs_from_the_pages_move_the_right_rows() -> None:
-    """An op on CPU pools gets its slot runs from its pages: a slice for a run (a write's
+    """An op on CPU pools finds its slot runs from its pages: a slice for a run (a write's
     fresh host slots, a load's fresh device slots), None for slots out of order; the rows
     land in the named slots and every other row keeps its value."""
     backend = RecordingBackend()
-    ctrl = make_controller(backend, page_size=2)
+    ctrl = make_controller(backend, page_size=128, device_pages=8, host_pages=8)
     before = device_rows(ctrl.device_pool)
-    first, second = ctrl.device_allocator.try_alloc(4), ctrl.device_allocator.try_alloc(2)
+    first, second = ctrl.device_allocator.try_alloc(256), ctrl.device_allocator.try_alloc(128)
     assert first is not None and second is not None  # pages 1-2, then 3
     device = Indices(torch.cat([second.tensor, first.tensor]), IndexSpace.DEVICE_FULL)
     host = ctrl.write(device)
     assert host is not None
     ctrl.start_writing()
     assert len(ctrl.poll()) == 1
-    assert backend.moved[-1].slot_runs == (slice(2, 8), None)
+    assert backend.moved[-1].pages is not None
+    assert backend.moved[-1].pages.runs() == (slice(128, 512), None)
+    assert backend.moved[-1].row_selectors is not None
+    assert backend.moved[-1].row_selectors[0] == slice(128, 512)
     rows = host_rows(ctrl.host_pool)
     assert torch.equal(rows[host.tensor], before[device.tensor])
     assert bool((untouched(rows, host.tensor) == SENTINEL).all())
-    back = Indices(torch.cat([host.tensor[4:], host.tensor[:4]]), IndexSpace.HOST_FULL)
+    back = Indices(torch.cat([host.tensor[256:], host.tensor[:256]]), IndexSpace.HOST_FULL)
     loaded = ctrl.load(back)
     assert loaded is not None
     ctrl.start_loading()
     assert len(ctrl.poll()) == 1
-    assert backend.moved[-1].slot_runs == (None, slice(8, 14))
+    assert backend.moved[-1].pages is not None
+    assert backend.moved[-1].pages.runs() == (None, slice(512, 896))
     after = device_rows(ctrl.device_pool)
     assert torch.equal(after[loaded.tensor], rows[back.tensor])
     assert torch.equal(untouched(after, loaded.tensor), untouched(before, loaded.tensor))
