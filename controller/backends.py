@@ -79,8 +79,7 @@ class TorchBackend(TransferBackend):
         microseconds of dispatch per call, a record copy is a memcpy per row."""
         host, device = moved.source.host_pool, moved.source.device_pool
         if moved.row_selectors is None:  # once per op, not per layer group of a load
-            moved.row_selectors = (_block_or_index(moved.host_index.numpy()),
-                                   _block_or_index(moved.device_index.numpy()))
+            moved.row_selectors = _row_selectors(moved)
         host_index, device_index = moved.row_selectors
         to_host = direction is Direction.DEVICE_TO_HOST
         for c, layer in pairs:
@@ -186,6 +185,18 @@ class KernelBackend(TransferBackend):
         # the op records moved.host_index / device_index on its side stream and holds them
         for begin, end in _contiguous_ranges(local_layers):
             row_copy.launch(begin, end)
+
+
+def _row_selectors(moved: MovedTransfer) -> tuple[slice | np.ndarray, slice | np.ndarray]:
+    """The numpy row selectors of ``moved``'s host and device slots: a slice for one long
+    run of slots (found from its pages when the op has them, else
+    :func:`_block_or_index`)."""
+    if moved.pages is None or moved.host_index.numel() < _BLOCK_MIN_ROWS:
+        return (_block_or_index(moved.host_index.numpy()),
+                _block_or_index(moved.device_index.numpy()))
+    host_run, device_run = moved.pages.runs()
+    return (moved.host_index.numpy() if host_run is None else host_run,
+            moved.device_index.numpy() if device_run is None else device_run)
 
 
 def _block_or_index(index: np.ndarray) -> slice | np.ndarray:

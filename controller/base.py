@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout, Indices
+from hicache.pools.page_ids import is_run
 
 from .events import Event
 
@@ -70,6 +71,35 @@ class PoolTransfer:
         return self.num_tokens * self.token_bytes
 
 
+class SlotPages(NamedTuple):
+    """The page ids of a transfer's host and device slots (whole pages, in slot order, from
+    its entry checks and allocations) and the slots per page of each: a backend learns
+    from them, without reading the slots, whether each side is one run.
+    ``host_ascending``: the host pages are an allocation's (ascending, distinct)."""
+
+    host_pages: np.ndarray
+    host_page_size: int
+    device_pages: np.ndarray
+    device_page_size: int
+    host_ascending: bool
+
+    def runs(self) -> tuple[slice | None, slice | None]:
+        """The host and device slots each as a slice when they are one ascending run, else
+        ``None``: an allocation's ascending host pages by their first and last."""
+        host, device = self.host_pages, self.device_pages
+        if not host.size:
+            return None, None
+        host_run = (host.item(-1) - host.item(0) == host.size - 1 if self.host_ascending
+                    else is_run(host))
+        return (_slots(host, self.host_page_size) if host_run else None,
+                _slots(device, self.device_page_size) if is_run(device) else None)
+
+
+def _slots(pages: np.ndarray, page_size: int) -> slice:
+    """The slots of a run of ``pages`` (non-empty, ascending, consecutive) as a slice."""
+    return slice(pages.item(0) * page_size, (pages.item(-1) + 1) * page_size)
+
+
 @dataclass(eq=False)
 class MovedTransfer:
     """A :class:`PoolTransfer` with its indices where the backend reads them.
@@ -80,12 +110,15 @@ class MovedTransfer:
     derived from them once and reuses for every layer group of a load (the CPU copy's numpy
     selectors; the staged backend's chunks with their host runs and planned copies; the
     kernel's checked launch; the direct backend's runs and copies), made at its first use.
+    ``pages``: the page ids of the two index tensors, when the op moves them as they are
+    (``None``: not known; a backend reads the slots).
     """
 
     source: PoolTransfer
     host_index: torch.Tensor
     device_index: torch.Tensor
     row_selectors: tuple[slice | np.ndarray, slice | np.ndarray] | None = None
+    pages: SlotPages | None = None
     staged_move: StagedMove | None = None  # the staged backend's plans of this move
     row_copy: RowCopy | None = None  # the kernel backend's prepared launch
     direct_move: DirectMove | None = None  # the direct backend's runs and planned copies

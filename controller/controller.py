@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from hicache.pools import Indices
 
@@ -76,14 +77,34 @@ class CacheController(TransferCore):
         """
         device_pages = self._checks.writable(device_indices, self.device_allocator, "write",
                                              pages)
+        return self._write(device_indices, device_pages, tag, marks, copies=True)
+
+    def write_without_copies(self, device_indices: Indices, pages: np.ndarray,
+                             tag: object = None, *, marks: Sequence[Event] = ()
+                             ) -> Indices | None:
+        """:meth:`write` for a caller that never changes ``device_indices`` or the host
+        slots it gets back in place (the radix tree: a node's slot tensors are its own,
+        replaced but never written): the op reads those two tensors as they are, where
+        :meth:`write` makes copies of both. ``pages``: the caller's checked page ids of
+        ``device_indices`` (whole pages in order, int64 slots). Every check of :meth:`write`
+        runs (allocated, not in flight); returns and raises as it does."""
+        device_pages = self._checks.writable(device_indices, self.device_allocator,
+                                             "write_without_copies", pages)
+        return self._write(device_indices, device_pages, tag, marks, copies=False)
+
+    def _write(self, device_indices: Indices, device_pages: np.ndarray, tag: object,
+               marks: Sequence[Event], copies: bool) -> Indices | None:
+        """:meth:`write` past its checks; ``copies``: the op reads copies of the slots."""
         num_tokens = device_pages.size * self.device_allocator.page_size
         allocated = self.host_pool.allocator.try_alloc_pages(num_tokens)
         if allocated is None:
             return None
         host, host_pages = allocated
         if device_pages.size:  # the op's own copies (an allocation's slots are int64 already)
-            transfer = self._full_transfer(Indices(host.tensor.clone(), host.space),
-                                           owned_indices(device_indices))
+            transfer = self._full_transfer(
+                Indices(host.tensor.clone(), host.space) if copies else host,
+                owned_indices(device_indices) if copies or
+                device_indices.tensor.dtype is not torch.int64 else device_indices)
             self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
                         owned=True, marks=marks,
                         cancel=lambda: self.host_pool.allocator.free_pages(host_pages),

@@ -17,13 +17,23 @@ import numpy as np
 
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices
 
-from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
+from .base import (
+    Ack,
+    Direction,
+    MovedTransfer,
+    PoolTransfer,
+    SlotPages,
+    TransferBackend,
+    TransferOp,
+)
 from .events import Event
 from .index_moves import cat_parts, move_checked, owned_copy, reads_in_place
 from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
 _LOAD = Direction.HOST_TO_DEVICE  # a member read through the class is a Python-level call
+_WRITE = Direction.DEVICE_TO_HOST
+assert set(_DIRECTIONS) == {_LOAD, _WRITE}, "OpQueue.num_ops counts two directions"
 _OWN_EXECUTOR = TransferBackend.select  # a backend that does not override it executes its ops
 
 # (direction, the queued call's pool transfers, its tag): see TransferCore.add_observer
@@ -174,15 +184,26 @@ class OpQueue:
         if may_pad:
             return move_op_indices(op, may_pad)
         moved = []
-        for t in op.transfers:
+        one_call = op.held[0] if len(op.held) == 1 else None
+        for i, t in enumerate(op.transfers):
             key = (id(executor), t.device_indices.space)
             found = self._in_place.get(key)
             if found is None:  # kept with its answer, the executor's id is not reused
                 found = self._in_place[key] = (executor, reads_in_place(executor, t))
             if not found[1]:
                 return move_op_indices(op, may_pad)
-            moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor))
+            moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor,
+                                       pages=None if one_call is None
+                                       else self._slot_pages(one_call, i)))
         return moved
+
+    def _slot_pages(self, call: HeldCall, index: int) -> SlotPages:
+        """The :class:`SlotPages` of the call's ``index``-th transfer: the page ids its entry
+        checks or allocations gave (whole pages, in slot order)."""
+        (host_space, host_pages), (device_space, device_pages) = call.parts[2 * index:2 * index + 2]
+        sizes = self.held.page_sizes
+        return SlotPages(host_pages, sizes[host_space], device_pages, sizes[device_space],
+                         call.host_ascending)
 
     def _token_bytes(self, transfer: PoolTransfer) -> int:
         """``transfer.token_bytes``, found once per pool and layer count (per op it was a
@@ -218,9 +239,11 @@ class OpQueue:
 
     @property
     def num_ops(self) -> int:
-        """Ops queued or issued and not yet acknowledged."""
-        queued = sum(len(q) for q in self.queued.values())
-        return queued + sum(len(q) for q in self._in_flight.values())
+        """Ops queued or issued and not yet acknowledged (four lengths, no generator: an
+        allocation that evicted asks before it polls)."""
+        queued, in_flight = self.queued, self._in_flight
+        return (len(queued[_WRITE]) + len(queued[_LOAD]) + len(in_flight[_WRITE])
+                + len(in_flight[_LOAD]))
 
 
 def move_op_indices(op: TransferOp, may_pad: bool = True) -> list[MovedTransfer]:

@@ -78,11 +78,24 @@ def alloc(service: HiCacheService, num_tokens: int) -> Indices | None:
     if slots is None:
         short = num_tokens - service.controller.device_allocator.num_free_tokens
         tree.evict(short if short > 0 else num_tokens)
-        service._poller.apply(service._poller.collect())
+        apply_acks(service)
         slots = tree.io.try_alloc_device(num_tokens)
     if slots is not None:
         service._engine.add(slots)
     return slots
+
+
+def apply_acks(service: HiCacheService) -> None:
+    """Apply the acks of ops finished so far (an eviction's write-back frees device slots
+    at its ack). With no op in flight the controller has none to give, and only acks the
+    background thread took before are applied (none, in most calls): no poll is made."""
+    poller = service._poller
+    if service.controller.num_in_flight:
+        poller.apply(poller.collect())
+        return
+    acks = poller.drain()
+    if acks:
+        poller.apply(acks)
 
 
 def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices: Indices) -> int:

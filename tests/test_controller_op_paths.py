@@ -3,10 +3,14 @@ stats) give what the general paths give: rows, pair order, host runs, acks."""
 
 from __future__ import annotations
 
-import torch
-from controller_helpers import device_rows, host_rows, make_controller
+from collections.abc import Sequence
 
-from hicache.controller import TorchBackend
+import numpy as np
+import pytest
+import torch
+from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
+
+from hicache.controller import Direction, MovedTransfer, TorchBackend
 from hicache.pools import IndexSpace, Indices
 
 
@@ -73,3 +77,86 @@ def test_caller_tensors_are_not_the_ops() -> None:
     ctrl.start_writing()
     assert len(ctrl.poll()) == 1
     assert torch.equal(host_rows(ctrl.host_pool)[expected], before[device.tensor])
+
+
+def test_write_without_copies_reads_the_callers_tensors() -> None:
+    """write_without_copies queues the op on the caller's device tensor and the host tensor
+    it hands back (no copies), and the rows land in those host slots."""
+    ctrl = make_controller(TorchBackend(), page_size=2)
+    before = device_rows(ctrl.device_pool)
+    device = ctrl.device_allocator.try_alloc(4)
+    assert device is not None
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    ctrl.add_observer(lambda _d, transfers, _t: seen.append(
+        (transfers[0].host_indices.tensor, transfers[0].device_indices.tensor)))
+    host = ctrl.write_without_copies(device, np.array([1, 2], dtype=np.int64))
+    assert host is not None
+    assert seen[0][0] is host.tensor and seen[0][1] is device.tensor
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    assert torch.equal(host_rows(ctrl.host_pool)[host.tensor], before[device.tensor])
+
+
+def test_write_without_copies_keeps_the_checks_of_write() -> None:
+    """write_without_copies refuses a page in flight and an unallocated page, as write does,
+    with nothing allocated or queued."""
+    ctrl = make_controller(TorchBackend(), page_size=2)
+    device = ctrl.device_allocator.try_alloc(4)
+    assert device is not None
+    pages = np.array([1, 2], dtype=np.int64)
+    assert ctrl.write_without_copies(device, pages) is not None
+    free_host = ctrl.host_pool.allocator.num_free_tokens
+    with pytest.raises(ValueError, match=r"write_without_copies: .*already being backed up"):
+        ctrl.write_without_copies(device, pages)
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    ctrl.evict_device(device)
+    with pytest.raises(ValueError, match=r"write_without_copies: .*not allocated"):
+        ctrl.write_without_copies(device, pages)
+    assert ctrl.host_pool.allocator.num_free_tokens == free_host
+    assert ctrl.num_in_flight == 0
+
+
+class RecordingBackend(TorchBackend):
+    """A torch backend that keeps every moved transfer it copies."""
+
+    def __init__(self) -> None:
+        self.moved: list[MovedTransfer] = []
+
+    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
+             keep_alive: list[torch.Tensor]) -> None:
+        self.moved.append(moved)
+        super().copy(moved, local_layers, direction, keep_alive)
+
+
+def test_slot_runs_from_the_pages_move_the_right_rows() -> None:
+    """An op on CPU pools finds its slot runs from its pages: a slice for a run (a write's
+    fresh host slots, a load's fresh device slots), None for slots out of order; the rows
+    land in the named slots and every other row keeps its value."""
+    backend = RecordingBackend()
+    ctrl = make_controller(backend, page_size=128, device_pages=8, host_pages=8)
+    before = device_rows(ctrl.device_pool)
+    first, second = ctrl.device_allocator.try_alloc(256), ctrl.device_allocator.try_alloc(128)
+    assert first is not None and second is not None  # pages 1-2, then 3
+    device = Indices(torch.cat([second.tensor, first.tensor]), IndexSpace.DEVICE_FULL)
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    assert backend.moved[-1].pages is not None
+    assert backend.moved[-1].pages.runs() == (slice(128, 512), None)
+    assert backend.moved[-1].row_selectors is not None
+    assert backend.moved[-1].row_selectors[0] == slice(128, 512)
+    rows = host_rows(ctrl.host_pool)
+    assert torch.equal(rows[host.tensor], before[device.tensor])
+    assert bool((untouched(rows, host.tensor) == SENTINEL).all())
+    back = Indices(torch.cat([host.tensor[256:], host.tensor[:256]]), IndexSpace.HOST_FULL)
+    loaded = ctrl.load(back)
+    assert loaded is not None
+    ctrl.start_loading()
+    assert len(ctrl.poll()) == 1
+    assert backend.moved[-1].pages is not None
+    assert backend.moved[-1].pages.runs() == (None, slice(512, 896))
+    after = device_rows(ctrl.device_pool)
+    assert torch.equal(after[loaded.tensor], rows[back.tensor])
+    assert torch.equal(untouched(after, loaded.tensor), untouched(before, loaded.tensor))

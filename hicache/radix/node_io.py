@@ -56,7 +56,8 @@ class NodeIO:
         ``host_swa``: the SWA host copies the tokens already have (hybrid; kept, merged
         into the returned SWA slots). ``marks``: events of :meth:`mark_caller` the copy
         waits on (a backup the tree queued earlier)."""
-        host = self.plain.write(device, tag, pages=self._pages(device), marks=marks)
+        # the tree never writes a node's slots in place: the op reads them as they are
+        host = self.plain.write_without_copies(device, self._pages(device), tag, marks=marks)
         return None if host is None else (host, None)
 
     def mark_caller(self) -> Event | None:
