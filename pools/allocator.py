@@ -24,9 +24,6 @@ from .snapshot import AllocatorSnapshot, used_pages_of
 
 __all__ = ["AllocatorSnapshot", "PageAllocator", "used_pages_of"]
 
-CPU = torch.device("cpu")
-
-
 class PageAllocator:
     """Hands out whole pages of slots of one pool.
 
@@ -108,8 +105,7 @@ class PageAllocator:
             slots = np.arange(got * self.page_size, end * self.page_size, dtype=np.int64)
             return (Indices(torch.from_numpy(slots), self.space),
                     np.arange(got, end, dtype=np.int64))
-        slots = expand_runs(got, self.page_size)
-        # the page ids of many runs are new: handed over
+        slots = expand_runs(got, self.page_size)  # the page ids of many runs are new: handed over
         return (Indices(torch.from_numpy(slots), self.space),
                 got if isinstance(got, np.ndarray) else expand_runs(got, 1))
 
@@ -149,28 +145,31 @@ class PageAllocator:
             return
         self.free_pages(self.pages_of(indices, op=f"free to pool '{self.name}'"))
 
-    def free_pages(self, pages: np.ndarray) -> None:
+    def free_pages(self, pages: np.ndarray, *, run_start: int | None = None) -> None:
         """:meth:`free` of page ids that :meth:`pages_of` returned (distinct, in range, not
-        page 0): raises ``ValueError`` for a page that is not allocated, freeing nothing."""
-        if pages.size == 1:  # the common single page: Python ints, no array calls
+        page 0): raises ``ValueError`` for a page that is not allocated, freeing nothing.
+        ``run_start``: as :meth:`checked_pages_of` gave it (found here otherwise)."""
+        size = int(pages.size)
+        if size == 1:  # the common single page: Python ints, no array calls
             self._free_page(pages.item())
             return
-        if pages.size == 0:
+        if not size:
             return
-        if is_run(pages):  # an allocation's pages: a slice of the free map, one run
-            first = int(pages[0])
-            is_free = self._is_free[first:first + pages.size]
+        if run_start is None and is_run(pages):
+            run_start = int(pages[0])
+        if run_start is not None:  # an allocation's pages: a slice of the free map, one run
+            is_free = self._is_free[run_start:run_start + size]
             if count_nonzero(is_free):
-                self._raise_not_allocated(first + int(is_free.argmax()))
+                self._raise_not_allocated(run_start + int(is_free.argmax()))
             is_free[:] = True
-            starts, lengths = [first], [int(pages.size)]
+            starts, lengths = [run_start], [size]
         else:
             is_free = self._is_free[pages]
             if count_nonzero(is_free):
                 self._raise_not_allocated(int(pages[np.flatnonzero(is_free)[0]]))
             self._is_free[pages] = True
             starts, lengths = runs_of(pages)
-        self._num_free_pages += int(pages.size)
+        self._num_free_pages += size
         if len(starts) <= FEW_RUNS:
             for start, length in zip(starts, lengths, strict=True):
                 self._runs.add(start, length)
@@ -195,39 +194,39 @@ class PageAllocator:
         checked = checked_pages(indices, self.space, self.page_size, self.num_pages)
         return (checked or self.checked_pages_of(indices, op=op))[0]  # the common case first
 
-    def checked_pages_of(self, indices: Indices, *, op: str) -> tuple[np.ndarray, bool]:
-        """``(pages, is_run)``: :meth:`pages_of`, and whether they are one ascending run (a
-        caller may then slice per-page arrays; ``is_run`` for :meth:`first_unallocated_page`)."""
+    def checked_pages_of(self, indices: Indices, *, op: str) -> tuple[np.ndarray, int | None]:
+        """``(pages, run_start)``: :meth:`pages_of`, and their first page when they are one
+        ascending run (:func:`~hicache.pools.page_ids.checked_pages`), else ``None``: for
+        :meth:`first_unallocated_page` and :meth:`free_pages`, or a caller's own slices."""
         checked = checked_pages(indices, self.space, self.page_size, self.num_pages)
         if checked is not None:  # the common case, without page_ids' keyword plumbing
             return checked
-        pages = page_ids(indices, space=self.space, pool_name=self.name,
-                         page_size=self.page_size, num_pages=self.num_pages, op=op)
-        return pages, pages.size == 0
+        return page_ids(indices, space=self.space, pool_name=self.name, page_size=self.page_size,
+                        num_pages=self.num_pages, op=op), None
 
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""
-        pages, run = self.checked_pages_of(indices, op=f"is_allocated on pool '{self.name}'")
-        return self.first_unallocated_page(pages, is_run=run) is None
+        pages, start = self.checked_pages_of(indices, op=f"is_allocated on pool '{self.name}'")
+        return self.first_unallocated_page(pages, run_start=start) is None
 
     def first_unallocated(self, indices: Indices, *, op: str) -> int | None:
         """First slot of ``indices`` whose page is not allocated, or ``None`` if all are.
 
         Validates ``indices`` as :meth:`pages_of` does (raises ``ValueError`` for partial or
         repeated pages, page 0, out-of-range values) before looking at ownership."""
-        pages, run = self.checked_pages_of(indices, op=op)
-        page = self.first_unallocated_page(pages, is_run=run)
+        pages, start = self.checked_pages_of(indices, op=op)
+        page = self.first_unallocated_page(pages, run_start=start)
         return None if page is None else page * self.page_size
 
-    def first_unallocated_page(self, pages: np.ndarray, *, is_run: bool = False) -> int | None:
+    def first_unallocated_page(self, pages: np.ndarray, *, run_start: int | None = None
+                               ) -> int | None:
         """First of ``pages`` (page ids :meth:`pages_of` returned) that is not allocated, or
-        ``None`` if all are. ``is_run``: they are one ascending run (as
-        :meth:`checked_pages_of` tells), read as a slice of the free map."""
+        ``None`` if all are. ``run_start``: as :meth:`checked_pages_of` gave it."""
         if pages.size == 1:
             page = pages.item()
             return page if self._is_free[page] else None
-        is_free = (self._is_free[int(pages[0]):int(pages[-1]) + 1] if is_run and pages.size
-                   else self._is_free[pages])  # a run's slice: position for position
+        is_free = (self._is_free[pages] if run_start is None  # else a slice, page for page
+                   else self._is_free[run_start:run_start + pages.size])
         if not count_nonzero(is_free):
             return None
         return int(pages[np.flatnonzero(is_free)[0]])

@@ -88,11 +88,12 @@ def valid_pages(
 
 def checked_pages(
     indices: Indices, space: IndexSpace, page_size: int, num_pages: int
-) -> tuple[np.ndarray, bool] | None:
-    """:func:`valid_pages`, and whether the pages are one ascending run (``pages[0],
-    pages[0] + 1, ...``: an allocation's), for a caller that can then slice per-page arrays
-    instead of gathering from them. A plain pair: a named tuple costs more to make than a
-    one-page check's arithmetic.
+) -> tuple[np.ndarray, int | None] | None:
+    """``(pages, run_start)``: :func:`valid_pages`, and their first page when they are one
+    ascending run (``run_start, run_start + 1, ...``: an allocation's), else ``None``, for a
+    caller that can then slice per-page arrays instead of gathering from them (a slice beats
+    a gather from 256 pages on, by 2.5 us at 4096). A plain pair: a named tuple costs more
+    to make than a one-page check's arithmetic.
 
     Whole ordered pages whose first slots are page multiples are in range once their lowest
     and highest page are; ascending pages (what allocations hand out) are distinct without a
@@ -105,7 +106,7 @@ def checked_pages(
     size = tensor.numel()
     if size == page_size:  # one page, the common free and backup: no numpy calls
         page = _page_of(tensor, page_size, num_pages)
-        return None if page is None else (np.array((page,), dtype=np.int64), True)
+        return None if page is None else (np.array((page,), dtype=np.int64), page)
     if size == 0 or size % page_size:
         return None
     return checked_slot_pages(tensor.numpy(), page_size, num_pages)
@@ -121,8 +122,8 @@ def valid_slot_pages(slots: np.ndarray, page_size: int, num_pages: int) -> np.nd
 
 
 def checked_slot_pages(slots: np.ndarray, page_size: int, num_pages: int
-                       ) -> tuple[np.ndarray, bool] | None:
-    """:func:`valid_slot_pages`, and whether the pages are one ascending run."""
+                       ) -> tuple[np.ndarray, int | None] | None:
+    """``(pages, run_start)`` of :func:`checked_pages` past its type checks."""
     size = slots.size
     first = int(slots[0])
     # one ascending run of whole pages (what an allocation hands out), told as is_run does
@@ -132,7 +133,7 @@ def checked_slot_pages(slots: np.ndarray, page_size: int, num_pages: int
         last_page = page + size // page_size - 1
         if page < 1 or last_page > num_pages:
             return None
-        return np.arange(page, last_page + 1, dtype=np.int64), True
+        return np.arange(page, last_page + 1, dtype=np.int64), page
     # count_nonzero rather than .any()/.all(): a C call, where those go through Python
     if page_size == 1:
         pages = slots.astype(np.int64)  # a copy
@@ -150,7 +151,7 @@ def checked_slot_pages(slots: np.ndarray, page_size: int, num_pages: int
         if count_nonzero(ordered[1:] == ordered[:-1]):
             return None
         low, high = ordered[0], ordered[-1]
-    return (pages, False) if low >= 1 and high <= num_pages else None
+    return (pages, None) if low >= 1 and high <= num_pages else None
 
 
 def single_page(indices: Indices, space: IndexSpace, page_size: int, num_pages: int

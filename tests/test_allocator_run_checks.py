@@ -17,15 +17,16 @@ def _allocator() -> PageAllocator:
 
 
 def test_checked_pages_of_tells_a_run() -> None:
-    """An allocation's slots are one run; the same pages in another order are not."""
+    """An allocation's slots are one run, told by its first page; the same pages in another
+    order are not."""
     allocator = _allocator()
     got = allocator.try_alloc(3 * PAGE_SIZE)
     assert got is not None
-    pages, run = allocator.checked_pages_of(got, op="test")
-    assert pages.tolist() == [1, 2, 3] and run is True
+    pages, start = allocator.checked_pages_of(got, op="test")
+    assert pages.tolist() == [1, 2, 3] and start == 1
     shuffled = Indices(got.tensor.view(3, PAGE_SIZE)[[2, 0, 1]].reshape(-1), got.space)
-    pages, run = allocator.checked_pages_of(shuffled, op="test")
-    assert pages.tolist() == [3, 1, 2] and run is False
+    pages, start = allocator.checked_pages_of(shuffled, op="test")
+    assert pages.tolist() == [3, 1, 2] and start is None
 
 
 def test_checked_pages_of_raises_as_pages_of() -> None:
@@ -39,7 +40,7 @@ def test_checked_pages_of_raises_as_pages_of() -> None:
 
 @pytest.mark.parametrize("free", [[], [2], [3, 4], [1, 4]])
 def test_first_unallocated_page_of_a_run_reads_as_the_gather(free: list[int]) -> None:
-    """With ``is_run`` the answer is the first free page of the run, as without it."""
+    """With ``run_start`` the answer is the first free page of the run, as without it."""
     allocator = _allocator()
     got = allocator.try_alloc(4 * PAGE_SIZE)
     assert got is not None
@@ -47,7 +48,7 @@ def test_first_unallocated_page_of_a_run_reads_as_the_gather(free: list[int]) ->
         allocator.free_pages(np.array([page]))
     pages = np.arange(1, 5)
     expected = free[0] if free else None
-    assert allocator.first_unallocated_page(pages, is_run=True) == expected
+    assert allocator.first_unallocated_page(pages, run_start=1) == expected
     assert allocator.first_unallocated_page(pages) == expected
 
 
@@ -75,4 +76,18 @@ def test_free_of_a_run_merges_it_with_its_neighbours() -> None:
     allocator.free(middle)
     starts, lengths = allocator.free_runs()
     assert starts.tolist() == [1] and lengths.tolist() == [8]
+    allocator.check_integrity()
+
+
+def test_free_pages_of_a_run_given_its_start_checks_every_page() -> None:
+    """``run_start`` from the check frees the run as without it, and still refuses a run
+    that holds a free page, freeing nothing."""
+    allocator = _allocator()
+    got = allocator.try_alloc(3 * PAGE_SIZE)
+    assert got is not None
+    pages, start = allocator.checked_pages_of(got, op="test")
+    allocator.free_pages(pages, run_start=start)
+    assert allocator.num_free_tokens == 8 * PAGE_SIZE
+    with pytest.raises(ValueError, match=r"slot 4 \(page 1\) is not allocated"):
+        allocator.free_pages(pages, run_start=start)
     allocator.check_integrity()
