@@ -18,14 +18,11 @@ from .base import IndexSpace, Indices, check_page_multiple
 from .free_map_take import bulk_pays, take_longest_from_map
 from .free_runs import FreeRuns
 from .nonzero_count import count_nonzero
-from .page_ids import page_ids, single_page, valid_pages
+from .page_ids import checked_pages, is_run, page_ids, single_page
 from .page_runs import FEW_RUNS, expand_runs, pages_of_runs, runs_of
 from .snapshot import AllocatorSnapshot, used_pages_of
 
 __all__ = ["AllocatorSnapshot", "PageAllocator", "used_pages_of"]
-
-CPU = torch.device("cpu")
-
 
 class PageAllocator:
     """Hands out whole pages of slots of one pool.
@@ -81,9 +78,9 @@ class PageAllocator:
         Run-friendly: the smallest free run that holds the whole request is used (lowest
         first among equals); if no run is long enough, the longest runs are taken first (lower
         first among equals) and the request gets their lowest pages, so a copy of the result
-        needs as few contiguous pieces as the free list allows. Costs a
-        few sorted-index operations per run used, or, where that costs more, a few
-        vectorised passes over the free map.
+        needs as few contiguous pieces as the free list allows. Costs a few sorted-index
+        operations per run used, or, where that costs more, a few vectorised passes over the
+        free map.
 
         Returns:
             int64 CPU :class:`Indices` of shape ``[num_tokens]`` in ascending slot order, or
@@ -103,14 +100,14 @@ class PageAllocator:
         got = self._take(num_tokens)
         if got is None:
             return None
-        if isinstance(got, np.ndarray):  # the page ids of many runs, new: handed over
-            return Indices(torch.from_numpy(expand_runs(got, self.page_size)), self.space), got
-        if not isinstance(got, int):
-            return (Indices(torch.from_numpy(expand_runs(got, self.page_size)), self.space),
-                    expand_runs(got, 1))
-        end = got + num_tokens // self.page_size
-        slots = np.arange(got * self.page_size, end * self.page_size, dtype=np.int64)
-        return Indices(torch.from_numpy(slots), self.space), np.arange(got, end, dtype=np.int64)
+        if isinstance(got, int):  # one run, the common case first
+            end = got + num_tokens // self.page_size
+            slots = np.arange(got * self.page_size, end * self.page_size, dtype=np.int64)
+            return (Indices(torch.from_numpy(slots), self.space),
+                    np.arange(got, end, dtype=np.int64))
+        slots = expand_runs(got, self.page_size)  # the page ids of many runs are new: handed over
+        return (Indices(torch.from_numpy(slots), self.space),
+                got if isinstance(got, np.ndarray) else expand_runs(got, 1))
 
     def _take(self, num_tokens: int) -> int | list[tuple[int, int]] | np.ndarray | None:
         """Allocate the pages of :meth:`try_alloc`: the first page of the one run they
@@ -148,20 +145,31 @@ class PageAllocator:
             return
         self.free_pages(self.pages_of(indices, op=f"free to pool '{self.name}'"))
 
-    def free_pages(self, pages: np.ndarray) -> None:
+    def free_pages(self, pages: np.ndarray, *, run_start: int | None = None) -> None:
         """:meth:`free` of page ids that :meth:`pages_of` returned (distinct, in range, not
-        page 0): raises ``ValueError`` for a page that is not allocated, freeing nothing."""
-        if pages.size == 1:  # the common single page: Python ints, no array calls
+        page 0): raises ``ValueError`` for a page that is not allocated, freeing nothing.
+        ``run_start``: as :meth:`checked_pages_of` gave it (found here otherwise)."""
+        size = int(pages.size)
+        if size == 1:  # the common single page: Python ints, no array calls
             self._free_page(pages.item())
             return
-        if pages.size == 0:
+        if not size:
             return
-        is_free = self._is_free[pages]
-        if count_nonzero(is_free):
-            self._raise_not_allocated(int(pages[np.flatnonzero(is_free)[0]]))
-        self._is_free[pages] = True
-        self._num_free_pages += int(pages.size)
-        starts, lengths = runs_of(pages)
+        if run_start is None and is_run(pages):
+            run_start = int(pages[0])
+        if run_start is not None:  # an allocation's pages: a slice of the free map, one run
+            is_free = self._is_free[run_start:run_start + size]
+            if count_nonzero(is_free):
+                self._raise_not_allocated(run_start + int(is_free.argmax()))
+            is_free[:] = True
+            starts, lengths = [run_start], [size]
+        else:
+            is_free = self._is_free[pages]
+            if count_nonzero(is_free):
+                self._raise_not_allocated(int(pages[np.flatnonzero(is_free)[0]]))
+            self._is_free[pages] = True
+            starts, lengths = runs_of(pages)
+        self._num_free_pages += size
         if len(starts) <= FEW_RUNS:
             for start, length in zip(starts, lengths, strict=True):
                 self._runs.add(start, length)
@@ -176,49 +184,49 @@ class PageAllocator:
         self._runs.add(page, 1)
 
     def _raise_not_allocated(self, page: int) -> None:
-        raise ValueError(
-            f"free to pool '{self.name}': slot {page * self.page_size} (page {page}) is not "
-            f"allocated: a double free, or an index from another pool"
-        )
+        raise ValueError(f"free to pool '{self.name}': slot {page * self.page_size} (page "
+                         f"{page}) is not allocated: a double free, or an index from another pool")
 
     def pages_of(self, indices: Indices, *, op: str) -> np.ndarray:
         """Page ids of slot ``indices`` that must be whole pages in order, distinct, not the
         padding page, in this pool's space and range; raises ``TypeError``/``ValueError``
         (see :func:`~hicache.pools.page_ids.page_ids`) otherwise. A new array."""
-        pages = valid_pages(indices, self.space, self.page_size, self.num_pages)
-        if pages is not None:  # the common case, without page_ids' keyword plumbing
-            return pages
-        return page_ids(
-            indices,
-            space=self.space,
-            pool_name=self.name,
-            page_size=self.page_size,
-            num_pages=self.num_pages,
-            op=op,
-        )
+        checked = checked_pages(indices, self.space, self.page_size, self.num_pages)
+        return (checked or self.checked_pages_of(indices, op=op))[0]  # the common case first
+
+    def checked_pages_of(self, indices: Indices, *, op: str) -> tuple[np.ndarray, int | None]:
+        """``(pages, run_start)``: :meth:`pages_of`, and their first page when they are one
+        ascending run (:func:`~hicache.pools.page_ids.checked_pages`), else ``None``: for
+        :meth:`first_unallocated_page` and :meth:`free_pages`, or a caller's own slices."""
+        checked = checked_pages(indices, self.space, self.page_size, self.num_pages)
+        if checked is not None:  # the common case, without page_ids' keyword plumbing
+            return checked
+        return page_ids(indices, space=self.space, pool_name=self.name, page_size=self.page_size,
+                        num_pages=self.num_pages, op=op), None
 
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""
-        pages = self.pages_of(indices, op=f"is_allocated on pool '{self.name}'")
-        return not count_nonzero(self._is_free[pages])
+        pages, start = self.checked_pages_of(indices, op=f"is_allocated on pool '{self.name}'")
+        return self.first_unallocated_page(pages, run_start=start) is None
 
     def first_unallocated(self, indices: Indices, *, op: str) -> int | None:
         """First slot of ``indices`` whose page is not allocated, or ``None`` if all are.
 
         Validates ``indices`` as :meth:`pages_of` does (raises ``ValueError`` for partial or
-        repeated pages, page 0, out-of-range values) before looking at ownership; vectorised,
-        proportional to ``len(indices)``.
-        """
-        page = self.first_unallocated_page(self.pages_of(indices, op=op))
+        repeated pages, page 0, out-of-range values) before looking at ownership."""
+        pages, start = self.checked_pages_of(indices, op=op)
+        page = self.first_unallocated_page(pages, run_start=start)
         return None if page is None else page * self.page_size
 
-    def first_unallocated_page(self, pages: np.ndarray) -> int | None:
+    def first_unallocated_page(self, pages: np.ndarray, *, run_start: int | None = None
+                               ) -> int | None:
         """First of ``pages`` (page ids :meth:`pages_of` returned) that is not allocated, or
-        ``None`` if all are."""
+        ``None`` if all are. ``run_start``: as :meth:`checked_pages_of` gave it."""
         if pages.size == 1:
             page = pages.item()
             return page if self._is_free[page] else None
-        is_free = self._is_free[pages]
+        is_free = (self._is_free[pages] if run_start is None  # else a slice, page for page
+                   else self._is_free[run_start:run_start + pages.size])
         if not count_nonzero(is_free):
             return None
         return int(pages[np.flatnonzero(is_free)[0]])

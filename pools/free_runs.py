@@ -3,8 +3,7 @@
 Plain Python bookkeeping, updated in place: a free merges the freed run with its neighbours,
 an allocation splits the run it draws on, so each costs a few dict, list and heap operations
 per run touched, never a pass over the pool. :class:`~hicache.pools.PageAllocator` keeps its
-boolean free map as the source of truth and checks this index against it in
-``check_integrity``.
+boolean free map as the source of truth and checks this index against it.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import operator
 import numpy as np
 
 from .free_map_take import index_of_runs, runs_to_take
+from .snapshot import check_run_views, runs_as_arrays
 
 
 class FreeRuns:
@@ -150,59 +150,43 @@ class FreeRuns:
     def take(self, start: int, num_pages: int) -> None:
         """Remove the lowest ``num_pages`` pages of the run that starts at ``start``."""
         length = self._length_of.pop(start)
-        end = start + length
-        self._forget(start, length)
         if num_pages < length:
-            self._insert(start + num_pages, length - num_pages)
+            self._move(start, length, start + num_pages, length - num_pages)
         else:
-            del self._start_of_end[end]
+            self._forget(start, length)
+            del self._start_of_end[start + length]
 
     def add(self, start: int, length: int) -> None:
         """Add pages ``[start, start + length)`` (none of them in a run), merged with the runs
         that touch them."""
         end = start + length
         below = self._start_of_end.pop(start, None)
-        if below is not None:
-            self._forget(below, self._length_of.pop(below))
-            start = below
         above = self._length_of.pop(end, None)
         if above is not None:
-            self._forget(end, above)
             del self._start_of_end[end + above]
-            end += above
-        self._insert(start, end - start)
+            if below is None:  # the run above grows down
+                self._move(end, above, start, above + length)
+                return
+            self._forget(end, above)
+            length += above
+        if below is None:
+            self._insert(start, length)
+        else:  # the run below grows up
+            below_length = self._length_of.pop(below)
+            self._move(below, below_length, below, below_length + length)
 
     def as_arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, lengths)``, int64 arrays of shape ``[num_runs]``, ascending by start."""
-        count = len(self._length_of)
-        starts = np.fromiter(self._length_of.keys(), dtype=np.int64, count=count)
-        lengths = np.fromiter(self._length_of.values(), dtype=np.int64, count=count)
-        order = np.argsort(starts, kind="stable")
-        return starts[order], lengths[order]
+        return runs_as_arrays(self._length_of)
 
     def check_integrity(self, name: str) -> None:
-        """Raise ``RuntimeError`` unless the views of the runs agree and no two runs touch or
-        overlap."""
-        by_end = {start + length: start for start, length in self._length_of.items()}
-        counts: dict[int, int] = {}
-        for length in self._length_of.values():
-            counts[length] = counts.get(length, 0) + 1
-        if (by_end != self._start_of_end or counts != self._counts
-                or self._lengths != sorted(counts) or self._starts.keys() != counts.keys()):
-            raise RuntimeError(f"pool '{name}': free-run index views disagree")
-        for start, length in self._length_of.items():
-            if start not in self._starts[length]:
-                raise RuntimeError(f"pool '{name}': free run at page {start} is missing from "
-                                   f"the index of runs of {length} pages")
-        starts, lengths = self.as_arrays()
-        if (lengths < 1).any() or (starts[1:] <= starts[:-1] + lengths[:-1]).any():
-            raise RuntimeError(f"pool '{name}': free-run index has empty, touching or "
-                               f"overlapping runs")
+        """Raise ``RuntimeError`` unless the views agree (:func:`.snapshot.check_run_views`)."""
+        check_run_views(name, self._length_of, self._start_of_end, self._lengths,
+                        self._starts, self._counts)
 
     def _live_starts(self, length: int) -> list[int]:
-        """The starts of the runs of ``length``, ascending. The heap holds every one of them
-        and the stale entries of runs gone; when it holds no more entries than live runs,
-        it holds exactly those."""
+        """The starts of the runs of ``length``, ascending. The heap holds them all and the
+        stale entries of runs gone: none when it holds no more entries than live runs."""
         heap = self._starts[length]
         if len(heap) == self._counts[length]:
             return sorted(heap)
@@ -219,10 +203,9 @@ class FreeRuns:
 
     def _take_lowest(self, length: int, count: int) -> list[int]:
         """Remove the ``count`` lowest-starting runs of ``length`` (fewer than the class
-        holds); their starts, ascending. A small share pops them from the class's heap,
-        skipping stale and repeated entries (a start taken leaves ``_length_of``, so a
-        repeat of it reads as stale); a large one sorts the class once and keeps the rest
-        as its heap (a sorted list is one), with no stale entries left."""
+        holds); their starts, ascending. A small share pops them from the heap, skipping
+        stale and repeated entries (a start taken leaves ``_length_of``: a repeat reads as
+        stale); a large one sorts the class once and keeps the rest as its heap."""
         heap = self._starts[length]
         length_of, start_of_end = self._length_of, self._start_of_end
         if count * 8 >= len(heap):
@@ -285,6 +268,24 @@ class FreeRuns:
         if len(heap) > 2 * count + 16:  # mostly stale: rebuild from the live runs
             length_of = self._length_of
             heap[:] = sorted({s for s in heap if length_of.get(s) == length})
+
+    def _move(self, start: int, length: int, new_start: int, new_length: int) -> None:
+        """The run ``(start, length)``, out of ``_length_of``, becomes ``(new_start,
+        new_length)``: in place when it is alone in its class and its new length, in no
+        class yet, keeps its place among ``_lengths`` (a pool of few runs)."""
+        counts, lengths = self._counts, self._lengths
+        if counts[length] == 1 and new_length not in counts:
+            at = bisect.bisect_left(lengths, length)
+            if ((not at or lengths[at - 1] < new_length)
+                    and (at + 1 == len(lengths) or lengths[at + 1] > new_length)):
+                lengths[at] = new_length
+                del counts[length], self._starts[length]
+                counts[new_length], self._starts[new_length] = 1, [new_start]
+                self._length_of[new_start] = new_length
+                self._start_of_end[new_start + new_length] = new_start
+                return
+        self._forget(start, length)
+        self._insert(new_start, new_length)
 
     def _forget(self, start: int, length: int) -> None:
         """The run ``(start, length)`` left ``_length_of``: uncount it by length."""

@@ -81,7 +81,19 @@ def valid_pages(
     indices: Indices, space: IndexSpace, page_size: int, num_pages: int
 ) -> np.ndarray | None:
     """The pages of ``indices`` when every check of :func:`page_ids` passes; ``None``
-    otherwise (empty input included), for the long path to name what is wrong.
+    otherwise (empty input included), for the long path to name what is wrong."""
+    checked = checked_pages(indices, space, page_size, num_pages)
+    return None if checked is None else checked[0]
+
+
+def checked_pages(
+    indices: Indices, space: IndexSpace, page_size: int, num_pages: int
+) -> tuple[np.ndarray, int | None] | None:
+    """``(pages, run_start)``: :func:`valid_pages`, and their first page when they are one
+    ascending run (``run_start, run_start + 1, ...``: an allocation's), else ``None``, for a
+    caller that can then slice per-page arrays instead of gathering from them (a slice beats
+    a gather from 256 pages on, by 2.5 us at 4096). A plain pair: a named tuple costs more
+    to make than a one-page check's arithmetic.
 
     Whole ordered pages whose first slots are page multiples are in range once their lowest
     and highest page are; ascending pages (what allocations hand out) are distinct without a
@@ -94,10 +106,10 @@ def valid_pages(
     size = tensor.numel()
     if size == page_size:  # one page, the common free and backup: no numpy calls
         page = _page_of(tensor, page_size, num_pages)
-        return None if page is None else np.array((page,), dtype=np.int64)
+        return None if page is None else (np.array((page,), dtype=np.int64), page)
     if size == 0 or size % page_size:
         return None
-    return valid_slot_pages(tensor.numpy(), page_size, num_pages)
+    return checked_slot_pages(tensor.numpy(), page_size, num_pages)
 
 
 def valid_slot_pages(slots: np.ndarray, page_size: int, num_pages: int) -> np.ndarray | None:
@@ -105,15 +117,23 @@ def valid_slot_pages(slots: np.ndarray, page_size: int, num_pages: int) -> np.nd
     a non-empty whole number of pages) when they pass every check of :func:`page_ids`,
     else ``None``. For a caller holding the numpy view of checked slots already (the
     service's insert), which saves the tensor slice and its second view."""
+    checked = checked_slot_pages(slots, page_size, num_pages)
+    return None if checked is None else checked[0]
+
+
+def checked_slot_pages(slots: np.ndarray, page_size: int, num_pages: int
+                       ) -> tuple[np.ndarray, int | None] | None:
+    """``(pages, run_start)`` of :func:`checked_pages` past its type checks."""
     size = slots.size
     first = int(slots[0])
-    if not first % page_size and is_run(slots):
-        # one ascending run of whole pages (what an allocation hands out): one comparison
+    # one ascending run of whole pages (what an allocation hands out), told as is_run does
+    if not first % page_size and int(slots[-1]) - first == size - 1 and not count_nonzero(
+            slots[1:] <= slots[:-1]):
         page = first // page_size
         last_page = page + size // page_size - 1
         if page < 1 or last_page > num_pages:
             return None
-        return np.arange(page, last_page + 1, dtype=np.int64)
+        return np.arange(page, last_page + 1, dtype=np.int64), page
     # count_nonzero rather than .any()/.all(): a C call, where those go through Python
     if page_size == 1:
         pages = slots.astype(np.int64)  # a copy
@@ -131,7 +151,7 @@ def valid_slot_pages(slots: np.ndarray, page_size: int, num_pages: int) -> np.nd
         if count_nonzero(ordered[1:] == ordered[:-1]):
             return None
         low, high = ordered[0], ordered[-1]
-    return pages if low >= 1 and high <= num_pages else None
+    return (pages, None) if low >= 1 and high <= num_pages else None
 
 
 def single_page(indices: Indices, space: IndexSpace, page_size: int, num_pages: int
@@ -168,25 +188,17 @@ def _offsets(page_size: int) -> np.ndarray:
     return offsets
 
 
-# 0, 1, 2, ...: what a run minus its first value equals, shared read-only (512 KiB)
-_RUN = np.arange(1 << 16, dtype=np.int64)
-_RUN.flags.writeable = False
-
-
 def is_run(values: np.ndarray) -> bool:
     """True when 1-D integer ``values`` are ``first, first + 1, ..., first + n - 1`` (an
-    allocation's slots or pages; empty counts). One subtraction and one comparison against
-    a shared ramp: ``np.array_equal`` costs more in Python than the arithmetic at these
-    sizes."""
+    allocation's slots or pages; empty counts). Integers that go from ``first`` to
+    ``first + n - 1`` in ``n - 1`` strictly ascending steps step by one each: the first and
+    last value and one comparison of neighbours (a boolean temporary, no arithmetic that
+    could wrap) decide it."""
     size = values.size
-    if size == 0:
+    if size <= 1:
         return True
-    first = int(values[0])
-    if int(values[-1]) - first != size - 1:
-        return False
-    if size <= _RUN.size:
-        return not count_nonzero((values - first) != _RUN[:size])
-    return bool(np.array_equal(values, np.arange(first, first + size)))
+    return int(values[-1]) - int(values[0]) == size - 1 and not count_nonzero(
+        values[1:] <= values[:-1])
 
 
 def owned_page_ids(indices: Indices, page_size: int) -> np.ndarray:

@@ -62,3 +62,37 @@ def scan_runs(is_free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
     starts, ends = edges[0::2], edges[1::2]
     return starts, ends - starts
+
+
+def check_run_views(name: str, length_of: dict[int, int], start_of_end: dict[int, int],
+                    lengths: list[int], starts: dict[int, list[int]],
+                    counts: dict[int, int]) -> None:
+    """Raise ``RuntimeError`` unless the views of a free-run index
+    (:class:`~hicache.pools.free_runs.FreeRuns`: runs by start, by end, the lengths some
+    run has, the heap of starts and the count of runs per length) agree and no two runs
+    touch or overlap."""
+    by_end = {start + length: start for start, length in length_of.items()}
+    by_length: dict[int, int] = {}
+    for length in length_of.values():
+        by_length[length] = by_length.get(length, 0) + 1
+    if (by_end != start_of_end or by_length != counts or lengths != sorted(by_length)
+            or starts.keys() != by_length.keys()):
+        raise RuntimeError(f"pool '{name}': free-run index views disagree")
+    for start, length in length_of.items():
+        if start not in starts[length]:
+            raise RuntimeError(f"pool '{name}': free run at page {start} is missing from "
+                               f"the index of runs of {length} pages")
+    first, size = runs_as_arrays(length_of)
+    if (size < 1).any() or (first[1:] <= first[:-1] + size[:-1]).any():
+        raise RuntimeError(f"pool '{name}': free-run index has empty, touching or "
+                           f"overlapping runs")
+
+
+def runs_as_arrays(length_of: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """``(starts, lengths)`` of the runs ``length_of`` maps (start to length): int64 arrays
+    of shape ``[num_runs]``, ascending by start."""
+    count = len(length_of)
+    starts = np.fromiter(length_of.keys(), dtype=np.int64, count=count)
+    lengths = np.fromiter(length_of.values(), dtype=np.int64, count=count)
+    order = np.argsort(starts, kind="stable")
+    return starts[order], lengths[order]

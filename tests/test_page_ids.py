@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.pools import IndexSpace, Indices
-from hicache.pools.page_ids import _checked_page_ids, is_run, owned_page_ids, page_ids, valid_pages
+from hicache.pools.page_ids import (
+    _checked_page_ids,
+    checked_pages,
+    is_run,
+    owned_page_ids,
+    page_ids,
+    valid_pages,
+)
 
 PAGE, PAGES = 4, 12
 
@@ -64,8 +71,13 @@ def test_fast_path_accepts_only_what_the_checks_accept(
     indices = Indices(torch.tensor(slots, dtype=dtype), space)
     fast = valid_pages(indices, IndexSpace.DEVICE_FULL, PAGE, PAGES)
     long = checked_the_long_way(indices)
+    checked = checked_pages(indices, IndexSpace.DEVICE_FULL, PAGE, PAGES)
+    assert (checked is None) == (fast is None)
     if fast is not None:
         assert long is not None and np.array_equal(fast, long)
+        assert checked is not None and np.array_equal(checked[0], fast)
+        # told a run, by its first page, exactly when the pages are one
+        assert checked[1] == (int(fast[0]) if is_run(fast) else None)
     if long is not None and len(slots):
         assert fast is not None  # valid input never takes the long path
     else:
@@ -110,11 +122,19 @@ def test_errors_name_what_is_wrong(slots: list[int], message: str) -> None:
 @pytest.mark.parametrize("values,expected", [
     ([], True), ([7], True), ([3, 4, 5], True), ([3, 5, 4, 6], False), ([3, 4, 4, 6], False),
     ([5, 4, 3], False), (list(range(100, 100 + (1 << 16) + 5)), True),
-    ([*range(10, 20), 21], False),
+    ([*range(10, 20), 21], False), ([10, 12, 11, 13], False), ([10, 9, 12, 13], False),
 ])
 def test_is_run(values: list[int], expected: bool) -> None:
     for dtype in (np.int32, np.int64):
         assert is_run(np.array(values, dtype=dtype)) is expected
+
+
+def test_is_run_does_not_wrap_at_the_top_of_the_dtype() -> None:
+    """Values that pass the top of int32/int64 and wrap to its bottom are not a run."""
+    for dtype in (np.int32, np.int64):
+        top = int(np.iinfo(dtype).max)
+        assert not is_run(np.array([top - 1, top, -top - 1], dtype=dtype))  # top + 1 wrapped
+        assert is_run(np.array([top - 2, top - 1, top], dtype=dtype))
 
 
 def test_owned_page_ids_equal_the_checked_ids_of_whole_pages() -> None:
