@@ -20,7 +20,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 from hicache.pools.page_ids import is_run
 
 from .auto import AutoBackend, load_table
-from .base import Direction, MovedTransfer, TransferBackend
+from .base import BLOCK_MIN_ROWS, Direction, MovedTransfer, TransferBackend
 from .direct import DirectBackend
 from .staged import StagedBackend
 
@@ -191,7 +191,7 @@ def _row_selectors(moved: MovedTransfer) -> tuple[slice | np.ndarray, slice | np
     """The numpy row selectors of ``moved``'s host and device slots: a slice for one long
     run of slots (found from its pages when the op has them, else
     :func:`_block_or_index`)."""
-    if moved.pages is None or moved.host_index.numel() < _BLOCK_MIN_ROWS:
+    if moved.pages is None or moved.host_index.numel() < BLOCK_MIN_ROWS:
         return (_block_or_index(moved.host_index.numpy()),
                 _block_or_index(moved.device_index.numpy()))
     host_run, device_run = moved.pages.runs()
@@ -204,7 +204,7 @@ def _block_or_index(index: np.ndarray) -> slice | np.ndarray:
     allocators hand out; one block copy instead of a copy per row), else as it is. Short
     indices are left alone: their per-row copy costs less than the test."""
     size = index.size
-    if size < _BLOCK_MIN_ROWS:
+    if size < BLOCK_MIN_ROWS:
         return index
     if not is_run(index):
         return index
@@ -212,7 +212,6 @@ def _block_or_index(index: np.ndarray) -> slice | np.ndarray:
     return slice(first, first + size)
 
 
-_BLOCK_MIN_ROWS = 256
 
 
 def _contiguous_ranges(layers: Sequence[int]) -> list[tuple[int, int]]:

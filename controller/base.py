@@ -71,6 +71,9 @@ class PoolTransfer:
         return self.num_tokens * self.token_bytes
 
 
+BLOCK_MIN_ROWS = 256  # moves shorter than this copy row by row: no run is looked for
+
+
 class SlotPages(NamedTuple):
     """The page ids of a transfer's host and device slots (whole pages, in slot order, from
     its entry checks and allocations) and the slots per page of each: a backend learns

@@ -18,6 +18,7 @@ import numpy as np
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices
 
 from .base import (
+    BLOCK_MIN_ROWS,
     Ack,
     Direction,
     MovedTransfer,
@@ -192,8 +193,10 @@ class OpQueue:
                 found = self._in_place[key] = (executor, reads_in_place(executor, t))
             if not found[1]:
                 return move_op_indices(op, may_pad)
-            moved.append(MovedTransfer(t, t.host_indices.tensor, t.device_indices.tensor,
+            host = t.host_indices.tensor  # short moves copy row by row: no pages read
+            moved.append(MovedTransfer(t, host, t.device_indices.tensor,
                                        pages=None if one_call is None
+                                       or host.numel() < BLOCK_MIN_ROWS
                                        else self._slot_pages(one_call, i)))
         return moved
 
