@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from hicache.pools import HostLayout
+from hicache.pools.pinned_uploads import UPLOADS
 
 from .base import MovedTransfer
-from .direct_staging import PagePlan, Segment, page_pieces, page_segments
+from .direct_staging import PagePlan, Segment, device_pages, page_pieces, page_segments
 
 
 def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
@@ -104,14 +105,34 @@ class OpSlots:
             self.breaks = run_breaks(slots)
 
 
+def device_indices(moved: MovedTransfer) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The device slots of ``moved`` (int64; the staged backend takes them on the CPU) and,
+    for a ``page_first_direct`` host, their device pages when they are whole pages
+    (:func:`~hicache.controller.direct_staging.device_pages`), where the gather and scatter
+    read them: as they are on a CPU pool, else in one upload on the current stream, the
+    side stream's, which every read of them follows (a write's gather runs on the
+    auxiliary stream after it waited on the side stream)."""
+    host, device_pool = moved.source.host_pool, moved.source.device_pool
+    device_slots, device = moved.device_index, device_pool.device
+    pages = None
+    if host.layout is HostLayout.PAGE_FIRST_DIRECT and not device_slots.is_cuda:
+        pages = device_pages(device_slots.numpy(), host.page_size, device_pool.num_slots)
+    if device.type != "cuda" or device_slots.is_cuda:
+        return device_slots, None if pages is None else torch.from_numpy(pages)
+    count = device_slots.numel()
+    parts = (device_slots.numpy(),) if pages is None else (device_slots.numpy(), pages)
+    both = UPLOADS.upload(parts, device)
+    return both[:count], None if pages is None else both[count:]
+
+
 class ChunkSlots:
-    """Pairs ``[start, end)`` of ``moved``: their device index, host slots and what the copies
+    """Pairs ``[start, end)`` of ``moved``: their host slots and what the copies
     derive from the host slots (runs of consecutive slots, or the pages of a
     ``page_first_direct`` host), cut from the op's :class:`OpSlots`. None of it depends on
     the layers moved."""
 
     def __init__(self, moved: MovedTransfer, start: int, end: int, op: OpSlots) -> None:
-        self.device_index: torch.Tensor = moved.device_index[start:end]
+        self.start, self.end = start, end
         self.host_slots = moved.host_index.numpy()[start:end]
         self.pages: PagePlan | None = None
         self.runs: list[tuple[int, int]] = []

@@ -94,7 +94,10 @@ class StagedBackend(TransferBackend):
     def index_devices(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
     ) -> tuple[torch.device, torch.device]:
-        return CPU, device_pool.device
+        """Both on the CPU: the host runs are found there, and the op's first copy uploads
+        what the gather and scatter read (the device slots, or whole device pages:
+        :class:`~hicache.controller.staged_chunk.StagedMove`) in one copy."""
+        return CPU, CPU
 
     def order_pairs(
         self, host_index: torch.Tensor, device_index: torch.Tensor

@@ -23,7 +23,7 @@ from hicache.pools import HostLayout
 from . import copy2d
 from .base import MovedTransfer
 from .chunk_copies import CopyTemplates, run_copies, segment_copies
-from .chunk_slots import ChunkSlots, OpSlots
+from .chunk_slots import ChunkSlots, OpSlots, device_indices
 from .direct_staging import DirectStaging
 from .events import Event
 from .layer_blocks import BlockShape, layer_blocks
@@ -32,8 +32,11 @@ from .layer_blocks import BlockShape, layer_blocks
 class StagedMove:
     """What the staged backend derives once per op and pool transfer (``moved.staged_move``,
     held until the op is acknowledged): the side stream that issues it (an op is issued on
-    one stream), the device rows as wide elements, the host buffer's layer stride, each
-    chunk's :class:`ChunkSlots` and each chunk's :class:`ChunkPlan` per layer shape."""
+    one stream), the device rows as wide elements, the host buffer's layer stride, the
+    device slots where the gather and scatter read them (and, for a ``page_first_direct``
+    host, the device page of every host page's pairs when they are whole device pages:
+    ``page_index``), each chunk's :class:`ChunkSlots` and each chunk's :class:`ChunkPlan`
+    per layer shape."""
 
     def __init__(self, moved: MovedTransfer, side: torch.cuda.Stream | None) -> None:
         self.side = side  # holds nothing that refers back to ``moved``: no cycle to collect
@@ -46,6 +49,8 @@ class StagedMove:
         self.host_bytes = copy2d.as_bytes(host.data) if side is None else host.data  # (CPU)
         self.rows = _wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
         self.num_pairs = int(moved.host_index.numel())
+        self.page_size = host.page_size
+        self.device_index, self.page_index = device_indices(moved)
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
         self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
@@ -83,6 +88,7 @@ class LayerGroup:
     def __init__(self, move: StagedMove, layers: tuple[int, ...]) -> None:
         self.move, self.side = move, move.side
         self.shape, begins = layer_blocks(layers)
+        self.paged_rows: list[torch.Tensor] = []  # [C, count, pages, page_size, row] each
         self.num_layers = len(layers)
         self.host_offsets = [begin * move.host_layer_bytes for begin in begins]
         self.host_ptrs = [move.host_ptr + offset for offset in self.host_offsets]
@@ -91,6 +97,10 @@ class LayerGroup:
         for begin, (_, count) in zip(begins, self.shape, strict=True):
             rows = move.rows[:, begin: begin + count]
             self.device_rows.append(rows.permute(2, 0, 1, 3) if move.token_major else rows)
+            if move.page_index is not None:
+                c, _, slots, width = rows.shape
+                self.paged_rows.append(rows.view(c, count, slots // move.page_size,
+                                                 move.page_size, width))
 
 
 class ChunkPlan:
@@ -105,7 +115,9 @@ class ChunkPlan:
 
     def __init__(self, move: StagedMove, slots: ChunkSlots, shape: BlockShape,
                  buffer: torch.Tensor, templates: CopyTemplates) -> None:
-        self.slots, self.device_index = slots, slots.device_index
+        self.slots = slots
+        self.device_index = move.device_index[slots.start: slots.end]
+        self.page_index: torch.Tensor | None = None  # whole device pages (see StagedMove)
         self.host, self.token_major = move.host, move.token_major  # not ``move``: no cycle
         geometry = move.device_pool.geometry
         c, r, layers = geometry.num_components, geometry.row_elems, sum(n for _, n in shape)
@@ -113,6 +125,9 @@ class ChunkPlan:
         self.direct: DirectStaging | None = None
         if slots.pages is not None:
             self.direct = DirectStaging(slots.pages, c, layers, r)
+            if move.page_index is not None and self.direct.whole_pages:
+                page = move.page_size  # chunks start at whole pages (chunk_tokens)
+                self.page_index = move.page_index[slots.start // page: slots.end // page]
             self.shape: tuple[int, ...] = (n * c * layers, r)
         else:
             self.shape = (n, c, layers, r) if move.token_major else (c, layers, n, r)
@@ -257,6 +272,9 @@ def _scatter(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
     """The chunk's staging ``rows`` (wide) into the device rows."""
     dim, layer_dim = (0, 2) if group.move.token_major else (2, 1)
     index, direct = plan.device_index, plan.direct
+    if direct is not None and plan.page_index is not None:  # whole pages to whole pages
+        return direct.scatter_device_pages(rows, plan.page_index, group.shape,
+                                           group.paged_rows)
     if direct is not None and direct.whole_pages:  # from the page-major staging in place
         return direct.scatter_pages(rows, index, group.shape, group.device_rows)
     if direct is not None:
