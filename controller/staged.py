@@ -94,10 +94,7 @@ class StagedBackend(TransferBackend):
     def index_devices(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
     ) -> tuple[torch.device, torch.device]:
-        """Both on the CPU: the host runs are found there, and the op's first copy uploads
-        what the gather and scatter read (the device slots, or whole device pages:
-        :class:`~hicache.controller.staged_chunk.StagedMove`) in one copy."""
-        return CPU, CPU
+        return CPU, device_pool.device
 
     def order_pairs(
         self, host_index: torch.Tensor, device_index: torch.Tensor
@@ -121,11 +118,13 @@ class StagedBackend(TransferBackend):
         if moved.host_index.numel() == 0 or not local_layers:
             return
         move = moved.staged_move
+        page_size = moved.source.host_pool.page_size
         if move is None:  # the op's first copy: on its side stream, current now
             device = moved.source.device_pool.device
             side = torch.cuda.current_stream(device) if device.type == "cuda" else None
             move = moved.staged_move = StagedMove(moved, side)
-        page_size = moved.source.host_pool.page_size
+            if move.page_index is not None:  # made on the side stream, read there
+                keep_alive.append(move.page_index)
         lane = self._lane(move.device_pool, move.side, page_size)
         to_host = direction is Direction.DEVICE_TO_HOST
         if to_host and lane.aux is not None and move.side is not None:

@@ -23,7 +23,7 @@ from hicache.pools import HostLayout
 from . import copy2d
 from .base import MovedTransfer
 from .chunk_copies import CopyTemplates, run_copies, segment_copies
-from .chunk_slots import ChunkSlots, OpSlots, device_indices
+from .chunk_slots import ChunkSlots, OpSlots, device_page_index
 from .direct_staging import DirectStaging
 from .events import Event
 from .layer_blocks import BlockShape, layer_blocks
@@ -32,11 +32,10 @@ from .layer_blocks import BlockShape, layer_blocks
 class StagedMove:
     """What the staged backend derives once per op and pool transfer (``moved.staged_move``,
     held until the op is acknowledged): the side stream that issues it (an op is issued on
-    one stream), the device rows as wide elements, the host buffer's layer stride, the
-    device slots where the gather and scatter read them (and, for a ``page_first_direct``
-    host, the device page of every host page's pairs when they are whole device pages:
-    ``page_index``), each chunk's :class:`ChunkSlots` and each chunk's :class:`ChunkPlan`
-    per layer shape."""
+    one stream), the device rows as wide elements, the host buffer's layer stride, for a
+    ``page_first_direct`` host the device page of every host page's pairs when they are
+    whole device pages (``page_index``: :func:`~.chunk_slots.device_page_index`), each
+    chunk's :class:`ChunkSlots` and each chunk's :class:`ChunkPlan` per layer shape."""
 
     def __init__(self, moved: MovedTransfer, side: torch.cuda.Stream | None) -> None:
         self.side = side  # holds nothing that refers back to ``moved``: no cycle to collect
@@ -50,7 +49,7 @@ class StagedMove:
         self.rows = _wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
         self.num_pairs = int(moved.host_index.numel())
         self.page_size = host.page_size
-        self.device_index, self.page_index = device_indices(moved)
+        self.device_index, self.page_index = moved.device_index, device_page_index(moved)
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
         self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
@@ -245,7 +244,9 @@ def _copy(plan: ChunkPlan, group: LayerGroup, buffer: torch.Tensor, to_host: boo
 def _gather(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
     """Device rows of the chunk into its staging ``rows`` (wide)."""
     index, direct = plan.device_index, plan.direct
-    if direct is not None and direct.whole_pages:  # into the page-major staging in place
+    if direct is not None and plan.page_index is not None:  # whole pages from whole pages
+        direct.gather_device_pages(rows, plan.page_index, group.shape, group.paged_rows)
+    elif direct is not None and direct.whole_pages:  # into the page-major staging in place
         direct.gather_pages(rows, index, group.shape, group.device_rows)
     elif direct is not None:
         gathered = torch.empty((*direct.shape, index.numel(), rows.shape[-1]),

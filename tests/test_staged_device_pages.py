@@ -5,6 +5,8 @@ engine)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from controller_helpers import device_rows, make_controller, untouched
 from hicache.controller import CacheController, direct_staging
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
 from hicache.controller.direct_staging import device_pages
+from hicache.controller.index_moves import move_checked
 from hicache.controller.staged import StagedBackend
 from hicache.pools import HostLayout, IndexSpace, Indices
 
@@ -47,22 +50,19 @@ def test_device_pages_refuses_a_pool_of_partial_pages() -> None:
 
 
 @pytest.fixture
-def scatters(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts of the two whole-page scatters (by device page, by device slot)."""
-    counts = {"pages": 0, "slots": 0}
-    by_page = direct_staging.DirectStaging.scatter_device_pages
-    by_slot = direct_staging.DirectStaging.scatter_pages
+def calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of the whole-page gathers and scatters, by device page and by device slot."""
+    counts = {}
+    for name in ("gather_device_pages", "gather_pages", "scatter_device_pages",
+                 "scatter_pages"):
+        counts[name] = 0
+        method = getattr(direct_staging.DirectStaging, name)
 
-    def page_scatter(*args: object) -> None:
-        counts["pages"] += 1
-        by_page(*args)  # type: ignore[arg-type]
+        def counted(*args: object, name: str = name, method: Any = method) -> None:
+            counts[name] += 1
+            method(*args)
 
-    def slot_scatter(*args: object) -> None:
-        counts["slots"] += 1
-        by_slot(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(direct_staging.DirectStaging, "scatter_device_pages", page_scatter)
-    monkeypatch.setattr(direct_staging.DirectStaging, "scatter_pages", slot_scatter)
+        monkeypatch.setattr(direct_staging.DirectStaging, name, counted)
     return counts
 
 
@@ -72,9 +72,10 @@ def direct_controller(num_layers: int = 3) -> CacheController:
                            layout=HostLayout.PAGE_FIRST_DIRECT, device_pages=40, host_pages=40)
 
 
-def test_a_load_of_whole_pages_scatters_by_page(scatters: dict[str, int]) -> None:
-    """A load back of 12 written pages (3 chunks of 4 pages) scatters page by page
-    and brings back exactly the written rows; every other device row is untouched."""
+def test_whole_pages_move_by_page(calls: dict[str, int]) -> None:
+    """A write of 12 allocated device pages and its load back (3 chunks of 4 pages each)
+    gather and scatter page by page, and bring back exactly the written rows; every other
+    device row is untouched."""
     ctrl = direct_controller()
     written = ctrl.device_allocator.try_alloc(12 * PAGE)
     assert written is not None
@@ -89,30 +90,62 @@ def test_a_load_of_whole_pages_scatters_by_page(scatters: dict[str, int]) -> Non
     after = device_rows(ctrl.device_pool)
     assert torch.equal(after[loaded.tensor], rows)
     assert torch.equal(untouched(after, loaded.tensor), untouched(before, loaded.tensor))
-    assert scatters == {"pages": 3, "slots": 0}  # one group of all layers, 3 chunks
+    assert calls == {"gather_device_pages": 3, "gather_pages": 0,  # all layers, 3 chunks
+                     "scatter_device_pages": 3, "scatter_pages": 0}
 
 
-@pytest.mark.parametrize("device_slots", [
-    list(range(42, 50)),  # two pages' worth, each straddling two device pages
-    [47, 46, 45, 44, 51, 50, 49, 48],  # two whole pages, slots reversed in each
-], ids=["straddling", "reversed"])
-def test_a_load_into_other_slots_scatters_by_slot(scatters: dict[str, int],
-                                                  device_slots: list[int]) -> None:
-    """Whole host pages loaded into device slots that are not whole pages in order land
-    slot by slot at exactly those slots; the rest of the device pool is untouched."""
+@pytest.mark.parametrize(("host_slots", "device_slots"), [
+    (list(range(8, 16)), list(range(42, 50))),  # device pages straddled
+    (list(range(8, 16)), [47, 46, 45, 44, 51, 50, 49, 48]),  # device slots reversed
+    (list(range(12, 16)) + list(range(8, 12)), list(range(44, 52))),  # reordered pairs
+], ids=["straddling", "reversed", "reordered"])
+def test_other_device_slots_move_by_slot(calls: dict[str, int], host_slots: list[int],
+                                        device_slots: list[int]) -> None:
+    """Whole host pages written from and loaded into device slots that are not whole pages
+    in order, or whose pairs the backend reorders (host pages out of order: the op's own
+    order no longer holds), move slot by slot: the rows land at exactly those slots, the
+    rest of the device pool is untouched."""
     ctrl = direct_controller(num_layers=2)
-    written = ctrl.device_allocator.try_alloc(2 * PAGE)
-    assert written is not None
-    host = ctrl.write(written)
-    assert host is not None
-    ctrl.drain()
-    target = Indices(torch.tensor(device_slots), IndexSpace.DEVICE_FULL)
-    transfer = PoolTransfer(name="full", host_pool=ctrl.host_pool, device_pool=ctrl.device_pool,
-                            host_indices=host, device_indices=target, layers=(0, 1))
-    moved = MovedTransfer(transfer, *ctrl.move_indices(host, target))
+    device = Indices(torch.tensor(device_slots), IndexSpace.DEVICE_FULL)
+    host = Indices(torch.tensor(host_slots), IndexSpace.HOST_FULL)  # host pages 2 and 3
+    rows = device_rows(ctrl.device_pool)[device.tensor].clone()
+    move(ctrl, host, device, Direction.DEVICE_TO_HOST)
+    for layer in range(2):  # wipe the device rows, then load them back
+        for component in range(2):
+            ctrl.device_pool.layer_rows(component, layer)[device.tensor] = 0
     before = device_rows(ctrl.device_pool).clone()
-    ctrl.backend.copy(moved, [0, 1], Direction.HOST_TO_DEVICE, [])
+    assert (before[device.tensor] == 0).all()
+    move(ctrl, host, device, Direction.HOST_TO_DEVICE)
     after = device_rows(ctrl.device_pool)
-    assert torch.equal(after[target.tensor], before[written.tensor])
-    assert torch.equal(untouched(after, target.tensor), untouched(before, target.tensor))
-    assert scatters == {"pages": 0, "slots": 1}
+    assert torch.equal(after[device.tensor], rows)
+    assert torch.equal(untouched(after, device.tensor), untouched(before, device.tensor))
+    assert calls == {"gather_device_pages": 0, "gather_pages": 1,
+                     "scatter_device_pages": 0, "scatter_pages": 1}
+
+
+def test_whole_pages_of_a_move_in_order_move_by_page(calls: dict[str, int]) -> None:
+    """The same move with whole device pages in order (pairs kept as the op holds them)
+    gathers and scatters page by page."""
+    ctrl = direct_controller(num_layers=2)
+    device = Indices(torch.arange(44, 52), IndexSpace.DEVICE_FULL)
+    host = Indices(torch.arange(8, 16), IndexSpace.HOST_FULL)
+    rows = device_rows(ctrl.device_pool)[device.tensor].clone()
+    move(ctrl, host, device, Direction.DEVICE_TO_HOST)
+    for layer in range(2):
+        for component in range(2):
+            ctrl.device_pool.layer_rows(component, layer)[device.tensor] = 0
+    move(ctrl, host, device, Direction.HOST_TO_DEVICE)
+    assert torch.equal(device_rows(ctrl.device_pool)[device.tensor], rows)
+    assert calls == {"gather_device_pages": 1, "gather_pages": 0,
+                     "scatter_device_pages": 1, "scatter_pages": 0}
+
+
+def move(ctrl: CacheController, host: Indices, device: Indices, direction: Direction) -> None:
+    """Move both layers of the pairs ``(host, device)`` through the staged backend, as an
+    op moves its own index tensors (``move_checked`` of owned indices: the same tensors
+    when no pair drops and the host slots are sorted, else reordered copies)."""
+    transfer = PoolTransfer(name="full", host_pool=ctrl.host_pool, device_pool=ctrl.device_pool,
+                            host_indices=host, device_indices=device, layers=(0, 1))
+    moved = MovedTransfer(transfer, *move_checked(host.tensor, device.tensor, ctrl.host_pool,
+                                                  ctrl.device_pool, ctrl.backend, owned=True))
+    ctrl.backend.copy(moved, [0, 1], direction, [])
