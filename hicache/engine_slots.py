@@ -59,9 +59,11 @@ class EngineSlots:
         """Page ids of whole-page ``DEVICE_FULL`` ``indices``; ``ValueError`` otherwise."""
         return self.allocator.pages_of(indices, op=op)
 
-    def add(self, indices: Indices) -> None:
-        """Record freshly allocated slots."""
-        pages = owned_page_ids(indices, self.allocator.page_size)  # the allocator's own output
+    def add(self, indices: Indices, pages: np.ndarray | None = None) -> None:
+        """Record freshly allocated slots; ``pages``: their page ids if the allocation
+        handed them out (read off the slots otherwise)."""
+        if pages is None:
+            pages = owned_page_ids(indices, self.allocator.page_size)  # the allocator's output
         assert not count_nonzero(self._held[pages]), \
             "alloc_device handed out a page the engine holds"
         self._held[pages] = True

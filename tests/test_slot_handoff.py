@@ -1,8 +1,15 @@
-"""The device slots handed between the engine and the tree: an allocation that evicts."""
+"""The device slots handed between the engine and the tree: an allocation that evicts, and
+the check of the counts the engine passes."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
 from hicache.bench.scheduler import PAGE, ChatWorkload, admit, fill, make_service
+from hicache.slot_handoff import check_count
 
 
 def test_an_evicting_allocation_applies_the_acks_the_thread_took() -> None:
@@ -27,3 +34,31 @@ def test_an_evicting_allocation_applies_the_acks_the_thread_took() -> None:
         service.check_integrity()
     finally:
         service.stop()
+
+
+class _Count(int):
+    """An int subclass: not the fast path's exact int."""
+
+
+@pytest.mark.parametrize("value", [0, 1, 2048, 2**70, -1, True, False, np.int64(16),
+                                   np.int32(-3), np.bool_(True), _Count(32), _Count(-2),
+                                   1.0, float("nan"), "16", None])
+def test_a_count_is_checked_as_the_general_check_does(value: object) -> None:
+    """``check_count`` answers an exact non-negative int at once, and everything else as
+    its general checks do: the same int (an int, never a subclass), or the same error."""
+    def general(value: object) -> int:
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"op: num_tokens must be an int, got {type(value).__name__} "
+                            f"{value!r:.40}")
+        if value < 0:
+            raise ValueError(f"op: num_tokens must be >= 0, got {value}")
+        return int(value)
+
+    def answer(check: Callable[[object], int]) -> tuple[str, object]:
+        try:
+            result = check(value)
+        except (TypeError, ValueError) as exc:
+            return type(exc).__name__, str(exc)
+        return type(result).__name__, result
+
+    assert answer(lambda v: check_count("op", v)) == answer(general)
