@@ -163,8 +163,8 @@ class RadixTree:
     def _descend(self, key: bytes, split: bool) -> list[tuple[TreeNode, int]]:
         """Matched nodes along ``key`` (bytes) with the tokens used of each (whole nodes if
         split)."""
-        node, pos, path, step = self.root, 0, [], self._page_bytes
-        while pos < len(key):
+        node, pos, path, step, end = self.root, 0, [], self._page_bytes, len(key)
+        while pos < end:
             child = node.children.get(key[pos:pos + step])
             if child is None:
                 break
@@ -244,7 +244,7 @@ class RadixTree:
         caller offers the parent, which may have become a leaf, to the eviction heaps)."""
         assert node.parent is not None, "cannot detach the root"
         del node.parent.children[node.key[:self._page_bytes]]
-        for gone in subtree(node):
+        for gone in subtree(node) if node.children else (node,):  # a leaf: no generator
             gone.is_detached = True
             self.num_nodes -= 1
 
