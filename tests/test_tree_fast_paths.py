@@ -1,11 +1,15 @@
 """The radix tree's shortcuts for the common case answer as their general form does: a
-leaf's detach (no subtree walk) and a heap's pop (its liveness test inlined)."""
+leaf's detach (no subtree walk), a heap's pop (its liveness test inlined) and the common
+prefix of a node's key (no slice copied when the whole node fits)."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from hicache.radix import RadixTree, TreeNode
 from hicache.radix.eviction import CandidateHeap
-from hicache.radix.key import key_bytes
+from hicache.radix.key import TOKEN_BYTES, key_bytes
 from hicache.radix.tree import subtree
 
 PAGE = 2
@@ -54,3 +58,24 @@ def test_a_pop_skips_exactly_the_entries_the_liveness_test_refuses() -> None:
     assert popped == live == nodes[3:]
     assert len(heap) == 0
 
+
+
+@settings(max_examples=300, deadline=None)
+@given(node_pages=st.lists(st.integers(0, 2), min_size=1, max_size=6),
+       key_pages=st.lists(st.integers(0, 2), min_size=0, max_size=8),
+       lead=st.integers(0, 2))
+def test_the_common_prefix_is_counted_in_whole_equal_pages(
+        node_pages: list[int], key_pages: list[int], lead: int) -> None:
+    """``_common_bytes`` (``startswith`` when the whole node fits in the key, a slice
+    comparison otherwise, a binary search on a difference) counts the leading pages that
+    are equal, as a page-by-page comparison does."""
+    tree = RadixTree(PAGE)
+    node_key = key_bytes([t for p in node_pages for t in (p, p + 1)], "test")
+    key = key_bytes([9, 9] * lead + [t for p in key_pages for t in (p, p + 1)], "test")
+    pos, page = lead * PAGE * TOKEN_BYTES, PAGE * TOKEN_BYTES
+    equal = 0
+    while (equal + 1) * page <= min(len(node_key), len(key) - pos) and \
+            node_key[equal * page:(equal + 1) * page] == key[pos + equal * page:
+                                                              pos + (equal + 1) * page]:
+        equal += 1
+    assert tree._common_bytes(node_key, key, pos) == equal * page

@@ -178,15 +178,16 @@ class RadixTree:
         return path
 
     def _common_bytes(self, node_key: bytes, key: bytes, pos: int) -> int:
-        """Whole-page length, in bytes, of the common prefix of ``node_key`` and
-        ``key[pos:]``.
+        """Whole-page length, in bytes, of the common prefix of ``node_key`` and ``key[pos:]``.
 
-        Compares byte slices (in C): the whole overlap first, which is the usual answer,
-        then a binary search over the number of equal leading pages."""
-        page = self._page_bytes
-        limit = min(len(node_key), len(key) - pos)
+        Compares bytes in C: the whole overlap first, which is the usual answer (the whole
+        node with ``startswith``, which copies no slice), then a binary search over the
+        number of equal leading pages."""
+        page, size = self._page_bytes, len(node_key)
+        limit = min(size, len(key) - pos)
         limit -= limit % page
-        if node_key[:limit] == key[pos:pos + limit]:
+        if key.startswith(node_key, pos) if limit == size else \
+                node_key[:limit] == key[pos:pos + limit]:
             return limit
         equal, unequal = 0, limit // page  # pages known equal, pages known not all equal
         while unequal - equal > 1:
