@@ -104,14 +104,15 @@ def apply_acks(service: HiCacheService) -> None:
 
 def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices: Indices) -> int:
     """The engine's pages (or the tree's own, at their positions) of ``tokens`` go to the
-    tree, with the host SWA copies made of them; tokens already cached."""
+    tree, with the host SWA copies made of them; tokens already cached. ``device_indices``
+    are :class:`Indices` (``HiCacheService.insert`` refuses anything else first)."""
     tree = service.tree
     key = tree.key(tokens, "insert")  # checked once, reused below
-    num_tokens = key.num_page_tokens
-    if len(device_indices) < num_tokens:
-        raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
-    if isinstance(device_indices, Indices) and len(device_indices) > num_tokens and \
-            device_indices.tensor.device.type == "cpu":  # the partial page's: in range
+    num_tokens, num_slots = key.num_page_tokens, len(device_indices)
+    if num_slots < num_tokens:
+        raise ValueError(f"insert: {num_slots} slots for {num_tokens} tokens")
+    if num_slots > num_tokens and device_indices.tensor.device.type == "cpu":
+        # the partial page's slots: in range
         allocator = service.controller.device_allocator
         check_indices(Indices(device_indices.tensor[num_tokens:], device_indices.space),
                       space=IndexSpace.DEVICE_FULL, pool_name=allocator.name,

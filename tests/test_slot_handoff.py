@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hicache.bench.scheduler import PAGE, ChatWorkload, admit, fill, make_service
+from hicache.pools import IndexSpace, Indices
 from hicache.slot_handoff import check_count
 
 
@@ -62,3 +63,24 @@ def test_a_count_is_checked_as_the_general_check_does(value: object) -> None:
         return type(result).__name__, result
 
     assert answer(lambda v: check_count("op", v)) == answer(general)
+
+
+def test_insert_refuses_slots_that_are_not_indices_before_anything_changes() -> None:
+    """A raw tensor (or list) of slots is refused by ``insert`` with a ``TypeError``, the
+    engine's pages and the tree as they were: the handoff after it reads them as
+    ``Indices``."""
+    service = make_service(capacity_tokens=1024)
+    try:
+        held = service.alloc_device(2 * PAGE + 1)
+        assert held is not None
+        tokens = list(range(1, 2 * PAGE + 2))
+        for raw in (held.tensor, held.tensor.tolist()):
+            with pytest.raises(TypeError, match="insert: expected DEVICE_FULL Indices"):
+                service.insert(tokens, raw)  # type: ignore[arg-type]
+            assert service.engine_held_tokens == 3 * PAGE
+            assert service.tree.num_nodes == 0
+        assert service.insert(tokens, held) == 0  # a whole page and the partial one's slots
+        service.free_device(Indices(held.tensor[2 * PAGE:], IndexSpace.DEVICE_FULL))
+        service.check_integrity()
+    finally:
+        service.stop()
