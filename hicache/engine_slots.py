@@ -25,10 +25,12 @@ from .radix import RadixTree, TokenKey
 class InsertSlots(NamedTuple):
     """What ``insert``'s check of the engine's slots found (:meth:`EngineSlots.check_insert`).
 
-    ``pages``: page ids of the ``num_tokens`` slots inserted. ``slots``: those slots as an
-    int64 numpy view of the engine's tensor (to read at once, never keep), or ``None`` when
-    the check did not read them so. ``own_tokens``: leading tokens whose slots were compared
-    slot for slot with the tree's own (none of them is a duplicate)."""
+    ``pages``: page ids of the ``num_tokens`` slots inserted that the engine holds (what
+    ``insert`` takes from it; the tree's own pages among the slots are not the engine's).
+    ``slots``: those slots as an int64 numpy view of the engine's tensor (to read at once,
+    never keep), or ``None`` when the check did not read them so. ``own_tokens``: leading
+    tokens whose slots were compared slot for slot with the tree's own (none of them is a
+    duplicate)."""
 
     pages: np.ndarray
     slots: np.ndarray | None
@@ -57,9 +59,11 @@ class EngineSlots:
         """Page ids of whole-page ``DEVICE_FULL`` ``indices``; ``ValueError`` otherwise."""
         return self.allocator.pages_of(indices, op=op)
 
-    def add(self, indices: Indices) -> None:
-        """Record freshly allocated slots."""
-        pages = owned_page_ids(indices, self.allocator.page_size)  # the allocator's own output
+    def add(self, indices: Indices, pages: np.ndarray | None = None) -> None:
+        """Record freshly allocated slots; ``pages``: their page ids if the allocation
+        handed them out (read off the slots otherwise)."""
+        if pages is None:
+            pages = owned_page_ids(indices, self.allocator.page_size)  # the allocator's output
         assert not count_nonzero(self._held[pages]), \
             "alloc_device handed out a page the engine holds"
         self._held[pages] = True
@@ -80,8 +84,8 @@ class EngineSlots:
         self, tree: RadixTree, key: TokenKey, device_indices: Indices, num_tokens: int
     ) -> np.ndarray:
         """Pages of ``device_indices[:num_tokens]`` (``num_tokens``: the whole pages of
-        ``key``); ``ValueError`` for a page that is neither held by the engine nor the tree's
-        own page at the same position."""
+        ``key``) that the engine holds, in slot order; ``ValueError`` for a page that is
+        neither held by the engine nor the tree's own page at the same position."""
         return self.check_insert(tree, key, device_indices, num_tokens).pages
 
     def check_insert(
@@ -92,8 +96,8 @@ class EngineSlots:
         served = self._insertable_as_served(tree, key, device_indices, num_tokens)
         if served is not None:
             return served
-        return InsertSlots(self.insertable_by_page(tree, key, device_indices, num_tokens),
-                           None, 0)
+        pages = self.insertable_by_page(tree, key, device_indices, num_tokens)
+        return InsertSlots(pages[self._held[pages]], None, 0)
 
     def insertable_by_page(
         self, tree: RadixTree, key: TokenKey, device_indices: Indices, num_tokens: int
@@ -124,30 +128,26 @@ class EngineSlots:
 
         The prefix is compared with the nodes' slots, which the tree keeps as whole ordered
         pages (checked when they entered it), so only the engine's part is checked page by
-        page; the two cannot share a page (one is the tree's, the other the engine's)."""
+        page; the two cannot share a page (one is the tree's, the other the engine's), so
+        the prefix's pages are not the engine's and are not looked up."""
         tensor = device_indices.tensor
         if (type(device_indices) is not Indices or device_indices.space is not
                 IndexSpace.DEVICE_FULL or tensor.dtype is not torch.int64
                 or tensor.dim() != 1 or not tensor.is_cpu or tensor.numel() < num_tokens):
             return None
-        slots, page = tensor.numpy(), self.allocator.page_size
-        firsts, at = [], 0  # the first slot of each of the tree's pages
+        slots, at = tensor.numpy(), 0
         for node_slots in tree.device_prefix_views(key, "insert"):
             used = node_slots.size
             if count_nonzero(slots[at:at + used] != node_slots):
                 return None  # the engine's own copy of a cached page: the general check
-            firsts.append(node_slots[::page])
             at += used
-        parts = [] if not firsts else [  # one node, most often: no concatenation
-            (firsts[0] if len(firsts) == 1 else np.concatenate(firsts)) // page]
-        if at < num_tokens:  # whole pages: the key's, less the nodes' (whole pages too)
-            held = valid_slot_pages(slots[at:num_tokens], page, self.allocator.num_pages)
-            if held is None or count_nonzero(self._held[held]) != held.size:
-                return None
-            parts.append(held)
-        pages = (np.empty(0, dtype=np.int64) if not parts else
-                 parts[0] if len(parts) == 1 else np.concatenate(parts))
-        return InsertSlots(pages, slots[:num_tokens], at)
+        if at == num_tokens:  # whole pages: the key's, less the nodes' (whole pages too)
+            return InsertSlots(np.empty(0, dtype=np.int64), slots[:num_tokens], at)
+        held = valid_slot_pages(slots[at:num_tokens], self.allocator.page_size,
+                                self.allocator.num_pages)
+        if held is None or count_nonzero(self._held[held]) != held.size:
+            return None
+        return InsertSlots(held, slots[:num_tokens], at)
 
     def forget(self, pages: np.ndarray) -> None:
         """The engine no longer holds ``pages`` (inserted into the tree, or freed)."""

@@ -53,6 +53,8 @@ def check_count(op: str, value: object, name: str = "num_tokens") -> int:
     """``value``, a count of tokens passed to ``op``, as an int: ``TypeError`` for anything
     but an int (a bool, float, NaN or string), ``ValueError`` for a negative one; both name
     ``op`` and the argument."""
+    if type(value) is int and value >= 0:  # the engine's case; a bool's type is bool
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__} "
                         f"{value!r:.40}")
@@ -65,23 +67,25 @@ def alloc(service: HiCacheService, num_tokens: int) -> Indices | None:
     """``num_tokens`` (whole pages, from :func:`check_alloc`) fresh device slots, evicting
     once if needed, recorded as the engine's; ``None`` when there is still no room."""
     tree = service.tree
-    slots = tree.io.try_alloc_device(num_tokens)
-    if slots is None and tree.io.is_hybrid and service.controller.has_queued_writes:
+    got = tree.io.try_alloc_device(num_tokens)
+    if got is None and tree.io.is_hybrid and service.controller.has_queued_writes:
         # window backups wait for the step's write; their SWA slots come back at its ack
         service.controller.start_writing()
         service._poller.apply(service._poller.collect())
-        slots = tree.io.try_alloc_device(num_tokens)
-    if slots is None and tree.io.is_hybrid:  # SWA rows with a host copy go first
+        got = tree.io.try_alloc_device(num_tokens)
+    if got is None and tree.io.is_hybrid:  # SWA rows with a host copy go first
         swa_short = num_tokens - tree.io.device_swa_free_tokens()
         if swa_short > 0 and tree.evict_swa(swa_short) > 0:
-            slots = tree.io.try_alloc_device(num_tokens)
-    if slots is None:
+            got = tree.io.try_alloc_device(num_tokens)
+    if got is None:
         short = num_tokens - service.controller.device_allocator.num_free_tokens
         tree.evict(short if short > 0 else num_tokens)
         apply_acks(service)
-        slots = tree.io.try_alloc_device(num_tokens)
-    if slots is not None:
-        service._engine.add(slots)
+        got = tree.io.try_alloc_device(num_tokens)
+    if got is None:
+        return None
+    slots, pages = got
+    service._engine.add(slots, pages)
     return slots
 
 
@@ -100,14 +104,15 @@ def apply_acks(service: HiCacheService) -> None:
 
 def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices: Indices) -> int:
     """The engine's pages (or the tree's own, at their positions) of ``tokens`` go to the
-    tree, with the host SWA copies made of them; tokens already cached."""
+    tree, with the host SWA copies made of them; tokens already cached. ``device_indices``
+    are :class:`Indices` (``HiCacheService.insert`` refuses anything else first)."""
     tree = service.tree
     key = tree.key(tokens, "insert")  # checked once, reused below
-    num_tokens = key.num_page_tokens
-    if len(device_indices) < num_tokens:
-        raise ValueError(f"insert: {len(device_indices)} slots for {num_tokens} tokens")
-    if isinstance(device_indices, Indices) and len(device_indices) > num_tokens and \
-            device_indices.tensor.device.type == "cpu":  # the partial page's: in range
+    num_tokens, num_slots = key.num_page_tokens, len(device_indices)
+    if num_slots < num_tokens:
+        raise ValueError(f"insert: {num_slots} slots for {num_tokens} tokens")
+    if num_slots > num_tokens and device_indices.tensor.device.type == "cpu":
+        # the partial page's slots: in range
         allocator = service.controller.device_allocator
         check_indices(Indices(device_indices.tensor[num_tokens:], device_indices.space),
                       space=IndexSpace.DEVICE_FULL, pool_name=allocator.name,

@@ -88,11 +88,12 @@ class CandidateHeap:
     def pop(self) -> TreeNode | None:
         """Remove and return the first candidate in eviction order, or ``None`` if there is
         none. The node is not offered again until the tree reports a change of it."""
-        heap = self._heap
-        while heap:
-            entry = heapq.heappop(heap)
-            if self._is_live(entry):
-                return entry[3]
+        heap, key, is_candidate, pop = self._heap, self._key, self._is_candidate, heapq.heappop
+        while heap:  # _is_live, inlined: a call less per entry popped
+            entry = pop(heap)
+            node = entry[3]
+            if not node.is_detached and entry[0] == key(node) and is_candidate(node):
+                return node
         return None
 
     def _is_live(self, entry: _Entry) -> bool:

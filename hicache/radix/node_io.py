@@ -46,9 +46,11 @@ class NodeIO:
         self.plain = controller  # its write and load (a hybrid controller has its own)
         self.page_size = controller.device_allocator.page_size
 
-    def try_alloc_device(self, num_tokens: int) -> Indices | None:
-        """``[num_tokens]`` fresh ``DEVICE_FULL`` slots (whole pages) or ``None``."""
-        return self.controller.device_allocator.try_alloc(num_tokens)
+    def try_alloc_device(self, num_tokens: int) -> tuple[Indices, np.ndarray | None] | None:
+        """``[num_tokens]`` fresh ``DEVICE_FULL`` slots (whole pages) with their page ids
+        (int64, a new array, slot order; ``None`` where the pool does not hand them out), or
+        ``None`` when there is no room."""
+        return self.controller.device_allocator.try_alloc_pages(num_tokens)
 
     def backup(self, device: Indices, tag: object, host_swa: Indices | None = None,
                marks: Sequence[Event] = ()) -> SlotPair | None:
@@ -208,8 +210,9 @@ class HybridNodeIO(NodeIO):
         self.tail_tokens = -(-window_tokens // self.page_size) * self.page_size
         self.keeps_swa_history = keep_swa_history
 
-    def try_alloc_device(self, num_tokens: int) -> Indices | None:
-        return self.pool.try_alloc(num_tokens)
+    def try_alloc_device(self, num_tokens: int) -> tuple[Indices, np.ndarray | None] | None:
+        slots = self.pool.try_alloc(num_tokens)
+        return None if slots is None else (slots, None)
 
     def backup(self, device: Indices, tag: object, host_swa: Indices | None = None,
                marks: Sequence[Event] = ()) -> SlotPair | None:

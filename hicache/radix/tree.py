@@ -163,8 +163,8 @@ class RadixTree:
     def _descend(self, key: bytes, split: bool) -> list[tuple[TreeNode, int]]:
         """Matched nodes along ``key`` (bytes) with the tokens used of each (whole nodes if
         split)."""
-        node, pos, path, step = self.root, 0, [], self._page_bytes
-        while pos < len(key):
+        node, pos, path, step, end = self.root, 0, [], self._page_bytes, len(key)
+        while pos < end:
             child = node.children.get(key[pos:pos + step])
             if child is None:
                 break
@@ -178,15 +178,16 @@ class RadixTree:
         return path
 
     def _common_bytes(self, node_key: bytes, key: bytes, pos: int) -> int:
-        """Whole-page length, in bytes, of the common prefix of ``node_key`` and
-        ``key[pos:]``.
+        """Whole-page length, in bytes, of the common prefix of ``node_key`` and ``key[pos:]``.
 
-        Compares byte slices (in C): the whole overlap first, which is the usual answer,
-        then a binary search over the number of equal leading pages."""
-        page = self._page_bytes
-        limit = min(len(node_key), len(key) - pos)
+        Compares bytes in C: the whole overlap first, which is the usual answer (the whole
+        node with ``startswith``, which copies no slice), then a binary search over the
+        number of equal leading pages."""
+        page, size = self._page_bytes, len(node_key)
+        limit = min(size, len(key) - pos)
         limit -= limit % page
-        if node_key[:limit] == key[pos:pos + limit]:
+        if key.startswith(node_key, pos) if limit == size else \
+                node_key[:limit] == key[pos:pos + limit]:
             return limit
         equal, unequal = 0, limit // page  # pages known equal, pages known not all equal
         while unequal - equal > 1:
@@ -244,7 +245,7 @@ class RadixTree:
         caller offers the parent, which may have become a leaf, to the eviction heaps)."""
         assert node.parent is not None, "cannot detach the root"
         del node.parent.children[node.key[:self._page_bytes]]
-        for gone in subtree(node):
+        for gone in subtree(node) if node.children else (node,):  # a leaf: no generator
             gone.is_detached = True
             self.num_nodes -= 1
 
