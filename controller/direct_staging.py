@@ -17,11 +17,12 @@ fragment, a slot loaded twice in one merged op) is its own segment of one page.
 When every piece is a whole page, the gather reads the device rows straight into the
 page-major staging (one indexed read per block of layers, written through a permuted view)
 and the scatter writes them back from it the same way; where the device slots are whole
-device pages in order too (an allocation's: :func:`device_pages`), the scatter moves a
-page per index entry (:meth:`DirectStaging.scatter_device_pages`). Otherwise the gather reads them
-layer-major into a temporary ``[components, moved layers, pairs, row]`` and places them
-with an index copy, and the scatter does the reverse. Both run at HBM speed on the stream the caller
-makes current, which allocates and owns the temporaries.
+device pages in order too (an allocation's: :func:`device_pages`), both index pages, not
+slots (:meth:`DirectStaging.gather_device_pages`, :meth:`DirectStaging.scatter_device_pages`).
+Otherwise the gather reads them layer-major into a temporary ``[components, moved layers,
+pairs, row]`` and places them with an index copy, and the scatter does the reverse. Both
+run at HBM speed on the stream the caller makes current, which allocates and owns the
+temporaries.
 """
 
 from __future__ import annotations
@@ -235,11 +236,12 @@ class DirectStaging:
 def device_pages(device_slots: np.ndarray, page_size: int, num_slots: int
                  ) -> np.ndarray | None:
     """The device page of every ``page_size`` pairs of ``device_slots`` (an op's, int64, in
-    moved order) when each such group is one device page's slots in order (a page being
-    ``page_size`` slots from a multiple of ``page_size``), else ``None`` (then, too, for a
-    pool of ``num_slots`` that is not whole pages). An allocation of whole pages gives such
-    slots, so a ``page_first_direct`` load of whole host pages scatters page by page
-    (:meth:`DirectStaging.scatter_device_pages`)."""
+    the order it moves them) when each such group is one device page's slots in order (a
+    page being ``page_size`` slots from a multiple of ``page_size``), else ``None`` (then,
+    too, for a pool of ``num_slots`` that is not whole pages). An allocation of whole pages
+    gives such slots, so a ``page_first_direct`` move of whole host pages gathers and
+    scatters page by page (:meth:`DirectStaging.gather_device_pages`,
+    :meth:`DirectStaging.scatter_device_pages`)."""
     if device_slots.size == 0 or device_slots.size % page_size or num_slots % page_size:
         return None
     grouped = device_slots.reshape(-1, page_size) - np.arange(page_size, dtype=np.int64)
