@@ -149,3 +149,24 @@ def move(ctrl: CacheController, host: Indices, device: Indices, direction: Direc
     moved = MovedTransfer(transfer, *move_checked(host.tensor, device.tensor, ctrl.host_pool,
                                                   ctrl.device_pool, ctrl.backend, owned=True))
     ctrl.backend.copy(moved, [0, 1], direction, [])
+
+
+def test_merged_loads_of_whole_pages_move_by_page(calls: dict[str, int]) -> None:
+    """Two loads queued before one ``start_loading`` (one merged op, host pages ascending
+    across the two, each into its own allocation) scatter page by page and bring back each
+    load's rows at its own device slots."""
+    ctrl = direct_controller(num_layers=2)
+    first = ctrl.device_allocator.try_alloc(2 * PAGE)
+    second = ctrl.device_allocator.try_alloc(3 * PAGE)
+    assert first is not None and second is not None
+    rows = [device_rows(ctrl.device_pool)[slots.tensor].clone() for slots in (first, second)]
+    hosts = [ctrl.write(first), ctrl.write(second)]
+    assert hosts[0] is not None and hosts[1] is not None
+    assert int(hosts[0].tensor[-1]) < int(hosts[1].tensor[0])
+    ctrl.drain()
+    loaded = [ctrl.load(host) for host in hosts]
+    assert loaded[0] is not None and loaded[1] is not None
+    ctrl.drain()
+    for slots, expected in zip(loaded, rows, strict=True):
+        assert torch.equal(device_rows(ctrl.device_pool)[slots.tensor], expected)
+    assert calls["scatter_device_pages"] >= 1 and calls["scatter_pages"] == 0
