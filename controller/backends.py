@@ -212,8 +212,6 @@ def _block_or_index(index: np.ndarray) -> slice | np.ndarray:
     return slice(first, first + size)
 
 
-
-
 def _contiguous_ranges(layers: Sequence[int]) -> list[tuple[int, int]]:
     ranges: list[tuple[int, int]] = []
     for layer in layers:

@@ -128,13 +128,14 @@ def device_page_index(moved: MovedTransfer) -> torch.Tensor | None:
 
 
 class ChunkSlots:
-    """Pairs ``[start, end)`` of ``moved``: their host slots and what the copies
+    """Pairs ``[start, end)`` of ``moved``: their device index, host slots and what the copies
     derive from the host slots (runs of consecutive slots, or the pages of a
     ``page_first_direct`` host), cut from the op's :class:`OpSlots`. None of it depends on
     the layers moved."""
 
     def __init__(self, moved: MovedTransfer, start: int, end: int, op: OpSlots) -> None:
         self.start, self.end = start, end
+        self.device_index: torch.Tensor = moved.device_index[start:end]
         self.host_slots = moved.host_index.numpy()[start:end]
         self.pages: PagePlan | None = None
         self.runs: list[tuple[int, int]] = []

@@ -49,7 +49,7 @@ class StagedMove:
         self.rows = _wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
         self.num_pairs = int(moved.host_index.numel())
         self.page_size = host.page_size
-        self.device_index, self.page_index = moved.device_index, device_page_index(moved)
+        self.page_index = device_page_index(moved)
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
         self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
@@ -114,8 +114,7 @@ class ChunkPlan:
 
     def __init__(self, move: StagedMove, slots: ChunkSlots, shape: BlockShape,
                  buffer: torch.Tensor, templates: CopyTemplates) -> None:
-        self.slots = slots
-        self.device_index = move.device_index[slots.start: slots.end]
+        self.slots, self.device_index = slots, slots.device_index
         self.page_index: torch.Tensor | None = None  # whole device pages (see StagedMove)
         self.host, self.token_major = move.host, move.token_major  # not ``move``: no cycle
         geometry = move.device_pool.geometry
