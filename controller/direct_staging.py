@@ -141,23 +141,29 @@ class DirectStaging:
                 rows_of.permute(2, 0, 1, 3), [by_page],
                 out=staged.narrow(2, offset, count).permute(0, 3, 1, 2, 4))
 
-    def gather_device_pages(self, rows: torch.Tensor, page_index: torch.Tensor,
-                            blocks: Sequence[tuple[int, int]],
+    def page_views(self, rows: torch.Tensor, blocks: Sequence[tuple[int, int]]
+                   ) -> list[torch.Tensor]:
+        """The staging ``rows`` of whole pages (``[pages, C, layers, page_size, row]``) as
+        ``[C, count, pages, page_size, row]`` per block of layers (``(offset in the moved
+        layers, count)``): what :meth:`gather_device_pages` writes and
+        :meth:`scatter_device_pages` reads, made once per staging buffer and layer shape
+        by the chunk's plan."""
+        c, n = self.shape
+        pages = self.num_pairs // self.page_size
+        staged = rows.view(pages, c, n, self.page_size, rows.shape[-1]).permute(1, 2, 0, 3, 4)
+        return [staged.narrow(1, offset, count) for offset, count in blocks]
+
+    def gather_device_pages(self, staged_pages: Sequence[torch.Tensor], page_index: torch.Tensor,
                             paged_rows: Sequence[torch.Tensor]) -> None:
         """:meth:`gather_pages` from device slots that are whole device pages in order:
         per block of layers, one indexed read of whole pages (``page_index``) from its
         device rows viewed as ``[C, count, slots / page_size, page_size, row]``
-        (``paged_rows``), written through the staging's permuted view (as
+        (``paged_rows``) into the staging's page views (:meth:`page_views`; as
         :meth:`scatter_device_pages`, the other way): for one layer of 32k tokens in
         16-token pages on an H200, 76 against 105 us on the GPU, the SM time a write takes
         from the model's compute (one run of a script)."""
-        c, n = self.shape
-        pages = self.num_pairs // self.page_size
-        staged = rows.view(pages, c, n, self.page_size, rows.shape[-1])
-        for (offset, count), rows_of in zip(blocks, paged_rows, strict=True):
-            torch.ops.aten.index.Tensor_out(
-                rows_of, [None, None, page_index],
-                out=staged.narrow(2, offset, count).permute(1, 2, 0, 3, 4))
+        for out, rows_of in zip(staged_pages, paged_rows, strict=True):
+            torch.ops.aten.index.Tensor_out(rows_of, [None, None, page_index], out=out)
 
     def scatter_pages(self, rows: torch.Tensor, index: torch.Tensor,
                       blocks: Sequence[tuple[int, int]], device_rows: Sequence[torch.Tensor]
@@ -175,21 +181,18 @@ class DirectStaging:
         for (offset, count), rows_of in zip(blocks, device_rows, strict=True):
             rows_of[:, :, by_page] = staged.narrow(1, offset, count)
 
-    def scatter_device_pages(self, rows: torch.Tensor, page_index: torch.Tensor,
-                             blocks: Sequence[tuple[int, int]],
+    def scatter_device_pages(self, staged_pages: Sequence[torch.Tensor], page_index: torch.Tensor,
                              paged_rows: Sequence[torch.Tensor]) -> None:
         """:meth:`scatter_pages` into device slots that are whole device pages in order
         (:func:`device_pages`): per block of layers, one index copy of whole pages
-        (``page_index``: the device page of each staged page) into its device rows viewed
-        as ``[C, count, slots / page_size, page_size, row]`` (``paged_rows``). An index
-        entry moves a page's ``page_size`` rows, where the slot store indexes every row:
-        for one layer of 32k tokens in 16-token pages on an H200, 17-28 against 29-34 us
-        of CPU to issue and 84-86 against 105-107 us on the GPU (two runs of a script)."""
-        c, n = self.shape
-        pages = self.num_pairs // self.page_size
-        staged = rows.view(pages, c, n, self.page_size, rows.shape[-1]).permute(1, 2, 0, 3, 4)
-        for (offset, count), rows_of in zip(blocks, paged_rows, strict=True):
-            rows_of.index_copy_(2, page_index, staged.narrow(1, offset, count))
+        (``page_index``: the device page of each staged page) from the staging's page views
+        (:meth:`page_views`) into its device rows viewed as ``[C, count, slots /
+        page_size, page_size, row]`` (``paged_rows``). An index entry moves a page's
+        ``page_size`` rows, where the slot store indexes every row: for one layer of 32k
+        tokens in 16-token pages on an H200, 17-28 against 29-34 us of CPU to issue and
+        84-86 against 105-107 us on the GPU (two runs of a script)."""
+        for staged, rows_of in zip(staged_pages, paged_rows, strict=True):
+            rows_of.index_copy_(2, page_index, staged)
 
     def segment_views(self, host: torch.Tensor, rows: torch.Tensor, block_offset: int,
                       begin: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -8,10 +8,24 @@ wait, FIFO polling, ring reuse) runs and is tested on a CPU.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from hicache.pools.arg_checks import check_int
+
+# ``torch.cuda.Event``'s record and wait without its Python wrapper, which only looks up the
+# current stream when none is given (a frame a call; a staged chunk makes four such calls);
+# found when the first CUDA event is made (a CPU build's event type has neither)
+_RECORD: Any = None
+_WAIT: Any = None
+
+
+def _find_event_calls() -> None:
+    global _RECORD, _WAIT
+    base = getattr(torch._C, "_CudaEventBase", None)
+    _RECORD = getattr(base, "record", None) or torch.cuda.Event.record
+    _WAIT = getattr(base, "wait", None) or torch.cuda.Event.wait
 
 
 class Event:
@@ -27,6 +41,8 @@ class Event:
         self._cuda = (
             torch.cuda.Event(enable_timing=timing) if device.type == "cuda" else None
         )
+        if self._cuda is not None and _RECORD is None:
+            _find_event_calls()
         self.is_recorded = False
         self._leader: Event | None = None
         # records so far: a wait on this event is one on its latest record only
@@ -36,7 +52,10 @@ class Event:
         """Mark the current point of ``stream`` (the current stream if ``None``)."""
         self._leader = None
         if self._cuda is not None:
-            self._cuda.record(stream)
+            if stream is None:
+                self._cuda.record()
+            else:  # the event type's own call: torch's wrapper only finds a stream
+                _RECORD(self._cuda, stream)
         self.is_recorded = True
         self.generation += 1
 
@@ -66,7 +85,10 @@ class Event:
         if self._leader is not None:
             self._leader.wait(stream)
         elif self._cuda is not None and self.is_recorded:
-            self._cuda.wait(stream)
+            if stream is None:
+                self._cuda.wait()
+            else:
+                _WAIT(self._cuda, stream)
 
     def synchronize(self) -> None:
         """Block the CPU until the event fires. Shutdown and tests only."""

@@ -45,6 +45,7 @@ lanes.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -56,7 +57,8 @@ from .base import Direction, MovedTransfer, TransferBackend
 from .chunk_copies import CopyTemplates
 from .chunk_slots import host_runs
 from .events import Event
-from .staged_chunk import LayerGroup, StagedMove, move_chunk
+from .staged_chunk import StagedMove, move_chunk
+from .staged_views import PoolViews
 
 __all__ = ["StagedBackend", "host_runs"]
 
@@ -80,6 +82,11 @@ class StagedBackend(TransferBackend):
         # own staging and auxiliary stream, so the two directions never share a buffer).
         self._lanes: dict[tuple[int, torch.dtype], _Lane] = {}
         self.templates = CopyTemplates()  # every op's chunk copies, by run shape
+        # views of each pool pair, for every op between them (weak: a pool's going drops
+        # its entries)
+        self._views: weakref.WeakKeyDictionary[
+            HostKVPool, weakref.WeakKeyDictionary[DeviceKVPool, PoolViews]] = (
+            weakref.WeakKeyDictionary())
 
     def staging_bytes(self, token_bytes: int, page_size: int) -> int:
         """Device memory the staging buffers of one side stream take for rows of
@@ -122,24 +129,25 @@ class StagedBackend(TransferBackend):
         if move is None:  # the op's first copy: on its side stream, current now
             device = moved.source.device_pool.device
             side = torch.cuda.current_stream(device) if device.type == "cuda" else None
-            move = moved.staged_move = StagedMove(moved, side)
+            move = moved.staged_move = StagedMove(moved, side, self._pool_views(moved))
             if move.page_index is not None:  # made on the side stream, read there
                 keep_alive.append(move.page_index)
-        lane = self._lane(move.device_pool, move.side, page_size)
+        lane = self._lane(moved.source.device_pool, move.side, page_size)
         to_host = direction is Direction.DEVICE_TO_HOST
         if to_host and lane.aux is not None and move.side is not None:
             # Gathers read device rows: after the producers and the caller (the side stream
             # waited on them when the op began).
             lane.aux.wait_stream(move.side)
-        group = LayerGroup(move, tuple(local_layers))
-        chunk_tokens = self.chunk_tokens(move.device_pool.num_layers, group.num_layers,
+        group = move.views.group(tuple(local_layers))
+        chunk_tokens = self.chunk_tokens(move.views.num_layers, group.num_layers,
                                          move.num_pairs, page_size)
         buffers, free, staged, aux = lane.buffers, lane.free, lane.staged, lane.aux
+        side = move.side
         for plan in move.chunks(moved, chunk_tokens, group.shape, buffers[0],
                                 self.templates):
             number = lane.next
             lane.next = 1 - number
-            move_chunk(plan, group, to_host, buffers[number], aux, free[number],
+            move_chunk(plan, group, to_host, buffers[number], side, aux, free[number],
                        staged[number])
         held = keep_alive[-2:]  # once per op and lane, not once per layer group
         if len(held) < 2 or held[0] is not buffers[0] or held[1] is not buffers[1]:
@@ -160,6 +168,17 @@ class StagedBackend(TransferBackend):
         count = max(1, -(-num_pairs * moved // budget))
         per_chunk = -(-num_pairs // count)
         return max(1, -(-per_chunk // page_size) * page_size)
+
+    def _pool_views(self, moved: MovedTransfer) -> PoolViews:
+        """The :class:`PoolViews` of ``moved``'s host and device pools, made on first use."""
+        host_pool, device_pool = moved.source.host_pool, moved.source.device_pool
+        by_device = self._views.get(host_pool)
+        if by_device is None:
+            by_device = self._views[host_pool] = weakref.WeakKeyDictionary()
+        views = by_device.get(device_pool)
+        if views is None:
+            views = by_device[device_pool] = PoolViews(host_pool, device_pool)
+        return views
 
     def _lane(self, device_pool: DeviceKVPool, side: torch.cuda.Stream | None,
               page_size: int) -> _Lane:

@@ -18,37 +18,34 @@ from __future__ import annotations
 
 import torch
 
-from hicache.pools import HostLayout
-
 from . import copy2d
 from .base import MovedTransfer
 from .chunk_copies import CopyTemplates, run_copies, segment_copies
 from .chunk_slots import ChunkSlots, OpSlots, device_page_index
 from .direct_staging import DirectStaging
 from .events import Event
-from .layer_blocks import BlockShape, layer_blocks
+from .layer_blocks import BlockShape
+from .staged_views import LayerGroup, PoolViews
 
 
 class StagedMove:
     """What the staged backend derives once per op and pool transfer (``moved.staged_move``,
     held until the op is acknowledged): the side stream that issues it (an op is issued on
-    one stream), the device rows as wide elements, the host buffer's layer stride, for a
+    one stream), the views of its pool pair (:class:`~.staged_views.PoolViews`, shared by
+    every op between the two pools; made for this move alone when none is given), for a
     ``page_first_direct`` host the device page of every host page's pairs when they are
     whole device pages (``page_index``: :func:`~.chunk_slots.device_page_index`), each
     chunk's :class:`ChunkSlots` and each chunk's :class:`ChunkPlan` per layer shape."""
 
-    def __init__(self, moved: MovedTransfer, side: torch.cuda.Stream | None) -> None:
+    def __init__(self, moved: MovedTransfer, side: torch.cuda.Stream | None,
+                 views: PoolViews | None = None) -> None:
         self.side = side  # holds nothing that refers back to ``moved``: no cycle to collect
-        host, device_pool = moved.source.host_pool, moved.source.device_pool
-        self.device_pool, self.host = device_pool, host.data
-        self.token_major = host.layout is HostLayout.PAGE_FIRST
-        layer_dim = 1 if host.layout is HostLayout.LAYER_FIRST else 2
-        self.host_layer_bytes = host.data.stride(layer_dim) * host.data.element_size()
-        self.host_ptr = host.data.data_ptr()
-        self.host_bytes = copy2d.as_bytes(host.data) if side is None else host.data  # (CPU)
-        self.rows = _wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
+        if views is None:
+            views = PoolViews(moved.source.host_pool, moved.source.device_pool)
+        self.views, self.geometry = views, views.geometry
+        self.host, self.token_major, self.rows = views.host, views.token_major, views.rows
         self.num_pairs = int(moved.host_index.numel())
-        self.page_size = host.page_size
+        self.page_size = views.page_size
         self.page_index = device_page_index(moved)
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
         self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
@@ -79,29 +76,6 @@ class StagedMove:
         return slots
 
 
-class LayerGroup:
-    """The layers of one copy call: their block shape, each block's host offset (bytes from
-    the host buffer's start) and device rows (wide; ``[C, count, slots, row]``, token-major
-    ``[slots, C, count, row]`` for a ``page_first`` host)."""
-
-    def __init__(self, move: StagedMove, layers: tuple[int, ...]) -> None:
-        self.move, self.side = move, move.side
-        self.shape, begins = layer_blocks(layers)
-        self.paged_rows: list[torch.Tensor] = []  # [C, count, pages, page_size, row] each
-        self.num_layers = len(layers)
-        self.host_offsets = [begin * move.host_layer_bytes for begin in begins]
-        self.host_ptrs = [move.host_ptr + offset for offset in self.host_offsets]
-        self.begins = begins
-        self.device_rows = []
-        for begin, (_, count) in zip(begins, self.shape, strict=True):
-            rows = move.rows[:, begin: begin + count]
-            self.device_rows.append(rows.permute(2, 0, 1, 3) if move.token_major else rows)
-            if move.page_index is not None:
-                c, _, slots, width = rows.shape
-                self.paged_rows.append(rows.view(c, count, slots // move.page_size,
-                                                 move.page_size, width))
-
-
 class ChunkPlan:
     """One chunk of an op for one layer shape: its device index, staging shape and 2D copies
     (one list per block of layers; ``None`` on a GPU without a runtime library for them).
@@ -117,7 +91,7 @@ class ChunkPlan:
         self.slots, self.device_index = slots, slots.device_index
         self.page_index: torch.Tensor | None = None  # whole device pages (see StagedMove)
         self.host, self.token_major = move.host, move.token_major  # not ``move``: no cycle
-        geometry = move.device_pool.geometry
+        geometry = move.geometry
         c, r, layers = geometry.num_components, geometry.row_elems, sum(n for _, n in shape)
         n = len(slots.host_slots)
         self.direct: DirectStaging | None = None
@@ -133,6 +107,7 @@ class ChunkPlan:
         self.wide_shape = (*self.shape[:-1], move.rows.shape[-1])
         self.copies: list[list[copy2d.Copy2D]] | None = None
         self._rows: dict[int, torch.Tensor] = {}  # by the staging buffer's address
+        self._page_views: dict[tuple[int, BlockShape], list[torch.Tensor]] = {}
         if not buffer.is_cuda or copy2d.have_2d_copies():
             staged = self.staged(buffer)  # host layer 0: a group adds its layers' offset
             if slots.pages is not None:
@@ -157,6 +132,17 @@ class ChunkPlan:
                 self.wide_shape)
         return rows
 
+    def page_views(self, rows: torch.Tensor, shape: BlockShape) -> list[torch.Tensor]:
+        """The staging ``rows`` (:meth:`rows`) as whole pages per block of ``shape``
+        (:meth:`~.direct_staging.DirectStaging.page_views`), made once per buffer and
+        shape."""
+        key = (rows.data_ptr(), shape)
+        views = self._page_views.get(key)
+        if views is None:
+            assert self.direct is not None, "page views of a page_first_direct chunk"
+            views = self._page_views[key] = self.direct.page_views(rows, shape)
+        return views
+
     def views(self, staged: torch.Tensor, block_offset: int, begin: int, end: int
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(host view, staged view)`` of every host run for host layers ``begin .. end - 1``
@@ -179,7 +165,8 @@ class ChunkPlan:
 
 
 def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: torch.Tensor,
-               aux: torch.cuda.Stream | None, free: Event, staged: Event) -> None:
+               side: torch.cuda.Stream | None, aux: torch.cuda.Stream | None, free: Event,
+               staged: Event) -> None:
     """Move one chunk through the staging ``buffer``, whose two events are reused chunk after
     chunk: ``free`` (recorded on the side stream once the buffer may be overwritten; this
     chunk waits on its previous record, a no-op before the first) and ``staged`` (recorded
@@ -193,8 +180,7 @@ def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: torch.
     gap. Copies and events name their stream; only the gather makes ``aux`` current (its
     kernels and temporaries), and the side stream, current on entry, is made current again.
     """
-    side = group.side
-    rows = plan.rows(buffer, group.move.rows.dtype)
+    rows = plan.rows(buffer, group.views.rows.dtype)
     if not to_host:
         free.wait(aux)
         _copy(plan, group, buffer, False, aux)
@@ -233,7 +219,7 @@ def _copy(plan: ChunkPlan, group: LayerGroup, buffer: torch.Tensor, to_host: boo
     if stream is None:
         staged = copy2d.as_bytes(buffer)
         for copies, host_offset in zip(plan.copies, group.host_offsets, strict=True):
-            copy2d.emulate_copies(copies, group.move.host_bytes, host_offset, staged, to_host)
+            copy2d.emulate_copies(copies, group.views.host_bytes, host_offset, staged, to_host)
         return
     handle, base = stream.cuda_stream, buffer.data_ptr()
     for copies, host_ptr in zip(plan.copies, group.host_ptrs, strict=True):
@@ -244,7 +230,8 @@ def _gather(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
     """Device rows of the chunk into its staging ``rows`` (wide)."""
     index, direct = plan.device_index, plan.direct
     if direct is not None and plan.page_index is not None:  # whole pages from whole pages
-        direct.gather_device_pages(rows, plan.page_index, group.shape, group.paged_rows)
+        direct.gather_device_pages(plan.page_views(rows, group.shape), plan.page_index,
+                                   group.paged_rows)
     elif direct is not None and direct.whole_pages:  # into the page-major staging in place
         direct.gather_pages(rows, index, group.shape, group.device_rows)
     elif direct is not None:
@@ -252,7 +239,7 @@ def _gather(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
                                dtype=rows.dtype, device=rows.device)
         _select(group, index, gathered, 2, 1)
         direct.stage(gathered, rows)
-    elif group.move.token_major:
+    elif group.views.token_major:
         _select(group, index, rows, 0, 2)
     else:
         _select(group, index, rows, 2, 1)
@@ -270,11 +257,11 @@ def _select(group: LayerGroup, index: torch.Tensor, out: torch.Tensor, dim: int,
 
 def _scatter(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
     """The chunk's staging ``rows`` (wide) into the device rows."""
-    dim, layer_dim = (0, 2) if group.move.token_major else (2, 1)
+    dim, layer_dim = (0, 2) if group.views.token_major else (2, 1)
     index, direct = plan.device_index, plan.direct
     if direct is not None and plan.page_index is not None:  # whole pages to whole pages
-        return direct.scatter_device_pages(rows, plan.page_index, group.shape,
-                                           group.paged_rows)
+        return direct.scatter_device_pages(plan.page_views(rows, group.shape),
+                                           plan.page_index, group.paged_rows)
     if direct is not None and direct.whole_pages:  # from the page-major staging in place
         return direct.scatter_pages(rows, index, group.shape, group.device_rows)
     if direct is not None:
@@ -284,12 +271,3 @@ def _scatter(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
         return
     for (offset, count), device_rows in zip(group.shape, group.device_rows, strict=True):
         device_rows.index_copy_(dim, index, rows.narrow(layer_dim, offset, count))
-
-
-def _wide(rows: torch.Tensor) -> torch.Tensor:
-    """``rows`` reinterpreted as 8-byte elements where the row allows it: the gather and
-    scatter then move a quarter of the elements of bf16 rows, with wider loads, and hold the
-    SMs (which the model's compute shares) for less time. Bits are moved, never converted."""
-    if rows.element_size() < 8 and rows.shape[-1] * rows.element_size() % 8 == 0:
-        return rows.view(torch.int64)
-    return rows

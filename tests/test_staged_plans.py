@@ -144,3 +144,31 @@ def test_staged_move_holds_no_reference_cycle() -> None:
     finally:
         gc.enable()
 
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_ops_between_one_pool_pair_share_its_views(layout: HostLayout) -> None:
+    """Three ops of other slots between the same pools, each loaded and written layer group by
+    layer group: every op reads the same :class:`PoolViews` and layer groups (made once),
+    each moves exactly what the torch backend moves, and the backend lets go of the views
+    once the pools are gone."""
+    backend = StagedBackend(4)
+    ctrl = make_controller(backend, page_size=4, num_layers=LAYERS, layout=layout)
+    reference = make_controller(TorchBackend(), page_size=4, num_layers=LAYERS, layout=layout)
+    seen_views, seen_groups = set(), set()
+    for seed in (0, 1, 2):
+        moved, expected = scattered_move(ctrl, seed), scattered_move(reference, seed)
+        for direction in (Direction.HOST_TO_DEVICE, Direction.DEVICE_TO_HOST):
+            for layers in ([0], [1, 2], [3]):
+                backend.copy(moved, layers, direction, [])
+                TorchBackend().copy(expected, layers, direction, [])
+                assert moved.staged_move is not None
+                seen_views.add(id(moved.staged_move.views))
+                seen_groups.add(id(moved.staged_move.views.group(tuple(layers))))
+        assert torch.equal(ctrl.device_pool.data, reference.device_pool.data)
+        assert torch.equal(ctrl.host_pool.data, reference.host_pool.data)
+    assert len(seen_views) == 1 and len(seen_groups) == 3
+    assert len(backend._views) == 1
+    del ctrl, moved
+    gc.collect()
+    assert len(backend._views) == 0
