@@ -135,7 +135,8 @@ class ChunkSlots:
 
     def __init__(self, moved: MovedTransfer, start: int, end: int, op: OpSlots) -> None:
         self.start, self.end = start, end
-        self.device_index: torch.Tensor = moved.device_index[start:end]
+        self._op_index: torch.Tensor = moved.device_index  # the op's (a tensor: no cycle)
+        self._device_index: torch.Tensor | None = None
         self.host_slots = moved.host_index.numpy()[start:end]
         self.pages: PagePlan | None = None
         self.runs: list[tuple[int, int]] = []
@@ -145,3 +146,12 @@ class ChunkSlots:
         else:
             assert op.breaks is not None, "an op's slots have breaks or segments"
             self.runs = runs_between(op.breaks, start, end)
+
+    @property
+    def device_index(self) -> torch.Tensor:
+        """The pairs' device slots (a slice of the op's device index, made on first use:
+        a chunk of whole device pages reads their page ids instead)."""
+        index = self._device_index
+        if index is None:
+            index = self._device_index = self._op_index[self.start: self.end]
+        return index

@@ -58,7 +58,7 @@ from .chunk_copies import CopyTemplates
 from .chunk_slots import host_runs
 from .events import Event
 from .staged_chunk import StagedMove, move_chunk
-from .staged_views import PoolViews
+from .staged_views import PoolViews, StagingBuffer
 
 __all__ = ["StagedBackend", "host_runs"]
 
@@ -141,14 +141,21 @@ class StagedBackend(TransferBackend):
         group = move.views.group(tuple(local_layers))
         chunk_tokens = self.chunk_tokens(move.views.num_layers, group.num_layers,
                                          move.num_pairs, page_size)
-        buffers, free, staged, aux = lane.buffers, lane.free, lane.staged, lane.aux
+        staging, free, staged, aux = lane.staging, lane.free, lane.staged, lane.aux
         side = move.side
-        for plan in move.chunks(moved, chunk_tokens, group.shape, buffers[0],
-                                self.templates):
-            number = lane.next
-            lane.next = 1 - number
-            move_chunk(plan, group, to_host, buffers[number], side, aux, free[number],
-                       staged[number])
+        plans = move.chunks(moved, chunk_tokens, group.shape, staging[0], self.templates)
+        if to_host and aux is not None:
+            torch.cuda.set_stream(aux)  # a write's gathers: on aux, once for all its chunks
+        try:
+            for plan in plans:
+                number = lane.next
+                lane.next = 1 - number
+                move_chunk(plan, group, to_host, staging[number], side, aux, free[number],
+                           staged[number])
+        finally:
+            if to_host and side is not None:
+                torch.cuda.set_stream(side)
+        buffers = lane.buffers
         held = keep_alive[-2:]  # once per op and lane, not once per layer group
         if len(held) < 2 or held[0] is not buffers[0] or held[1] is not buffers[1]:
             keep_alive.extend(buffers)
@@ -212,6 +219,7 @@ class _Lane:
     def __init__(self, buffers: list[torch.Tensor], aux: torch.cuda.Stream | None,
                  device: torch.device) -> None:
         self.buffers, self.aux = buffers, aux
+        self.staging = [StagingBuffer(buffer) for buffer in buffers]  # with their views
         self.free = [Event(device), Event(device)]
         self.staged = [Event(device), Event(device)]
         self.next = 0

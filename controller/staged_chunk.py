@@ -25,7 +25,7 @@ from .chunk_slots import ChunkSlots, OpSlots, device_page_index
 from .direct_staging import DirectStaging
 from .events import Event
 from .layer_blocks import BlockShape
-from .staged_views import LayerGroup, PoolViews
+from .staged_views import LayerGroup, PoolViews, StagingBuffer
 
 
 class StagedMove:
@@ -52,7 +52,7 @@ class StagedMove:
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
 
     def chunks(self, moved: MovedTransfer, chunk_tokens: int, shape: BlockShape,
-               buffer: torch.Tensor, templates: CopyTemplates) -> list[ChunkPlan]:
+               buffer: StagingBuffer, templates: CopyTemplates) -> list[ChunkPlan]:
         """The plans of every chunk of ``chunk_tokens`` pairs of ``moved`` (this move's) for
         layers in ``shape``, made on first use, with 2D copies relative to the staging
         ``buffer`` (either buffer of a lane: they are laid out alike) from ``templates``."""
@@ -87,8 +87,8 @@ class ChunkPlan:
     """
 
     def __init__(self, move: StagedMove, slots: ChunkSlots, shape: BlockShape,
-                 buffer: torch.Tensor, templates: CopyTemplates) -> None:
-        self.slots, self.device_index = slots, slots.device_index
+                 buffer: StagingBuffer, templates: CopyTemplates) -> None:
+        self.slots = slots
         self.page_index: torch.Tensor | None = None  # whole device pages (see StagedMove)
         self.host, self.token_major = move.host, move.token_major  # not ``move``: no cycle
         geometry = move.geometry
@@ -105,10 +105,9 @@ class ChunkPlan:
             self.shape = (n, c, layers, r) if move.token_major else (c, layers, n, r)
         self.numel = n * c * layers * r
         self.wide_shape = (*self.shape[:-1], move.rows.shape[-1])
+        self.wide = move.rows.dtype
         self.copies: list[list[copy2d.Copy2D]] | None = None
-        self._rows: dict[int, torch.Tensor] = {}  # by the staging buffer's address
-        self._page_views: dict[tuple[int, BlockShape], list[torch.Tensor]] = {}
-        if not buffer.is_cuda or copy2d.have_2d_copies():
+        if not buffer.data.is_cuda or copy2d.have_2d_copies():
             staged = self.staged(buffer)  # host layer 0: a group adds its layers' offset
             if slots.pages is not None:
                 self.copies = [segment_copies(templates, self.host, staged,
@@ -119,28 +118,26 @@ class ChunkPlan:
                                           slots.runs, slots.host_slots, offset, count)
                                for offset, count in shape]
 
-    def staged(self, buffer: torch.Tensor) -> torch.Tensor:
+    def staged(self, buffer: StagingBuffer) -> torch.Tensor:
         """This chunk's staging view of ``buffer`` in the pool's dtype."""
-        return buffer[: self.numel].view(self.shape)
+        return buffer.view(self.numel, buffer.data.dtype, self.shape)
 
-    def rows(self, buffer: torch.Tensor, wide: torch.dtype) -> torch.Tensor:
-        """This chunk's staging view of ``buffer`` as ``wide`` rows (the device rows'
-        elements), made once per buffer: every layer group of the op moves it again."""
-        rows = self._rows.get(buffer.data_ptr())
-        if rows is None:
-            rows = self._rows[buffer.data_ptr()] = buffer[: self.numel].view(wide).view(
-                self.wide_shape)
-        return rows
+    def rows(self, buffer: StagingBuffer) -> torch.Tensor:
+        """This chunk's staging view of ``buffer`` as wide rows (the device rows'
+        elements)."""
+        return buffer.view(self.numel, self.wide, self.wide_shape)
 
-    def page_views(self, rows: torch.Tensor, shape: BlockShape) -> list[torch.Tensor]:
-        """The staging ``rows`` (:meth:`rows`) as whole pages per block of ``shape``
-        (:meth:`~.direct_staging.DirectStaging.page_views`), made once per buffer and
-        shape."""
-        key = (rows.data_ptr(), shape)
-        views = self._page_views.get(key)
+    def page_views(self, buffer: StagingBuffer, shape: BlockShape) -> list[torch.Tensor]:
+        """The staging rows (:meth:`rows`) of ``buffer`` as whole pages per block of
+        ``shape`` (:meth:`~.direct_staging.DirectStaging.page_views`), made once per buffer,
+        chunk length and shape."""
+        direct = self.direct
+        assert direct is not None, "page views of a page_first_direct chunk"
+        key = ("pages", self.numel, self.wide_shape, direct.shape, direct.page_size, shape)
+        views = buffer.get(key)
         if views is None:
-            assert self.direct is not None, "page views of a page_first_direct chunk"
-            views = self._page_views[key] = self.direct.page_views(rows, shape)
+            views = buffer.keep(key, direct.page_views(self.rows(buffer), shape))
+        assert isinstance(views, list)
         return views
 
     def views(self, staged: torch.Tensor, block_offset: int, begin: int, end: int
@@ -164,7 +161,7 @@ class ChunkPlan:
         return views
 
 
-def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: torch.Tensor,
+def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: StagingBuffer,
                side: torch.cuda.Stream | None, aux: torch.cuda.Stream | None, free: Event,
                staged: Event) -> None:
     """Move one chunk through the staging ``buffer``, whose two events are reused chunk after
@@ -177,33 +174,27 @@ def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: torch.
     Write: gather on ``aux``, copy-engine copy on the side stream. Load: copy-engine copy on
     ``aux``, scatter on the side stream, so the side stream (whose events say "layer ready")
     never holds back the next layer's copy, and the copies follow one another without a
-    gap. Copies and events name their stream; only the gather makes ``aux`` current (its
-    kernels and temporaries), and the side stream, current on entry, is made current again.
+    gap. Copies and events name their stream; the kernels run on the current stream, which
+    the caller makes ``aux`` for a write's chunks (its gathers and temporaries) and keeps
+    the side stream for a load's.
     """
-    rows = plan.rows(buffer, group.views.rows.dtype)
     if not to_host:
         free.wait(aux)
         _copy(plan, group, buffer, False, aux)
         staged.record(aux)
         staged.wait(side)
-        _scatter(plan, group, rows)
+        _scatter(plan, group, buffer)
         free.record(side)
         return
-    if aux is not None:
-        torch.cuda.set_stream(aux)
-    try:
-        free.wait(aux)
-        _gather(plan, group, rows)
-        staged.record(aux)
-    finally:
-        if side is not None:
-            torch.cuda.set_stream(side)
+    free.wait(aux)
+    _gather(plan, group, buffer)
+    staged.record(aux)
     staged.wait(side)
     _copy(plan, group, buffer, True, side)
     free.record(side)
 
 
-def _copy(plan: ChunkPlan, group: LayerGroup, buffer: torch.Tensor, to_host: bool,
+def _copy(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer, to_host: bool,
           stream: torch.cuda.Stream | None) -> None:
     """The chunk's host runs between the host and ``buffer`` on ``stream``."""
     if plan.copies is None:  # a GPU without a runtime library for 2D copies: row by row
@@ -217,22 +208,24 @@ def _copy(plan: ChunkPlan, group: LayerGroup, buffer: torch.Tensor, to_host: boo
                         copy2d.copy_block(staged_view, host_view)
         return
     if stream is None:
-        staged = copy2d.as_bytes(buffer)
+        staged = copy2d.as_bytes(buffer.data)
         for copies, host_offset in zip(plan.copies, group.host_offsets, strict=True):
             copy2d.emulate_copies(copies, group.views.host_bytes, host_offset, staged, to_host)
         return
-    handle, base = stream.cuda_stream, buffer.data_ptr()
+    handle, base = stream.cuda_stream, buffer.data.data_ptr()
     for copies, host_ptr in zip(plan.copies, group.host_ptrs, strict=True):
         copy2d.issue_copies(copies, host_ptr, base, to_host, handle)
 
 
-def _gather(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
-    """Device rows of the chunk into its staging ``rows`` (wide)."""
-    index, direct = plan.device_index, plan.direct
+def _gather(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
+    """Device rows of the chunk into its staging rows (wide) in ``buffer``."""
+    direct = plan.direct
     if direct is not None and plan.page_index is not None:  # whole pages from whole pages
-        direct.gather_device_pages(plan.page_views(rows, group.shape), plan.page_index,
+        direct.gather_device_pages(plan.page_views(buffer, group.shape), plan.page_index,
                                    group.paged_rows)
-    elif direct is not None and direct.whole_pages:  # into the page-major staging in place
+        return
+    index, rows = plan.slots.device_index, plan.rows(buffer)
+    if direct is not None and direct.whole_pages:  # into the page-major staging in place
         direct.gather_pages(rows, index, group.shape, group.device_rows)
     elif direct is not None:
         gathered = torch.empty((*direct.shape, index.numel(), rows.shape[-1]),
@@ -255,13 +248,14 @@ def _select(group: LayerGroup, index: torch.Tensor, out: torch.Tensor, dim: int,
         out.narrow(layer_dim, offset, count).copy_(torch.index_select(device_rows, dim, index))
 
 
-def _scatter(plan: ChunkPlan, group: LayerGroup, rows: torch.Tensor) -> None:
-    """The chunk's staging ``rows`` (wide) into the device rows."""
-    dim, layer_dim = (0, 2) if group.views.token_major else (2, 1)
-    index, direct = plan.device_index, plan.direct
+def _scatter(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
+    """The chunk's staging rows (wide) in ``buffer`` into the device rows."""
+    direct = plan.direct
     if direct is not None and plan.page_index is not None:  # whole pages to whole pages
-        return direct.scatter_device_pages(plan.page_views(rows, group.shape),
+        return direct.scatter_device_pages(plan.page_views(buffer, group.shape),
                                            plan.page_index, group.paged_rows)
+    dim, layer_dim = (0, 2) if group.views.token_major else (2, 1)
+    index, rows = plan.slots.device_index, plan.rows(buffer)
     if direct is not None and direct.whole_pages:  # from the page-major staging in place
         return direct.scatter_pages(rows, index, group.shape, group.device_rows)
     if direct is not None:

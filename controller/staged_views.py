@@ -1,13 +1,17 @@
 """What the staged backend derives once per pair of host and device pools and reuses for
 every op between them (:class:`PoolViews`): the device rows as wide elements, the host
 buffer's address and layer stride, and the device views of each group of layers an op
-moves (:class:`LayerGroup`).
+moves (:class:`LayerGroup`); and the views of a staging buffer, once per shape
+(:class:`StagingBuffer`).
 
 None of it depends on the op: a pool's buffers are made once, with the pool. Every op made
 them anew before: a layer group's views (a slice, a permute, and for a ``page_first_direct``
 host a paged view, per block of layers) cost a few microseconds each on a GPU host, and a
 layer-wise load moves up to 16 groups, so a 32k-token load spent about 0.2-0.4 ms of its
-issue on views that the previous op had already made."""
+issue on views that the previous op had already made. Likewise a staged write of 32k tokens
+is 32 chunks of one length, each of which viewed the staging buffer anew (a slice and two
+views, and for whole pages a view, a permute and a slice per block of layers): the chunks
+of one length share those views now."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from . import copy2d
 from .layer_blocks import layer_blocks
 
 MAX_GROUPS = 1024  # layer lists kept per pool pair (the load groups of a few op sizes)
+MAX_VIEWS = 4096  # views kept per staging buffer (a few per chunk length and layer shape)
 
 
 class PoolViews:
@@ -73,6 +78,36 @@ class LayerGroup:
                 c, _, slots, width = rows.shape
                 self.paged_rows.append(rows.view(c, count, slots // views.page_size,
                                                  views.page_size, width))
+
+
+class StagingBuffer:
+    """One staging buffer of a lane (``data``, flat, in the pool's dtype) and the views of it
+    that chunks asked for, by a key naming the view (:meth:`view`). The views die with the
+    buffer: a lane that replaces its buffers makes new ones."""
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self._views: dict[tuple[object, ...], object] = {}
+
+    def view(self, numel: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """The first ``numel`` elements (the pool's dtype) as ``dtype`` in ``shape``."""
+        key = (numel, dtype, shape)
+        found = self._views.get(key)
+        if found is None:
+            found = self.keep(key, self.data[:numel].view(dtype).view(shape))
+        assert isinstance(found, torch.Tensor)
+        return found
+
+    def get(self, key: tuple[object, ...]) -> object:
+        """The object kept under ``key`` (:meth:`keep`), or ``None``."""
+        return self._views.get(key)
+
+    def keep(self, key: tuple[object, ...], value: object) -> object:
+        """Keep ``value`` (views of this buffer) under ``key``; returns it."""
+        if len(self._views) >= MAX_VIEWS:
+            self._views.clear()
+        self._views[key] = value
+        return value
 
 
 def wide(rows: torch.Tensor) -> torch.Tensor:

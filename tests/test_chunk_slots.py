@@ -15,6 +15,7 @@ from hicache.controller.chunk_slots import OpSlots, segments_between
 from hicache.controller.direct_staging import PagePlan, page_pieces, page_segments
 from hicache.controller.staged import StagedBackend
 from hicache.controller.staged_chunk import ChunkPlan, StagedMove
+from hicache.controller.staged_views import StagingBuffer
 from hicache.pools import HostLayout
 
 
@@ -62,7 +63,7 @@ def test_template_copies_equal_copies_planned_from_views(layout: HostLayout) -> 
     same move again (a new op of the same slots) plans no new template."""
     backend = StagedBackend(4)
     ctrl = make_controller(backend, page_size=4, num_layers=4, layout=layout)
-    buffer = torch.zeros(4096, dtype=ctrl.device_pool.data.dtype)
+    buffer = StagingBuffer(torch.zeros(4096, dtype=ctrl.device_pool.data.dtype))
     for round_number, seed in enumerate((0, 1, 1)):
         moved = scattered_move(ctrl, seed)
         move = StagedMove(moved, None)
@@ -78,7 +79,7 @@ def test_template_copies_equal_copies_planned_from_views(layout: HostLayout) -> 
                                                                          count)
                                     for planned_copy in copy2d.plan_copies(
                                         *views, moved.source.host_pool.data.data_ptr(),
-                                        buffer.data_ptr())]
+                                        buffer.data.data_ptr())]
                         assert copies == expected, (chunk_tokens, shape)
         if round_number == 0:
             assert backend.templates.planned > 0

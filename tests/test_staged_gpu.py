@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from controller_helpers import make_controller
 from test_layouts import write_then_layer_wise_load
 from test_staged import fragmented_round_trip
-from test_staged_plans import copy_groups
+from test_staged_plans import copy_groups, scattered_move
 
-from hicache.controller import KernelBackend, TorchBackend, TransferBackend, copy2d
+from hicache.controller import KernelBackend, TorchBackend, TransferBackend, copy2d, staged_chunk
+from hicache.controller.base import Direction
 from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
@@ -71,3 +73,31 @@ def test_plans_reused_across_layers_on_gpu(layout: HostLayout) -> None:
     expected = copy_groups(TorchBackend(), layout, groups, device="cuda")
     for found in (reused, fresh):
         assert torch.equal(found[0], expected[0]) and torch.equal(found[1], expected[1])
+
+
+def test_a_write_leaves_its_side_stream_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write's chunks gather with the auxiliary stream current (made so once for all its
+    chunks); the side stream that issued the write is current again after it, and after a
+    chunk that fails."""
+    backend = StagedBackend(4)
+    ctrl = make_controller(backend, device="cuda", page_size=4, num_layers=4)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        backend.copy(scattered_move(ctrl), [0, 1, 2, 3], Direction.DEVICE_TO_HOST, [])
+        assert torch.cuda.current_stream() == side
+    seen = []
+    gather = staged_chunk._gather
+
+    def failing(*args: object) -> None:
+        seen.append(torch.cuda.current_stream())
+        if len(seen) == 2:
+            raise RuntimeError("a chunk fails")
+        gather(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(staged_chunk, "_gather", failing)
+    with torch.cuda.stream(side):
+        with pytest.raises(RuntimeError, match="a chunk fails"):
+            backend.copy(scattered_move(ctrl, 1), [0, 1, 2, 3], Direction.DEVICE_TO_HOST, [])
+        assert torch.cuda.current_stream() == side
+    assert len(seen) == 2 and all(stream != side for stream in seen)
+    torch.cuda.synchronize()

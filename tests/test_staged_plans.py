@@ -172,3 +172,26 @@ def test_ops_between_one_pool_pair_share_its_views(layout: HostLayout) -> None:
     del ctrl, moved
     gc.collect()
     assert len(backend._views) == 0
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_chunks_of_one_length_share_their_staging_views(layout: HostLayout) -> None:
+    """Writes and loads of all layers in chunks of 4 pairs, two ops of other slots: the lane's
+    buffers hold one set of views per chunk length (4 pairs, and the last chunk's 1), not
+    one per chunk or op, and every op moves what the torch backend moves."""
+    backend = StagedBackend(4)
+    ctrl = make_controller(backend, page_size=4, num_layers=LAYERS, layout=layout)
+    reference = make_controller(TorchBackend(), page_size=4, num_layers=LAYERS, layout=layout)
+    for seed in (0, 1):
+        moved, expected = scattered_move(ctrl, seed), scattered_move(reference, seed)
+        for direction in (Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE):
+            backend.copy(moved, list(range(LAYERS)), direction, [])
+            TorchBackend().copy(expected, list(range(LAYERS)), direction, [])
+        assert torch.equal(ctrl.device_pool.data, reference.device_pool.data)
+        assert torch.equal(ctrl.host_pool.data, reference.host_pool.data)
+    (lane,) = backend._lanes.values()
+    lengths = {key[0] for buffer in lane.staging for key in buffer._views
+               if isinstance(key[0], int)}
+    per_pair = ctrl.device_pool.geometry.num_components * LAYERS * (
+        ctrl.device_pool.geometry.row_elems)
+    assert lengths == {4 * per_pair, (PAIRS % 4) * per_pair}
