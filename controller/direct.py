@@ -37,7 +37,6 @@ CPU pools in a config.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -49,6 +48,7 @@ from hicache.pools.nonzero_count import count_nonzero
 from . import copy2d
 from .base import Direction, MovedTransfer, TransferBackend
 from .layer_blocks import layer_blocks
+from .pool_pairs import PoolPairCache
 
 __all__ = ["DIRECT_MIN_RUN_TOKENS", "DirectBackend", "DirectMove", "RunPlans", "pair_runs",
            "worth_direct"]
@@ -220,11 +220,9 @@ class DirectBackend(TransferBackend):
     cheap_copies = True  # a copy call is a runtime call of a few microseconds
 
     def __init__(self) -> None:
-        # per host pool, per device pool: weak keys, so a backend shared by many
-        # controllers (or tests) keeps no pool (and no pinned memory) alive
-        self._plans: weakref.WeakKeyDictionary[
-            HostKVPool, weakref.WeakKeyDictionary[DeviceKVPool, RunPlans]] = (
-            weakref.WeakKeyDictionary())
+        # per pool pair, weakly: a backend shared by many controllers (or tests) keeps no
+        # pool (and no pinned memory) alive
+        self._plans = PoolPairCache(RunPlans)
 
     def index_devices(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
@@ -232,14 +230,7 @@ class DirectBackend(TransferBackend):
         return CPU, CPU  # the runs are found on the CPU; no kernel reads an index
 
     def _run_plans(self, moved: MovedTransfer) -> RunPlans:
-        host_pool, device_pool = moved.source.host_pool, moved.source.device_pool
-        by_device = self._plans.get(host_pool)
-        if by_device is None:
-            by_device = self._plans[host_pool] = weakref.WeakKeyDictionary()
-        plans = by_device.get(device_pool)
-        if plans is None:
-            plans = by_device[device_pool] = RunPlans(host_pool, device_pool)
-        return plans
+        return self._plans.get(moved.source.host_pool, moved.source.device_pool)
 
     def copy(
         self,

@@ -45,7 +45,6 @@ lanes.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -57,6 +56,7 @@ from .base import Direction, MovedTransfer, TransferBackend
 from .chunk_copies import CopyTemplates
 from .chunk_slots import host_runs
 from .events import Event
+from .pool_pairs import PoolPairCache
 from .staged_chunk import StagedMove, move_chunk
 from .staged_views import PoolViews, StagingBuffer
 
@@ -84,9 +84,7 @@ class StagedBackend(TransferBackend):
         self.templates = CopyTemplates()  # every op's chunk copies, by run shape
         # views of each pool pair, for every op between them (weak: a pool's going drops
         # its entries)
-        self._views: weakref.WeakKeyDictionary[
-            HostKVPool, weakref.WeakKeyDictionary[DeviceKVPool, PoolViews]] = (
-            weakref.WeakKeyDictionary())
+        self._views = PoolPairCache(PoolViews)
 
     def staging_bytes(self, token_bytes: int, page_size: int) -> int:
         """Device memory the staging buffers of one side stream take for rows of
@@ -178,14 +176,7 @@ class StagedBackend(TransferBackend):
 
     def _pool_views(self, moved: MovedTransfer) -> PoolViews:
         """The :class:`PoolViews` of ``moved``'s host and device pools, made on first use."""
-        host_pool, device_pool = moved.source.host_pool, moved.source.device_pool
-        by_device = self._views.get(host_pool)
-        if by_device is None:
-            by_device = self._views[host_pool] = weakref.WeakKeyDictionary()
-        views = by_device.get(device_pool)
-        if views is None:
-            views = by_device[device_pool] = PoolViews(host_pool, device_pool)
-        return views
+        return self._views.get(moved.source.host_pool, moved.source.device_pool)
 
     def _lane(self, device_pool: DeviceKVPool, side: torch.cuda.Stream | None,
               page_size: int) -> _Lane:
