@@ -12,7 +12,13 @@ import pytest
 import torch
 from controller_helpers import make_controller
 
-from hicache.controller import CacheController, TorchBackend, TransferBackend, staged_chunk
+from hicache.controller import (
+    CacheController,
+    TorchBackend,
+    TransferBackend,
+    staged_chunk,
+    staged_views,
+)
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
 from hicache.controller.chunk_copies import CopyTemplates
 from hicache.controller.layer_blocks import BlockShape
@@ -195,3 +201,28 @@ def test_chunks_of_one_length_share_their_staging_views(layout: HostLayout) -> N
     per_pair = ctrl.device_pool.geometry.num_components * LAYERS * (
         ctrl.device_pool.geometry.row_elems)
     assert lengths == {4 * per_pair, (PAIRS % 4) * per_pair}
+
+
+def test_bounded_view_caches_still_move_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for two views per staging buffer and two layer groups per pool pair, ops
+    of several chunk lengths and layer groups empty the caches again and again and every op
+    still moves what the torch backend moves; the caches never hold more than their bound."""
+    monkeypatch.setattr(staged_views, "MAX_VIEWS", 2)
+    monkeypatch.setattr(staged_views, "MAX_GROUPS", 2)
+    backend = StagedBackend(4)
+    ctrl = make_controller(backend, page_size=4, num_layers=LAYERS,
+                           layout=HostLayout.PAGE_FIRST_DIRECT)
+    reference = make_controller(TorchBackend(), page_size=4, num_layers=LAYERS,
+                                layout=HostLayout.PAGE_FIRST_DIRECT)
+    for seed in (0, 1, 2):
+        moved, expected = scattered_move(ctrl, seed), scattered_move(reference, seed)
+        for direction in (Direction.HOST_TO_DEVICE, Direction.DEVICE_TO_HOST):
+            for layers in ([0], [1, 2], [0, 1, 2, 3], [3]):
+                backend.copy(moved, layers, direction, [])
+                TorchBackend().copy(expected, layers, direction, [])
+                assert moved.staged_move is not None
+                assert len(moved.staged_move.views._groups) <= 2
+        assert torch.equal(ctrl.device_pool.data, reference.device_pool.data)
+        assert torch.equal(ctrl.host_pool.data, reference.host_pool.data)
+    (lane,) = backend._lanes.values()
+    assert all(len(buffer._views) <= 2 for buffer in lane.staging)
