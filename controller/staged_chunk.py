@@ -43,7 +43,9 @@ class StagedMove:
         if views is None:
             views = PoolViews(moved.source.host_pool, moved.source.device_pool)
         self.views, self.geometry = views, views.geometry
-        self.host, self.token_major, self.rows = views.host, views.token_major, views.rows
+        # the host buffer, read off the pool (a closed pool raises here): never cached
+        self.host = moved.source.host_pool.data
+        self.token_major, self.rows = views.token_major, views.rows
         self.num_pairs = int(moved.host_index.numel())
         self.page_size = views.page_size
         self.page_index = device_page_index(moved)
@@ -208,9 +210,9 @@ def _copy(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer, to_host: bo
                         copy2d.copy_block(staged_view, host_view)
         return
     if stream is None:
-        staged = copy2d.as_bytes(buffer.data)
+        staged, host = copy2d.as_bytes(buffer.data), copy2d.as_bytes(plan.host)
         for copies, host_offset in zip(plan.copies, group.host_offsets, strict=True):
-            copy2d.emulate_copies(copies, group.views.host_bytes, host_offset, staged, to_host)
+            copy2d.emulate_copies(copies, host, host_offset, staged, to_host)
         return
     handle, base = stream.cuda_stream, buffer.data.data_ptr()
     for copies, host_ptr in zip(plan.copies, group.host_ptrs, strict=True):

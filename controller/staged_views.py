@@ -19,7 +19,6 @@ import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
-from . import copy2d
 from .layer_blocks import layer_blocks
 
 MAX_GROUPS = 1024  # layer lists kept per pool pair (the load groups of a few op sizes)
@@ -28,18 +27,19 @@ MAX_VIEWS = 4096  # views kept per staging buffer (a few per chunk length and la
 
 class PoolViews:
     """Views of one host pool and one device pool for staged moves between them. Holds
-    neither pool (a backend keeps it in weak mappings keyed by both), only their buffers."""
+    neither pool (a backend keeps it in weak mappings keyed by both) and not the host
+    buffer either, only its address and strides: a closed host pool releases its memory,
+    and an op on it is refused when it reads the buffer (``host_pool.data``). The device
+    views share the device pool's buffer, which lives as long as the pool."""
 
     def __init__(self, host_pool: HostKVPool, device_pool: DeviceKVPool) -> None:
         host = host_pool.data
         self.geometry, self.num_layers = device_pool.geometry, device_pool.num_layers
-        self.host, self.page_size = host, host_pool.page_size
+        self.page_size = host_pool.page_size
         self.token_major = host_pool.layout is HostLayout.PAGE_FIRST
         layer_dim = 1 if host_pool.layout is HostLayout.LAYER_FIRST else 2
         self.host_layer_bytes = host.stride(layer_dim) * host.element_size()
         self.host_ptr = host.data_ptr()
-        # flat bytes for the CPU's emulated copies; a GPU's copies take addresses
-        self.host_bytes = host if device_pool.device.type == "cuda" else copy2d.as_bytes(host)
         self.rows = wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
         # page-indexed views (``page_first_direct`` hosts, device pools of whole pages)
         self.by_pages = (host_pool.layout is HostLayout.PAGE_FIRST_DIRECT

@@ -226,3 +226,21 @@ def test_bounded_view_caches_still_move_exactly(monkeypatch: pytest.MonkeyPatch)
         assert torch.equal(ctrl.host_pool.data, reference.host_pool.data)
     (lane,) = backend._lanes.values()
     assert all(len(buffer._views) <= 2 for buffer in lane.staging)
+
+
+def test_a_closed_host_pool_is_refused_and_its_buffer_not_kept() -> None:
+    """The views a backend keeps for a pool pair hold no host buffer: once the ops that read
+    it are gone and the pool is closed, its memory goes, and a new op between the pools is
+    refused with the pool's own error, as before any op was made."""
+    backend = StagedBackend(4)
+    ctrl = make_controller(backend, page_size=4, num_layers=LAYERS)
+    moved, later = scattered_move(ctrl, 0), scattered_move(ctrl, 1)
+    backend.copy(moved, [0, 1], Direction.HOST_TO_DEVICE, [])
+    buffer = weakref.ref(ctrl.host_pool.data)
+    del moved
+    ctrl.host_pool.close()
+    gc.collect()
+    assert buffer() is None and len(backend._views) == 1
+    with pytest.raises(RuntimeError, match="is closed"):
+        backend.copy(later, [0], Direction.HOST_TO_DEVICE, [])
+    assert later.staged_move is None
