@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .upload_kernel import upload_through_sms
+
 MIN_ELEMS = 4096
 MAX_BUFFERS = 8
 
@@ -61,7 +63,12 @@ class PinnedUploads:
         for part in parts:
             buffer.array[at:at + part.size] = part
             at += part.size
-        on_device = buffer.tensor[:count].to(device, non_blocking=True)
+        source = buffer.tensor[:count]
+        # beyond a few KiB through the SMs, not the copy engine: a copy would wait for a
+        # load's queued copies (:mod:`.upload_kernel`)
+        on_device = upload_through_sms(source, device)
+        if on_device is None:
+            on_device = source.to(device, non_blocking=True)
         buffer.event.record(torch.cuda.current_stream(device))
         with self._lock:
             self._buffers.append(buffer)

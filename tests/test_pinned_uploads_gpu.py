@@ -1,6 +1,8 @@
-"""Index uploads through reused pinned buffers (``PinnedUploads``): the values arrive, a
-buffer is reused only once the copy that read it is done, a busy one is never written, and
-the kept buffers stay bounded. Run under compute-sanitizer by ``scripts/gpu_check.sh``."""
+"""Index uploads through reused pinned buffers (``PinnedUploads``): the values arrive (by the
+copy engine up to ``INLINE_BYTES``, by the upload kernel beyond), a buffer is reused only
+once the copy that read it is done, a busy one is never written, the kept buffers stay
+bounded, and an upload issued while a staged load's copies are queued does not wait for
+them. Run under compute-sanitizer by ``scripts/gpu_check.sh``."""
 
 from __future__ import annotations
 
@@ -9,8 +11,21 @@ import threading
 import numpy as np
 import pytest
 import torch
+from gpu_shapes import under_sanitizer
 
+from hicache.controller import CacheController
+from hicache.controller.staged import StagedBackend
+from hicache.pools import (
+    AttentionKind,
+    DeviceKVPool,
+    HostKVPool,
+    HostLayout,
+    IndexSpace,
+    PageAllocator,
+    RowGeometry,
+)
 from hicache.pools.pinned_uploads import MAX_BUFFERS, MIN_ELEMS, PinnedUploads
+from hicache.pools.upload_kernel import INLINE_BYTES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,3 +110,69 @@ def test_threads_uploading_at_once_each_get_their_values() -> None:
     for thread in threads:
         thread.join()
     assert not failures
+
+
+@pytest.mark.parametrize("count", [INLINE_BYTES // 8 + 1, 3 * MIN_ELEMS + 5, 40_000])
+def test_uploads_beyond_the_inline_size_arrive_through_the_kernel(count: int) -> None:
+    uploads = PinnedUploads()
+    values = np.arange(count, dtype=np.int64) * 3 - 2**40
+    values[:7] = np.arange(7) - 3  # an int32 part first, then int64 values beyond int32
+    got = uploads.upload((values[:7].astype(np.int32), values[7:]), CUDA)
+    assert got.device.type == "cuda" and got.dtype == torch.int64
+    assert np.array_equal(got.cpu().numpy(), values)
+
+
+def test_a_busy_buffer_is_not_written_by_a_large_upload_either() -> None:
+    """As the small-buffer test, at a size the kernel carries: the kernel reads the
+    buffer on the stream after the sleep, so the second upload must take another one."""
+    uploads = PinnedUploads()
+    count = 2 * INLINE_BYTES // 8
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        first = uploads.upload((np.full(count, 1),), CUDA)
+        second = uploads.upload((np.full(count, 2),), CUDA)
+    assert not stream.query(), "the sleep ended before the second upload: raise SLEEP_CYCLES"
+    stream.synchronize()
+    assert first.cpu().tolist() == [1] * count
+    assert second.cpu().tolist() == [2] * count
+
+
+@pytest.mark.skipif(under_sanitizer(), reason="the sanitizer serialises the GPU's work")
+def test_an_upload_does_not_wait_for_a_queued_load() -> None:
+    """A 1 GiB staged load (32 copies queued on the copy engine, about 20 ms) is issued,
+    then 128 KiB of indices are uploaded on the caller's stream: the upload is done while
+    the load is still in flight. Through the copy engine it finished with the load."""
+    geometry = RowGeometry(AttentionKind.MHA, 8, 128, 0, torch.bfloat16)
+    tokens, page, layers = 8192, 16, 32
+    allocator = PageAllocator(2 * tokens // page + 1, page, IndexSpace.DEVICE_FULL, "full")
+    device_pool = DeviceKVPool(name="full", space=IndexSpace.DEVICE_FULL, num_layers=layers,
+                               num_slots=allocator.num_slots, geometry=geometry, device=CUDA)
+    host_pool = HostKVPool(name="full", space=IndexSpace.HOST_FULL, num_layers=layers,
+                           num_pages=tokens // page + 1, page_size=page, geometry=geometry,
+                           layout=HostLayout.PAGE_FIRST_DIRECT)
+    controller = CacheController(device_pool=device_pool, device_allocator=allocator,
+                                 host_pool=host_pool, backend=StagedBackend(1024))
+    try:
+        source = allocator.try_alloc(tokens)
+        assert source is not None
+        host = controller.write(source)
+        assert host is not None
+        controller.start_writing()
+        controller.drain()
+        controller.evict_device(source)
+        loaded = controller.load(host)
+        assert loaded is not None
+        controller.start_loading()
+        values = np.arange(4 * INLINE_BYTES // 8)
+        got = PinnedUploads().upload((values,), CUDA)
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        controller.poll()
+        assert controller.num_in_flight == 1, "the load finished before the upload"
+        controller.drain()
+        assert np.array_equal(got.cpu().numpy(), values)
+    finally:
+        torch.cuda.synchronize()
+        host_pool.close()
