@@ -60,7 +60,7 @@ def synthetic_result() -> BenchResult:
                                             ("staged", 53.5, 2.0), ("auto", 53.4, 2.1)):
                 for kind in ("write", "load"):
                     rows.append(measurement(backend, kind, page, layout, gbps, slowdown))
-                rows.append(measurement(backend, "both", page, layout, 2 * gbps - 10, None))
+                rows.append(measurement(backend, "both", page, layout, 2 * gbps - 6, None))
             for tokens in (256, 2048):
                 for kind in ("write", "load"):
                     rows.append(measurement("kernel", kind, page, layout, 30.0, 12.0, tokens))

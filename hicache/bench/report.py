@@ -17,7 +17,7 @@ TARGET_BACKENDS = ("staged", "auto")
 BACKEND_ORDER = ("torch", "kernel", "staged", "direct", "auto")
 ONE_WAY_PCT_LARGE_PAGES = 95.0  # page size >= 16
 ONE_WAY_PCT_SMALL_PAGES = 90.0
-BOTH_PCT = 85.0
+BOTH_PCT = 90.0  # issue 14: both directions at once on every layout auto serves
 SLOWDOWN_PCT = 5.0
 ALL_READY_RATIO = 1.15
 LAYER0_RATIO = 3.0
