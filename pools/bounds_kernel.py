@@ -18,10 +18,12 @@ from typing import Any
 
 import torch
 
+from .triton_jit import jit_or_none
+
 MAX_ELEMENTS = 1 << 16
 BLOCK = 1024
 
-tl: Any = None  # bound on first use by _compiled(); the kernel body resolves it from here
+tl: Any = None  # bound on first use (jit_or_none); the kernel body resolves it from here
 
 
 def kernel_check_available(tensor: torch.Tensor) -> bool:
@@ -53,14 +55,7 @@ def check_with_kernel(values: torch.Tensor, bound: int, record: torch.Tensor) ->
 
 @functools.cache
 def _compiled() -> Any:
-    global tl
-    try:
-        import triton
-        import triton.language as language
-    except ImportError:
-        return None
-    tl = language
-    return triton.jit(_bounds_kernel)
+    return jit_or_none(_bounds_kernel)
 
 
 # Runtime arguments carry no annotations on purpose: Triton reads annotations as kernel types.

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 
+from .triton_jit import jit_or_none
+
 INLINE_BYTES = 16 << 10  # the largest upload measured not to wait for queued copies
 BLOCK = 1024
 
-tl: Any = None  # bound on first use by _compiled(); the kernel body resolves it from here
+tl: Any = None  # bound on first use (jit_or_none); the kernel body resolves it from here
 
 
 def upload_through_sms(source: torch.Tensor, device: torch.device) -> torch.Tensor | None:
@@ -53,14 +55,7 @@ def kernel_upload_available(device: torch.device) -> bool:
 
 @functools.cache
 def _compiled() -> Any:
-    global tl
-    try:
-        import triton
-        import triton.language as language
-    except ImportError:
-        return None
-    tl = language
-    return triton.jit(_upload_kernel)
+    return jit_or_none(_upload_kernel)
 
 
 # Runtime arguments carry no annotations on purpose: Triton reads annotations as kernel types.
