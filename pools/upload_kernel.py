@@ -20,6 +20,7 @@ imported on first use; without it the plain copy runs (and the stall above can h
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Any
 
@@ -31,24 +32,36 @@ INLINE_BYTES = 16 << 10  # the largest upload measured not to wait for queued co
 BLOCK = 1024
 
 tl: Any = None  # bound on first use (jit_or_none); the kernel body resolves it from here
+logger = logging.getLogger(__name__)
+_failed: list[str] = []  # why the kernel failed once; then every upload takes the copy
 
 
 def upload_through_sms(source: torch.Tensor, device: torch.device) -> torch.Tensor | None:
     """``source`` (1-D int64, pinned host memory; CPU memory in the interpreter) copied to
     a new tensor on ``device`` by the kernel, on the current stream; ``None`` when the copy
     should go through the copy engine instead: an upload of at most :data:`INLINE_BYTES`,
-    or no kernel here (no Triton, or no CUDA outside the interpreter)."""
+    or no kernel here (no Triton, or no CUDA outside the interpreter, or a launch that
+    failed once: Triton that cannot compile for this GPU is logged and the copy used from
+    then on)."""
     count = source.numel()
     if count * source.element_size() <= INLINE_BYTES or not kernel_upload_available(device):
         return None
     target = torch.empty(count, dtype=torch.int64, device=device)
-    _compiled()[(-(-count // BLOCK),)](source, target, count, BLOCK=BLOCK)
+    try:
+        _compiled()[(-(-count // BLOCK),)](source, target, count, BLOCK=BLOCK)
+    except Exception as error:  # a compiler or driver Triton cannot use: the copy still works
+        _failed.append(f"{type(error).__name__}: {error}")
+        logger.warning("index uploads: the upload kernel failed (%s); uploads go through the "
+                       "copy engine from now on, and wait for a load's queued copies",
+                       _failed[0])
+        return None
     return target
 
 
 def kernel_upload_available(device: torch.device) -> bool:
     """True when :func:`upload_through_sms` can launch its kernel for ``device``."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if _failed or (device.type != "cuda"
+                   and os.environ.get("TRITON_INTERPRET", "0") != "1"):
         return False
     return _compiled() is not None
 

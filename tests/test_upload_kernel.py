@@ -11,6 +11,7 @@ import importlib.util
 import pytest
 import torch
 
+from hicache.pools import upload_kernel
 from hicache.pools.upload_kernel import BLOCK, INLINE_BYTES, upload_through_sms
 
 CPU = torch.device("cpu")
@@ -37,3 +38,27 @@ def test_without_cuda_or_the_interpreter_the_copy_runs(monkeypatch: pytest.Monke
                                                         ) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert upload_through_sms(torch.arange(INLINE_BYTES), CPU) is None
+
+
+def test_a_kernel_that_fails_once_leaves_every_upload_to_the_copy(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A Triton that cannot compile here raises at the first launch: the upload returns
+    ``None`` (the caller copies), says why once, and no later upload tries the kernel."""
+    launches: list[int] = []
+
+    class Broken:
+        def __getitem__(self, grid: object) -> object:
+            def launch(*args: object, **kwargs: object) -> None:
+                launches.append(1)
+                raise RuntimeError("no compiler for this device")
+            return launch
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(upload_kernel, "_compiled", lambda: Broken())
+    monkeypatch.setattr(upload_kernel, "_failed", [])
+    source = torch.arange(INLINE_BYTES)
+    with caplog.at_level("WARNING", logger="hicache.pools.upload_kernel"):
+        assert upload_through_sms(source, CPU) is None
+        assert upload_through_sms(source, CPU) is None
+    assert launches == [1]
+    assert "no compiler for this device" in caplog.text
