@@ -6,12 +6,14 @@ kernel reading pinned memory, and an upload not queued behind a load's copies) i
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
 import torch
 
 from hicache.pools import upload_kernel
+from hicache.pools.triton_jit import jit_or_none
 from hicache.pools.upload_kernel import BLOCK, INLINE_BYTES, upload_through_sms
 
 CPU = torch.device("cpu")
@@ -23,6 +25,10 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 @pytest.mark.parametrize("count", [INLINE_BYTES // 8 + 1, BLOCK * 3, BLOCK * 3 + 1, 70_001])
 def test_the_kernel_moves_every_value(count: int, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # a kernel wrapped for the interpreter, for this test only: in a process that already
+    # launched the compiled one (GPU tests first), the module's cached kernel is compiled
+    monkeypatch.setattr(upload_kernel, "_compiled",
+                        functools.cache(lambda: jit_or_none(upload_kernel._upload_kernel)))
     source = torch.arange(count, dtype=torch.int64) * 7 - (1 << 40)
     got = upload_through_sms(source, CPU)
     assert got is not None and got.dtype == torch.int64
