@@ -22,6 +22,7 @@ from hicache.pools.page_ids import is_run
 from .auto import AutoBackend, load_table
 from .base import BLOCK_MIN_ROWS, Direction, MovedTransfer, TransferBackend
 from .direct import DirectBackend
+from .row_copy import RowCopy
 from .staged import StagedBackend
 
 logger = logging.getLogger(__name__)
@@ -167,8 +168,6 @@ class KernelBackend(TransferBackend):
         direction: Direction,
         keep_alive: list[torch.Tensor],
     ) -> None:
-        from .row_copy import RowCopy
-
         if moved.host_index.numel() == 0:
             return
         to_host = direction is Direction.DEVICE_TO_HOST

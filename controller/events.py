@@ -7,12 +7,12 @@ wait, FIFO polling, ring reuse) runs and is tested on a CPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from hicache.pools.arg_checks import check_int
+from hicache.pools.current_streams import CurrentStreams
 
 # ``torch.cuda.Event``'s record and wait without its Python wrapper, which only looks up the
 # current stream when none is given (a frame a call; a staged chunk makes four such calls);
@@ -152,36 +152,6 @@ class LayerEventRing:
         if self.consumer is None:
             return
         self._waits.wait(self._sets[self.consumer][layer])
-
-
-class CurrentStreams:
-    """The calling thread's current CUDA stream on one device, found by its raw handle, its
-    ``torch.cuda.Stream`` made once per handle: ``torch.cuda.current_stream()`` costs
-    microseconds per call."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self.index = device.index if device.index is not None else (
-            torch.cuda.current_device() if device.type == "cuda" else -1)
-        self._streams: dict[int, torch.cuda.Stream] = {}
-        # the raw handle of a device's current stream (not in a CPU-only build of torch)
-        self.raw_of: Callable[[int], int] = getattr(torch._C, "_cuda_getCurrentRawStream",
-                                                    _no_cuda)
-
-    def raw(self) -> int:
-        """The current stream's raw handle."""
-        return self.raw_of(self.index)
-
-    def stream(self, raw: int) -> torch.cuda.Stream:
-        """The current stream, whose handle :meth:`raw` just gave."""
-        stream = self._streams.get(raw)
-        if stream is None:
-            stream = self._streams[raw] = torch.cuda.current_stream(self._device)
-        return stream
-
-
-def _no_cuda(index: int) -> int:
-    raise RuntimeError(f"no current CUDA stream of device {index}: this torch has no CUDA")
 
 
 class StreamWaits:

@@ -116,21 +116,29 @@ class SideStreams:
     def _begin(self, op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
         """Order the side stream after every producer and after the caller's stream (which
         issued the index copies of ``move_indices``). Must run before the side stream is made
-        current: inside it, "the current stream" would be the side stream itself."""
+        current: inside it, "the current stream" would be the side stream itself. The
+        events of these waits come from the free list of :meth:`mark_caller` and go back
+        to it at once (held by this thread between its record and its wait)."""
+        free = self._free_marks
         for stream in self.producers:
-            event = Event(self.device)
+            event = free.pop() if free else Event(self.device)
             event.record(stream)
             event.wait(side_stream)
+            free.append(event)
         # the streams current where its calls were queued; calls queued together may share
         # one event, which goes back to the free list once
         for mark in {id(mark): mark for mark in op.after}.values():
             mark.wait(side_stream)
-            self._free_marks.append(mark)
+            free.append(mark)
         op.after = []
-        if side_stream is not None:
-            caller = torch.cuda.current_stream(self.device)
-            assert caller != side_stream, "_begin must run on the caller's stream"
-            side_stream.wait_stream(caller)
+        callers = self._callers
+        if side_stream is not None and callers is not None:
+            raw = callers.raw()
+            assert raw != side_stream.cuda_stream, "_begin must run on the caller's stream"
+            event = free.pop() if free else Event(self.device)
+            event.record(callers.stream(raw))
+            event.wait(side_stream)
+            free.append(event)
         op.start_event = Event(self.device, timing=True)
         op.start_event.record(side_stream)
 
