@@ -82,7 +82,7 @@ class SideStreams:
             return
         stream = self.write_stream
         self._begin(op, stream)
-        with _on_stream(stream):
+        with _on_stream(stream, self._callers):
             for moved in op.moved:
                 local = list(range(len(moved.source.layers)))
                 _executor(op).copy(moved, local, op.direction, op.keep_alive)
@@ -101,7 +101,7 @@ class SideStreams:
         parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         stream = self.load_stream
         self._begin(op, stream)
-        with _on_stream(stream):
+        with _on_stream(stream, self._callers):
             for number, group in enumerate(groups):
                 for moved, local in parts:
                     if local[number]:
@@ -154,9 +154,32 @@ def _executor(op: TransferOp) -> TransferBackend:
 
 
 @contextmanager
-def _on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
-    if stream is None:
+def _on_stream(stream: torch.cuda.Stream | None, callers: CurrentStreams | None
+               ) -> Iterator[None]:
+    """``stream`` current inside, the caller's stream again after. With the side stream's
+    device current (the usual case) the caller's stream comes from ``callers`` by its raw
+    handle and the streams are set directly: ``torch.cuda.stream()`` looked the current
+    stream up twice, 10-20 us of an op's issue on an H200 host. Another device current:
+    ``torch.cuda.stream()``, which also switches the device."""
+    if stream is None or callers is None:
         yield
         return
-    with torch.cuda.stream(stream):
+    if _current_device() != callers.index:
+        with torch.cuda.stream(stream):
+            yield
+        return
+    previous = callers.current()
+    torch.cuda.set_stream(stream)
+    try:
         yield
+    finally:
+        torch.cuda.set_stream(previous)
+
+
+def _current_device() -> int:
+    """The current CUDA device (CUDA is initialised: side streams exist)."""
+    return _GET_DEVICE()
+
+
+# torch's own call behind torch.cuda.current_device(), without its initialisation check
+_GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
