@@ -164,7 +164,7 @@ def _on_stream(stream: torch.cuda.Stream | None, callers: CurrentStreams | None
     if stream is None or callers is None:
         yield
         return
-    if _current_device() != callers.index:
+    if _GET_DEVICE() != callers.index:
         with torch.cuda.stream(stream):
             yield
         return
@@ -176,10 +176,6 @@ def _on_stream(stream: torch.cuda.Stream | None, callers: CurrentStreams | None
         torch.cuda.set_stream(previous)
 
 
-def _current_device() -> int:
-    """The current CUDA device (CUDA is initialised: side streams exist)."""
-    return _GET_DEVICE()
-
-
-# torch's own call behind torch.cuda.current_device(), without its initialisation check
+# The current CUDA device: torch's own call behind torch.cuda.current_device(), without its
+# initialisation check (CUDA is initialised: side streams exist)
 _GET_DEVICE = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
