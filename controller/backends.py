@@ -131,6 +131,7 @@ class KernelBackend(TransferBackend):
     per contiguous range of local layers."""
 
     name = "kernel"
+    counts_layers = True
 
     def __init__(self, num_programs: int = 16) -> None:
         if num_programs < 1:
@@ -172,18 +173,30 @@ class KernelBackend(TransferBackend):
             return
         to_host = direction is Direction.DEVICE_TO_HOST
         row_copy = moved.row_copy
+        row_copy = self._row_copy(moved, to_host)
+        # the op records moved.host_index / device_index on its side stream and holds them
+        for begin, end in _contiguous_ranges(local_layers):
+            row_copy.launch(begin, end)
+
+    def copy_counted(self, moved: MovedTransfer, layers: range, counters: torch.Tensor
+                     ) -> int:
+        row_copy = self._row_copy(moved, False)
+        if moved.host_index.numel():
+            row_copy.launch(layers.start, layers.stop, counters)
+        return row_copy.items_per_layer
+
+    def _row_copy(self, moved: MovedTransfer, to_host: bool) -> RowCopy:
+        """The op's prepared launch, made once per op (every layer group launches the same
+        copy); a transfer moved both ways (tests) gets one per direction."""
+        row_copy = moved.row_copy
         if row_copy is None or row_copy.to_host is not to_host:
-            # once per op (every layer group launches the same copy); a transfer moved both
-            # ways (tests) gets one per direction
             source = moved.source
             row_copy = moved.row_copy = RowCopy(
                 device_data=source.device_pool.data, host_data=source.host_pool.data,
                 host_layout=source.host_pool.layout, host_indices=moved.host_index,
                 device_indices=moved.device_index, to_host=to_host,
                 num_programs=self.num_programs)
-        # the op records moved.host_index / device_index on its side stream and holds them
-        for begin, end in _contiguous_ranges(local_layers):
-            row_copy.launch(begin, end)
+        return row_copy
 
 
 def _row_selectors(moved: MovedTransfer) -> tuple[slice | np.ndarray, slice | np.ndarray]:

@@ -229,6 +229,9 @@ class TransferBackend(ABC):
     # A copy call costs a few microseconds of CPU (no kernel launch, no staging chunk):
     # layer-wise loads then issue a big load layer by layer (see :mod:`.load_groups`).
     cheap_copies: bool = False
+    # Moves a layer-wise load's layers in one launch that counts each layer's rows in place
+    # (:meth:`copy_counted`, :mod:`.layer_counters`): ``kernel`` only.
+    counts_layers: bool = False
 
     @abstractmethod
     def index_devices(
@@ -268,3 +271,10 @@ class TransferBackend(ABC):
         Temporaries that a stream reads after this returns go into ``keep_alive``; the op
         records them on the stream and keeps them until acknowledged.
         """
+
+    def copy_counted(self, moved: MovedTransfer, layers: range, counters: torch.Tensor
+                     ) -> int:
+        """Load local ``layers`` of ``moved`` (host to device) in one launch, in layer order,
+        adding to ``counters[layer]`` as each layer's rows land; returns what the launch adds
+        to each layer's counter (only where :attr:`counts_layers`)."""
+        raise NotImplementedError(f"the {self.name} backend does not count layers")

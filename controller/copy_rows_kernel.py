@@ -68,9 +68,16 @@ def _copy_rows_kernel(  # type: ignore[no-untyped-def]
     layer_begin, num_layers, num_components,
     src_page_size, src_page_stride, src_slot_stride, src_component_stride, src_layer_stride,
     dst_page_size, dst_page_stride, dst_slot_stride, dst_component_stride, dst_layer_stride,
-    ROW: tl.constexpr, BLOCK_ROW: tl.constexpr, TILE: tl.constexpr,
+    counters_ptr,
+    ROW: tl.constexpr, BLOCK_ROW: tl.constexpr, TILE: tl.constexpr, COUNT: tl.constexpr,
 ):
     """Grid-stride loop over (tile, layer, component) items; one [TILE, ROW] block each.
+
+    With ``COUNT`` the items go layer by layer (component, then tile, then layer) and each
+    adds 1 to ``counters_ptr[layer]`` once its block is stored (every thread's stores, then a
+    release at GPU scope): a layer's counter has grown by ``tiles * components`` when all of
+    its rows are in place, which a stream waiting on that value observes
+    (:mod:`hicache.controller.layer_counters`). Without it ``counters_ptr`` is never read.
 
     Slot ``s`` of a side starts at ``(s // page_size) * page_stride + (s % page_size) *
     slot_stride`` plus its component and layer offsets: ``page_size`` is 1 (a value Triton
@@ -78,15 +85,20 @@ def _copy_rows_kernel(  # type: ignore[no-untyped-def]
     pages hold each layer's rows together."""
     pid = tl.program_id(0)
     step = tl.num_programs(0)
-    num_items = tl.cdiv(num_pairs, TILE) * num_layers * num_components
+    num_tiles = tl.cdiv(num_pairs, TILE)
+    num_items = num_tiles * num_layers * num_components
     tokens = tl.arange(0, TILE)
     cols = tl.arange(0, BLOCK_ROW)
     col_mask = cols < ROW
     for item in range(pid, num_items, step):
         component = (item % num_components).to(tl.int64)
         rest = item // num_components
-        layer = (layer_begin + rest % num_layers).to(tl.int64)
-        pairs = (rest // num_layers) * TILE + tokens
+        if COUNT:
+            layer = (layer_begin + rest // num_tiles).to(tl.int64)
+            pairs = (rest % num_tiles) * TILE + tokens
+        else:
+            layer = (layer_begin + rest % num_layers).to(tl.int64)
+            pairs = (rest // num_layers) * TILE + tokens
         in_range = pairs < num_pairs
         src_slot = tl.load(src_index_ptr + pairs, mask=in_range, other=0).to(tl.int64)
         dst_slot = tl.load(dst_index_ptr + pairs, mask=in_range, other=0).to(tl.int64)
@@ -101,6 +113,9 @@ def _copy_rows_kernel(  # type: ignore[no-untyped-def]
         mask = valid[:, None] & col_mask[None, :]
         rows = tl.load(src_ptr + src_rows[:, None] + cols[None, :], mask=mask)
         tl.store(dst_ptr + dst_rows[:, None] + cols[None, :], rows, mask=mask)
+        if COUNT:
+            tl.debug_barrier()  # the block's stores by every thread, before the release
+            tl.atomic_add(counters_ptr + layer, 1, sem="release", scope="gpu")
 
 
 assert PADDING_SLOT == 0, "the kernel skips slot 0 (index > 0 test); update it with the sentinel"

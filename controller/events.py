@@ -14,6 +14,8 @@ import torch
 from hicache.pools.arg_checks import check_int
 from hicache.pools.current_streams import CurrentStreams
 
+from .layer_counters import wait_value
+
 # ``torch.cuda.Event``'s record and wait without its Python wrapper, which only looks up the
 # current stream when none is given (a frame a call; a staged chunk makes four such calls);
 # found when the first CUDA event is made (a CPU build's event type has neither)
@@ -45,12 +47,17 @@ class Event:
             _find_event_calls()
         self.is_recorded = False
         self._leader: Event | None = None
+        # (address, value): fired once the int32 counter at ``address`` reaches ``value``
+        # (:meth:`count`); its leader answers the CPU's questions
+        self._counter: tuple[int, int] | None = None
         # records so far: a wait on this event is one on its latest record only
         self.generation = 0
+        # the generation a query found fired (counted events skip their waits after it)
+        self.fired_generation = -1
 
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
         """Mark the current point of ``stream`` (the current stream if ``None``)."""
-        self._leader = None
+        self._leader = self._counter = None
         if self._cuda is not None:
             if stream is None:
                 self._cuda.record()
@@ -64,9 +71,17 @@ class Event:
         event is recorded or follows another: ``query``, ``wait`` and ``synchronize`` are
         the leader's. Timing (``elapsed_s``) reads this event's own record."""
         assert leader._leader is None and leader is not self, "follow a recorded event"
-        self._leader = leader
+        self._leader, self._counter = leader, None
         self.is_recorded = True
         self.generation += 1
+
+    def count(self, address: int, value: int, leader: Event) -> None:
+        """Fire when the int32 counter at device ``address`` reaches ``value``
+        (:mod:`~hicache.controller.layer_counters`): a stream's :meth:`wait` waits on the
+        counter. ``query`` and ``synchronize`` are those of ``leader``, a recorded event
+        that fires after the counter reaches the value (the load's last event)."""
+        self.follow(leader)
+        self._counter = (address, value)
 
     def mark(self) -> tuple[Event, int]:
         """The recorded event this one stands for (itself or its leader) and that event's
@@ -82,6 +97,10 @@ class Event:
 
     def wait(self, stream: torch.cuda.Stream | None = None) -> None:
         """Make ``stream`` (default: current) wait for this event on the GPU; no CPU block."""
+        if self._counter is not None and self._cuda is not None:
+            stream = torch.cuda.current_stream() if stream is None else stream
+            if wait_value(stream.cuda_stream, *self._counter):
+                return
         if self._leader is not None:
             self._leader.wait(stream)
         elif self._cuda is not None and self.is_recorded:
@@ -174,8 +193,10 @@ class StreamWaits:
 
     def wait(self, event: Event) -> None:
         """Make the current stream wait for ``event`` (GPU-side; nothing on a CPU)."""
-        # Event.mark() and CurrentStreams.raw() inline: this runs per layer of every forward
-        source = event._leader if event._leader is not None else event
+        # CurrentStreams.raw() and the event's mark inline (a counted event is its own):
+        # this runs per layer of every forward
+        counter = event._counter
+        source = event if counter is not None or event._leader is None else event._leader
         cuda = source._cuda
         if cuda is None or not source.is_recorded:
             return
@@ -184,5 +205,26 @@ class StreamWaits:
         generation = source.generation
         if waited is not None and waited[0] is source and waited[1] == generation:
             return
-        cuda.wait(self._current.stream(raw))
+        if counter is None:
+            cuda.wait(self._current.stream(raw))
+        elif not self._counted_done(event) and not wait_value(raw, *counter):
+            leader = event._leader  # the driver refused: wait for the whole load
+            assert leader is not None and leader._cuda is not None
+            leader._cuda.wait(self._current.stream(raw))
         self._waited[raw] = (source, generation)
+
+    @staticmethod
+    def _counted_done(event: Event) -> bool:
+        """True when the load of counted ``event`` has finished: its leader (the load's last
+        event) fired, as a query found once per record. A forward usually catches up with a
+        small load after a few layers; its later layers then skip the driver's wait (about
+        3 us a call on an H200 host) for a query, then for an attribute read."""
+        leader = event._leader
+        assert leader is not None and leader._cuda is not None
+        generation = leader.generation  # read before the query: a later record fires later
+        if leader.fired_generation == generation:
+            return True
+        if leader._cuda.query():
+            leader.fired_generation = generation
+            return True
+        return False

@@ -13,6 +13,7 @@ launcher and little else.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -59,20 +60,31 @@ class RowCopy:
         src, dst = (device_side, host_side) if to_host else (host_side, device_side)
         self._head = (src[0], dst[0], src[1], dst[1], self.num_pairs, src[2], dst[2])
         self._tail = (plan.num_components, *src[3:], *dst[3:])
-        self._meta = {"ROW": plan.row_elems, "BLOCK_ROW": plan.block_row,
-                      "TILE": tokens_per_tile,
-                      "num_warps": _num_warps(tokens_per_tile * plan.block_row_bytes)}
+        warps = _num_warps(tokens_per_tile * plan.block_row_bytes)
         self._device = device_data.device if plan.on_cuda else None
-        # the fast launch's key (kernel_launch): the constexprs in signature order, then
-        # the launch options; the specialisation of the fixed arguments, found on launch
-        self._constexprs = (plan.row_elems, plan.block_row, tokens_per_tile)
-        self._options = (*self._constexprs, self._meta["num_warps"])
-        self._fixed: tuple[object, ...] | None = None
+        # per COUNT (False, True): the constexprs in signature order, the launch options, the
+        # fast launch's key (found on launch; kernel_launch), the entry point's keywords
+        self._constexprs = tuple((plan.row_elems, plan.block_row, tokens_per_tile, count)
+                                 for count in (False, True))
+        self._options = tuple((*constexprs, warps) for constexprs in self._constexprs)
+        self._meta = tuple({"ROW": plan.row_elems, "BLOCK_ROW": plan.block_row,
+                            "TILE": tokens_per_tile, "COUNT": count, "num_warps": warps}
+                           for count in (False, True))
+        self._fixed: list[tuple[object, ...] | None] = [None, None]
+        self._no_counters = _no_counters(device_data.device)
 
-    def launch(self, layer_begin: int, layer_end: int) -> None:
+    @property
+    def items_per_layer(self) -> int:
+        """What a counted launch adds to each layer's counter (tiles times components)."""
+        return self._num_tiles * self._plan.num_components
+
+    def launch(self, layer_begin: int, layer_end: int,
+               counters: torch.Tensor | None = None) -> None:
         """Copy local layers ``[layer_begin, layer_end)``; nothing for an empty range or no
-        pairs. ``ValueError`` for a range outside the pool's layers, or host memory the GPU
-        cannot address (not pinned)."""
+        pairs. With ``counters`` (int32, one per local layer, on the pools' device) the
+        layers go in order and each layer's counter grows by :attr:`items_per_layer` as its
+        rows land. ``ValueError`` for a range outside the pool's layers, or host memory the
+        GPU cannot address (not pinned)."""
         plan = self._plan
         if not 0 <= layer_begin <= layer_end <= plan.num_layers:
             check_launch(plan.num_layers, layer_begin, layer_end, self._num_programs,
@@ -91,18 +103,21 @@ class RowCopy:
         on_device: contextlib.AbstractContextManager[Any] = (
             torch.cuda.device(device) if device is not None
             and torch.cuda.current_device() != device.index else contextlib.nullcontext())
+        count = counters is not None
+        tail = (*self._tail, counters if counters is not None else self._no_counters)
         try:
             with on_device:
                 if device is None:  # the CPU interpreter
-                    compiled_kernel()[grid](*self._head, layer_begin, num_layers,
-                                            *self._tail, **self._meta)
+                    compiled_kernel()[grid](*self._head, layer_begin, num_layers, *tail,
+                                            **self._meta[count])
                 else:
                     fast = fast_launch()
-                    if self._fixed is None:
-                        self._fixed = fast.fixed_key(device.index or 0,
-                                                     self._head + self._tail, self._options)
-                    fast.launch(self._fixed, (grid[0], 1, 1), self._head, layer_begin,
-                                num_layers, self._tail, self._constexprs, self._meta)
+                    fixed = self._fixed[count]
+                    if fixed is None:
+                        fixed = self._fixed[count] = fast.fixed_key(
+                            device.index or 0, self._head + tail, self._options[count])
+                    fast.launch(fixed, (grid[0], 1, 1), self._head, layer_begin, num_layers,
+                                tail, self._constexprs[count], self._meta[count])
         except ValueError as exc:
             if "cannot be accessed" not in str(exc):
                 raise
@@ -125,6 +140,13 @@ class _BufferPlan(NamedTuple):
     on_cuda: bool
     device_strides: tuple[int, ...]
     host_strides: tuple[int, ...]
+
+
+@functools.cache
+def _no_counters(device: torch.device) -> torch.Tensor:
+    """The counters argument of an uncounted launch on ``device``: an int32 tensor like real
+    counters (so both launches specialise alike), never read."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 # Checked buffer geometries and their plans. The key holds everything the checks and strides

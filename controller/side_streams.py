@@ -11,7 +11,9 @@ its op until the op is acknowledged. On a CPU device there are no streams: copie
 once, in order.
 
 A layer-wise load is issued in groups of consecutive layers (:mod:`.load_groups`): one copy
-per group and pool transfer, every layer's event recorded after its group.
+per group and pool transfer, every layer's event recorded after its group. Through the
+``kernel`` backend it is two launches, layer 0 and then the rest, the second counting each
+layer's rows in place (:mod:`.layer_counters`), so each layer is still ready on its own.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from .base import TransferBackend, TransferOp
 from .events import CurrentStreams, Event
 from .index_moves import record_on_stream
+from .layer_counters import LayerCounters, counters_enabled
 from .load_groups import local_groups, plan_load_groups
 
 
@@ -51,6 +54,7 @@ class SideStreams:
         # mark_caller: events waited on already (free to record again), the caller's stream
         self._free_marks: list[Event] = []
         self._callers = CurrentStreams(device) if self.on_cuda else None
+        self._layer_counters: LayerCounters | None = None  # made by the first counted load
 
     def mark_caller(self, earlier: Sequence[Event] = ()) -> tuple[Event, ...]:
         """``earlier`` and an event recorded now on the caller's current stream, for an op
@@ -94,15 +98,24 @@ class SideStreams:
         """Copy ``op`` on the load stream in groups of consecutive model layers
         (:mod:`.load_groups`): one copy per group and pool, then the event of the group's last
         layer recorded and the others' set to follow it (one event per model layer; the
-        layers of a group become ready together)."""
+        layers of a group become ready together). A counted load (:meth:`_counters`) is two
+        groups, layer 0 and the rest, the second's layers each ready on its own."""
         executor = _executor(op)
-        groups = plan_load_groups(len(events), sum(op.bytes_by_pool.values()) // len(events),
-                                  executor.cheap_copies)
+        counters = self._counters(op, len(events))
+        if counters is not None:  # layer 0, then the rest counted in one launch
+            groups: tuple[range, ...] = (range(0, 1), range(1, len(events)))
+        else:
+            groups = plan_load_groups(len(events),
+                                      sum(op.bytes_by_pool.values()) // len(events),
+                                      executor.cheap_copies)
         parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         stream = self.load_stream
         self._begin(op, stream)
         with _on_stream(stream, self._callers):
             for number, group in enumerate(groups):
+                if counters is not None and number == 1:
+                    self._issue_counted(op, events, group, counters, stream)
+                    continue
                 for moved, local in parts:
                     if local[number]:
                         executor.copy(moved, local[number], op.direction, op.keep_alive)
@@ -112,6 +125,33 @@ class SideStreams:
                     events[layer].follow(last)  # ready with the group: one record a group
         op.finish_event = events[-1]
         self._finish(op, stream)
+
+    def _counters(self, op: TransferOp, num_layers: int) -> LayerCounters | None:
+        """The load stream's layer counters when ``op`` loads in two launches, layer 0 and
+        then the rest counted (:mod:`.layer_counters`): a backend that counts layers, on
+        CUDA with the driver's wait on a value, one pool transfer holding every model layer
+        in order, three layers or more; ``None`` otherwise (layer groups)."""
+        if (num_layers < 3 or not _executor(op).counts_layers or len(op.moved) != 1
+                or self.load_stream is None or not counters_enabled()
+                or op.moved[0].source.layers != tuple(range(num_layers))):
+            return None
+        counters = self._layer_counters
+        if counters is None:  # made on the caller's stream, which the load stream waits on
+            counters = self._layer_counters = LayerCounters(num_layers, self.device)
+        # never replaced: a launch in flight may still count into them, a stream wait on them
+        return counters if len(counters) == num_layers else None
+
+    @staticmethod
+    def _issue_counted(op: TransferOp, events: Sequence[Event], layers: range,
+                       counters: LayerCounters, stream: torch.cuda.Stream | None) -> None:
+        """Load ``layers`` in one counted launch; the last layer's event is recorded after
+        it, the others fire as their counters reach the launch's count."""
+        per_layer = _executor(op).copy_counted(op.moved[0], layers, counters.tensor)
+        last = events[layers[-1]]
+        last.record(stream)
+        targets = counters.issued(layers, per_layer)  # the last layer's counter grew too
+        for layer, (address, value) in zip(layers[:-1], targets[:-1], strict=True):
+            events[layer].count(address, value, last)
 
     def _begin(self, op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
         """Order the side stream after every producer and after the caller's stream (which

@@ -1,0 +1,120 @@
+"""Counted layer-wise loads on a CPU: the row kernel's counted launch (Triton interpreter)
+adds its items per layer to exactly its layers' counters and moves the same rows as an
+uncounted one; the counters' targets wrap as the device's int32 counters do; a counted
+event answers the CPU through its leader; and without CUDA or with the driver's call
+turned off nothing is counted (the GPU half is ``test_layer_counters_gpu.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernel import (
+    INTERPRETED,
+    canonical,
+    expected_after,
+    fill_pattern,
+    make_buffer,
+    random_pairs,
+)
+
+from hicache.controller import layer_counters
+from hicache.controller.events import Event
+from hicache.controller.kernel import kernel_available
+from hicache.controller.layer_counters import LayerCounters
+from hicache.controller.row_copy import RowCopy
+from hicache.controller.side_streams import SideStreams
+from hicache.pools import HostLayout
+
+needs_kernel = pytest.mark.skipif(not (INTERPRETED and kernel_available()),
+                                  reason="needs Triton and TRITON_INTERPRET=1")
+
+
+def _copy(layout: HostLayout, num_pairs: int, layers: int = 5,
+          tile: int = 4) -> tuple[RowCopy, torch.Tensor, torch.Tensor, torch.Tensor,
+                                  torch.Tensor]:
+    device = make_buffer(2, layers, 80, 8, HostLayout.LAYER_FIRST, torch.float32)
+    host = make_buffer(2, layers, 96, 8, layout, torch.float32)
+    fill_pattern(host, layout)
+    host_index, device_index = random_pairs(num_pairs, seed=3)
+    copy = RowCopy(device_data=device, host_data=host, host_layout=layout,
+                   host_indices=host_index, device_indices=device_index, to_host=False,
+                   num_programs=3, tokens_per_tile=tile)
+    return copy, device, host, host_index, device_index
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+@pytest.mark.parametrize("num_pairs", [1, 7, 9, 30])
+def test_a_counted_launch_counts_its_layers_and_moves_the_rows(layout: HostLayout,
+                                                                num_pairs: int) -> None:
+    copy, device, host, host_index, device_index = _copy(layout, num_pairs)
+    before = canonical(device, HostLayout.LAYER_FIRST).clone()
+    counters = torch.full((5,), 100, dtype=torch.int32)
+    copy.launch(1, 4, counters)
+    assert copy.items_per_layer == 2 * -(-num_pairs // 4)  # components x tiles
+    assert counters.tolist() == [100] + [100 + copy.items_per_layer] * 3 + [100]
+    want = expected_after(before, canonical(host, layout), device_index, host_index,
+                          slice(1, 4))
+    assert torch.equal(canonical(device, HostLayout.LAYER_FIRST), want)
+    copy.launch(0, 1)  # uncounted: the counters are never touched
+    assert counters.tolist() == [100] + [100 + copy.items_per_layer] * 3 + [100]
+
+
+@needs_kernel
+def test_the_counted_and_uncounted_launches_move_the_same_rows() -> None:
+    counted, device_a, *_ = _copy(HostLayout.PAGE_FIRST_DIRECT, 30, layers=6)
+    plain, device_b, *_ = _copy(HostLayout.PAGE_FIRST_DIRECT, 30, layers=6)
+    counted.launch(0, 6, torch.zeros(6, dtype=torch.int32))
+    plain.launch(0, 6)
+    assert torch.equal(device_a, device_b)
+
+
+def test_targets_grow_per_launch_and_wrap_like_int32_counters() -> None:
+    counters = LayerCounters(4, torch.device("cpu"))
+    base = counters.tensor.data_ptr()
+    assert counters.issued(range(1, 4), 10) == [(base + 4, 10), (base + 8, 10),
+                                               (base + 12, 10)]
+    assert counters.issued(range(2, 4), 5) == [(base + 8, 15), (base + 12, 15)]
+    counters._issued[3] = 2**32 - 3
+    assert counters.issued(range(3, 4), 5) == [(base + 12, 2)]
+    assert len(counters) == 4
+
+
+def test_a_counted_event_answers_the_cpu_through_its_leader() -> None:
+    leader, counted = Event(torch.device("cpu")), Event(torch.device("cpu"))
+    leader.record()
+    counted.count(1234, 7, leader)
+    assert counted._counter == (1234, 7) and counted.is_recorded
+    assert counted.query() and counted.mark() == leader.mark()
+    counted.wait()  # nothing to wait for on a CPU
+    counted.record()
+    assert counted._counter is None and counted._leader is None
+    counted.count(1234, 8, leader)
+    counted.follow(leader)
+    assert counted._counter is None
+
+
+def test_nothing_is_counted_without_cuda_or_with_the_call_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    streams = SideStreams(torch.device("cpu"), [])
+    assert streams.load_stream is None  # a CPU load keeps its layer groups
+    monkeypatch.setattr(layer_counters, "_wait_value", False)
+    assert not layer_counters.counters_enabled()
+    assert not layer_counters.wait_value(1, 2, 3)
+    monkeypatch.setattr(layer_counters, "_wait_value", None)
+    monkeypatch.setenv(layer_counters.ENV, "0")
+    assert not layer_counters.counters_enabled()
+
+
+def test_a_refused_wait_turns_counting_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def refuse(*args: object) -> int:
+        calls.append(args)
+        return 1  # CUDA_ERROR_INVALID_VALUE
+
+    monkeypatch.setattr(layer_counters, "_wait_value", refuse)
+    assert layer_counters.counters_enabled()
+    assert not layer_counters.wait_value(5, 6, 2**32 + 7)
+    assert calls == [(5, 6, 7, 0)]
+    assert not layer_counters.counters_enabled()

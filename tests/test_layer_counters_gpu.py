@@ -1,0 +1,185 @@
+"""Counted layer-wise loads on a real GPU (``kernel`` backend): layer 0 in its own launch,
+the other layers in one launch whose counters make each layer ready on its own. A reader on
+another stream that waits for each layer in turn (``wait_until``) sees exactly that layer's
+rows while the load is held behind a sleeping producer, so a wait that let it through early
+would read the sentinel; the same holds across the counters' int32 wraparound, for two
+loads queued back to back, with counting turned off (layer groups), and when the driver
+refuses a wait (the reader then waits for the whole load). Run under compute-sanitizer by
+``scripts/gpu_check.sh`` at small shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from controller_helpers import SENTINEL, device_rows, make_controller, untouched
+from gpu_shapes import scaled
+from test_load_groups_gpu import held_back, read_layer_by_layer
+
+from hicache.controller import CacheController, KernelBackend, layer_counters
+from hicache.controller.kernel import kernel_available
+from hicache.pools import HostLayout, Indices
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(torch.cuda.is_available() and not kernel_available(),
+                       reason="needs Triton"),
+]
+
+NUM_LAYERS = 32
+NUM_TOKENS = scaled(1024, 96)
+
+
+def _controller(layout: HostLayout) -> CacheController:
+    ctrl = make_controller(
+        KernelBackend(num_programs=16), device="cuda", page_size=4,
+        device_pages=2 * NUM_TOKENS // 4 + 8, host_pages=2 * NUM_TOKENS // 4 + 8,
+        num_layers=NUM_LAYERS, layout=layout, dtype=torch.bfloat16)
+    pool = ctrl.device_pool
+    pool.data.copy_(torch.randn(pool.data.shape, device="cuda").to(torch.bfloat16))
+    assert ctrl.device_allocator.try_alloc(8) is not None  # device and host slot ids differ
+    return ctrl
+
+
+def _backed_up(ctrl: CacheController) -> tuple[Indices, torch.Tensor]:
+    """Write ``NUM_TOKENS`` device rows to the host and evict them; the host slots and the
+    rows (``[n, components, layers, row]``)."""
+    device = ctrl.device_allocator.try_alloc(NUM_TOKENS)
+    assert device is not None
+    rows = device_rows(ctrl.device_pool)[device.tensor]
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(device)
+    return host, rows
+
+
+def _load_and_read(ctrl: CacheController, host: Indices, rows: torch.Tensor) -> Indices:
+    """Load ``host`` behind a sleeping producer, read it layer by layer as it becomes
+    ready, and check every layer's rows and that nothing else was written."""
+    pool = ctrl.device_pool
+    pool.data.fill_(SENTINEL)
+    torch.cuda.synchronize()
+    held_back(ctrl)
+    loaded = ctrl.load(host)
+    assert loaded is not None
+    ctrl.start_loading()
+    seen = read_layer_by_layer(ctrl, [(pool, layer, loaded.tensor)
+                                      for layer in range(NUM_LAYERS)])
+    for layer, got in enumerate(seen):
+        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    ctrl.drain()
+    after = device_rows(pool)
+    assert torch.equal(after[loaded.tensor], rows)
+    assert (untouched(after, loaded.tensor) == SENTINEL).all()
+    return loaded
+
+
+def _counted(ctrl: CacheController) -> list[bool]:
+    """Per layer of the consumer set: whether its event waits on a counter."""
+    ring = ctrl.layer_events
+    assert ring.consumer is not None
+    return [event._counter is not None for event in ring._sets[ring.consumer]]
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_each_layer_of_a_counted_load_is_ready_on_its_own(layout: HostLayout) -> None:
+    assert layer_counters.counters_enabled(), "this GPU's driver lacks the wait on a value"
+    ctrl = _controller(layout)
+    host, rows = _backed_up(ctrl)
+    _load_and_read(ctrl, host, rows)
+    assert _counted(ctrl) == [False] + [True] * (NUM_LAYERS - 2) + [False]
+
+
+def test_counters_across_their_int32_wraparound() -> None:
+    ctrl = _controller(HostLayout.LAYER_FIRST)
+    host, rows = _backed_up(ctrl)
+    _load_and_read(ctrl, host, rows)  # makes the load stream's counters
+    counters = ctrl._streams._layer_counters
+    assert counters is not None
+    counters.tensor.fill_(-3)  # 2**32 - 3: the next load's targets pass 0
+    counters._issued = [2**32 - 3] * NUM_LAYERS
+    _load_and_read(ctrl, host, rows)
+    torch.cuda.synchronize()
+    assert all(0 < value < 2**20 for value in counters.tensor.tolist()[1:])
+
+
+def test_two_counted_loads_queued_back_to_back() -> None:
+    """The second load's targets include the first's counts: its reader, held back behind
+    both, must not pass on the first load's rows."""
+    ctrl = _controller(HostLayout.PAGE_FIRST_DIRECT)
+    first_host, _ = _backed_up(ctrl)
+    second_host, rows = _backed_up(ctrl)
+    ctrl.device_pool.data.fill_(SENTINEL)
+    torch.cuda.synchronize()
+    held_back(ctrl)
+    first = ctrl.load(first_host)
+    assert first is not None
+    ctrl.start_loading()
+    second = ctrl.load(second_host)
+    assert second is not None
+    ctrl.start_loading()
+    seen = read_layer_by_layer(ctrl, [(ctrl.device_pool, layer, second.tensor)
+                                      for layer in range(NUM_LAYERS)])
+    for layer, got in enumerate(seen):
+        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    ctrl.drain()
+
+
+def test_with_counters_off_a_kernel_load_keeps_its_layer_groups(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(layer_counters, "_wait_value", False)
+    ctrl = _controller(HostLayout.LAYER_FIRST)
+    host, rows = _backed_up(ctrl)
+    _load_and_read(ctrl, host, rows)
+    assert not any(_counted(ctrl))
+    assert ctrl._streams._layer_counters is None
+
+
+def test_a_refused_wait_waits_for_the_whole_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver refuses the reader's waits: each waits on the load's last event (later,
+    still correct), and loads after it keep their layer groups."""
+    ctrl = _controller(HostLayout.LAYER_FIRST)
+    host, rows = _backed_up(ctrl)
+    pool = ctrl.device_pool
+    pool.data.fill_(SENTINEL)
+    torch.cuda.synchronize()
+    held_back(ctrl)
+    loaded = ctrl.load(host)
+    assert loaded is not None
+    ctrl.start_loading()
+    assert _counted(ctrl)[1]
+    monkeypatch.setattr(layer_counters, "_wait_value", lambda *args: 1)
+    seen = read_layer_by_layer(ctrl, [(pool, layer, loaded.tensor)
+                                      for layer in range(NUM_LAYERS)])
+    for layer, got in enumerate(seen):
+        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    ctrl.drain()
+    assert not layer_counters.counters_enabled()
+    _load_and_read(ctrl, host, rows)
+    assert not any(_counted(ctrl))
+
+
+def test_waits_after_the_load_finished_skip_the_driver(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Held back, each counted layer's first wait is a driver call; once the load's last
+    event has fired, a forward's waits make none."""
+    assert layer_counters.counters_enabled()
+    real, calls = layer_counters._wait_value, []
+
+    def counting(*args: object) -> int:
+        calls.append(args)
+        return int(real(*args))
+
+    monkeypatch.setattr(layer_counters, "_wait_value", counting)
+    ctrl = _controller(HostLayout.LAYER_FIRST)
+    host, rows = _backed_up(ctrl)
+    loaded = _load_and_read(ctrl, host, rows)
+    assert 1 <= len(calls) <= NUM_LAYERS - 2  # held back: a wait per counted layer at most
+    assert _counted(ctrl)[1:-1] == [True] * (NUM_LAYERS - 2)
+    calls.clear()
+    seen = read_layer_by_layer(ctrl, [(ctrl.device_pool, layer, loaded.tensor)
+                                      for layer in range(NUM_LAYERS)])  # the load is done
+    assert calls == []
+    for layer, got in enumerate(seen):
+        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
