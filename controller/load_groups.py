@@ -45,6 +45,10 @@ A backend whose copy call is cheap (``direct``: a copy-engine call of a few micr
 big load's layers are then copied and made ready one by one (the finest overlap), and the
 byte, share and ramp rules still group a small load's layers.
 
+A ``kernel`` load of one pool holding every model layer, where the driver can make a stream
+wait on a counter, is not grouped: it is layer 0 and then one counted launch of the rest,
+each layer ready on its own (:mod:`.layer_counters`).
+
 Every backend moves a multi-layer local list in one call: ``torch`` in one stack, ``kernel``
 in one launch per contiguous range of local layers, ``staged`` in chunks sized by its staging
 budget for the layers moved (``chunk_tokens``). A hybrid pool that holds only some model
