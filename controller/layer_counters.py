@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 ENV = "HICACHE_LAYER_COUNTERS"
 _GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
+_INVALID_CONTEXT = 201  # CUDA_ERROR_INVALID_CONTEXT: the calling thread has none current
 _MASK = 0xFFFFFFFF
 
 # the driver's call once found; False once known to be missing or turned off
@@ -61,6 +62,9 @@ def wait_value(raw_stream: int, address: int, value: int) -> bool:
     if call is None or call is False:
         return False
     result = call(raw_stream, address, value & _MASK, _GEQ)
+    if result == _INVALID_CONTEXT:  # a thread with no CUDA context current yet: bind, retry
+        _bind_context()
+        result = call(raw_stream, address, value & _MASK, _GEQ)
     if result != 0:
         _wait_value = False
         logger.warning("layer counters: the driver refused a stream wait on a value "
@@ -68,6 +72,12 @@ def wait_value(raw_stream: int, address: int, value: int) -> bool:
                        "now on", result)
         return False
     return True
+
+
+def _bind_context() -> None:
+    """Make the current device's primary context current on this thread (the runtime's
+    device call does; a driver call does not)."""
+    torch.cuda.set_device(torch.cuda.current_device())
 
 
 def _find_wait_value() -> Any:

@@ -118,3 +118,13 @@ def test_a_refused_wait_turns_counting_off(monkeypatch: pytest.MonkeyPatch) -> N
     assert not layer_counters.wait_value(5, 6, 2**32 + 7)
     assert calls == [(5, 6, 7, 0)]
     assert not layer_counters.counters_enabled()
+
+
+def test_a_thread_without_a_context_binds_one_and_retries(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    results, bound = [201, 0], []
+    monkeypatch.setattr(layer_counters, "_wait_value", lambda *args: results.pop(0))
+    monkeypatch.setattr(layer_counters, "_bind_context", lambda: bound.append(True))
+    assert layer_counters.wait_value(1, 2, 3)
+    assert bound == [True] and results == []
+    assert layer_counters.counters_enabled()
