@@ -128,3 +128,40 @@ def test_a_thread_without_a_context_binds_one_and_retries(monkeypatch: pytest.Mo
     assert layer_counters.wait_value(1, 2, 3)
     assert bound == [True] and results == []
     assert layer_counters.counters_enabled()
+
+
+class _Source:
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.layers = layers
+
+
+class _Moved:
+    def __init__(self, layers: tuple[int, ...]) -> None:
+        self.source = _Source(layers)
+
+
+class _Op:
+    def __init__(self, counts: bool, *parts: tuple[int, ...]) -> None:
+        self.executor = type("Backend", (), {"counts_layers": counts})()
+        self.moved = [_Moved(layers) for layers in parts]
+
+
+def test_which_loads_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend that counts, one pool transfer holding every model layer in order, three
+    layers or more, a load stream and the driver's call: counted, with one set of counters
+    for the stream's life; anything else keeps its layer groups."""
+    streams = SideStreams(torch.device("cpu"), [])
+    monkeypatch.setattr(streams, "load_stream", object())  # as on CUDA
+    monkeypatch.setattr("hicache.controller.side_streams.counters_enabled", lambda: True)
+    every = tuple(range(8))
+    counters = streams._counters(_Op(True, every), 8)  # type: ignore[arg-type]
+    assert counters is not None and len(counters) == 8
+    assert streams._counters(_Op(True, every), 8) is counters  # type: ignore[arg-type]
+    for op, layers in [(_Op(False, every), 8),  # the backend does not count (staged, direct)
+                       (_Op(True, every, (1, 3)), 8),  # a hybrid pool's two transfers
+                       (_Op(True, (0, 2, 4, 6)), 8),  # a pool holding some layers
+                       (_Op(True, every[:2]), 2),  # too few layers to count
+                       (_Op(True, every[:6]), 6)]:  # counters of another layer count
+        assert streams._counters(op, layers) is None  # type: ignore[arg-type]
+    monkeypatch.setattr("hicache.controller.side_streams.counters_enabled", lambda: False)
+    assert streams._counters(_Op(True, every), 8) is None  # type: ignore[arg-type]
