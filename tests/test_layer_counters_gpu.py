@@ -13,9 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from controller_helpers import SENTINEL, device_rows, make_controller, untouched
+from controller_helpers import (
+    SENTINEL,
+    device_rows,
+    make_controller,
+    untouched,
+    written_and_wiped,
+)
 from gpu_shapes import scaled
-from test_load_groups_gpu import held_back, read_layer_by_layer
+from test_load_groups_gpu import check_layers, read_layer_by_layer, start_held_load
 
 from hicache.controller import CacheController, KernelBackend, layer_counters
 from hicache.controller.events import StreamWaits
@@ -36,7 +42,7 @@ NUM_TOKENS = scaled(1024, 96)
 def _controller(layout: HostLayout) -> CacheController:
     ctrl = make_controller(
         KernelBackend(num_programs=16), device="cuda", page_size=4,
-        device_pages=2 * NUM_TOKENS // 4 + 8, host_pages=2 * NUM_TOKENS // 4 + 8,
+        device_pages=2 * NUM_TOKENS // 4 + 24, host_pages=2 * NUM_TOKENS // 4 + 24,
         num_layers=NUM_LAYERS, layout=layout, dtype=torch.bfloat16)
     pool = ctrl.device_pool
     pool.data.copy_(torch.randn(pool.data.shape, device="cuda").to(torch.bfloat16))
@@ -44,38 +50,23 @@ def _controller(layout: HostLayout) -> CacheController:
     return ctrl
 
 
-def _backed_up(ctrl: CacheController) -> tuple[Indices, torch.Tensor]:
-    """Write ``NUM_TOKENS`` device rows to the host and evict them; the host slots and the
-    rows (``[n, components, layers, row]``)."""
-    device = ctrl.device_allocator.try_alloc(NUM_TOKENS)
-    assert device is not None
-    rows = device_rows(ctrl.device_pool)[device.tensor]
-    host = ctrl.write(device)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(device)
-    return host, rows
-
-
 def _load_and_read(ctrl: CacheController, host: Indices, rows: torch.Tensor) -> Indices:
     """Load ``host`` behind a sleeping producer, read it layer by layer as it becomes
     ready, and check every layer's rows and that nothing else was written."""
     pool = ctrl.device_pool
-    pool.data.fill_(SENTINEL)
-    torch.cuda.synchronize()
-    held_back(ctrl)
-    loaded = ctrl.load(host)
-    assert loaded is not None
-    ctrl.start_loading()
-    seen = read_layer_by_layer(ctrl, [(pool, layer, loaded.tensor)
-                                      for layer in range(NUM_LAYERS)])
-    for layer, got in enumerate(seen):
-        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    loaded = start_held_load(ctrl, host)
+    check_layers(_read(ctrl, loaded), rows)
     ctrl.drain()
     after = device_rows(pool)
     assert torch.equal(after[loaded.tensor], rows)
     assert (untouched(after, loaded.tensor) == SENTINEL).all()
     return loaded
+
+
+def _read(ctrl: CacheController, slots: Indices) -> list[torch.Tensor]:
+    """Every layer's rows at ``slots``, each read once its layer is ready."""
+    return read_layer_by_layer(ctrl, [(ctrl.device_pool, layer, slots.tensor)
+                                      for layer in range(NUM_LAYERS)])
 
 
 def _counted(ctrl: CacheController) -> list[bool]:
@@ -89,14 +80,14 @@ def _counted(ctrl: CacheController) -> list[bool]:
 def test_each_layer_of_a_counted_load_is_ready_on_its_own(layout: HostLayout) -> None:
     assert layer_counters.counters_enabled(), "this GPU's driver lacks the wait on a value"
     ctrl = _controller(layout)
-    host, rows = _backed_up(ctrl)
+    host, rows = written_and_wiped(ctrl, NUM_TOKENS)
     _load_and_read(ctrl, host, rows)
     assert _counted(ctrl) == [False] + [True] * (NUM_LAYERS - 2) + [False]
 
 
 def test_counters_across_their_int32_wraparound() -> None:
     ctrl = _controller(HostLayout.LAYER_FIRST)
-    host, rows = _backed_up(ctrl)
+    host, rows = written_and_wiped(ctrl, NUM_TOKENS)
     _load_and_read(ctrl, host, rows)  # makes the load stream's counters
     counters = ctrl._streams._layer_counters
     assert counters is not None
@@ -111,21 +102,13 @@ def test_two_counted_loads_queued_back_to_back() -> None:
     """The second load's targets include the first's counts: its reader, held back behind
     both, must not pass on the first load's rows."""
     ctrl = _controller(HostLayout.PAGE_FIRST_DIRECT)
-    first_host, _ = _backed_up(ctrl)
-    second_host, rows = _backed_up(ctrl)
-    ctrl.device_pool.data.fill_(SENTINEL)
-    torch.cuda.synchronize()
-    held_back(ctrl)
-    first = ctrl.load(first_host)
-    assert first is not None
-    ctrl.start_loading()
+    first_host, _ = written_and_wiped(ctrl, NUM_TOKENS)
+    second_host, rows = written_and_wiped(ctrl, NUM_TOKENS)
+    start_held_load(ctrl, first_host)
     second = ctrl.load(second_host)
     assert second is not None
     ctrl.start_loading()
-    seen = read_layer_by_layer(ctrl, [(ctrl.device_pool, layer, second.tensor)
-                                      for layer in range(NUM_LAYERS)])
-    for layer, got in enumerate(seen):
-        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    check_layers(_read(ctrl, second), rows)
     ctrl.drain()
 
 
@@ -133,7 +116,7 @@ def test_with_counters_off_a_kernel_load_keeps_its_layer_groups(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(layer_counters, "_wait_value", False)
     ctrl = _controller(HostLayout.LAYER_FIRST)
-    host, rows = _backed_up(ctrl)
+    host, rows = written_and_wiped(ctrl, NUM_TOKENS)
     _load_and_read(ctrl, host, rows)
     assert not any(_counted(ctrl))
     assert ctrl._streams._layer_counters is None
@@ -144,22 +127,14 @@ def test_a_refused_wait_waits_for_the_whole_load(monkeypatch: pytest.MonkeyPatch
     fast this one ran): each waits on the load's last event instead (later, still
     correct), and loads after it keep their layer groups."""
     ctrl = _controller(HostLayout.LAYER_FIRST)
-    host, rows = _backed_up(ctrl)
-    pool = ctrl.device_pool
-    pool.data.fill_(SENTINEL)
-    torch.cuda.synchronize()
-    held_back(ctrl)
-    loaded = ctrl.load(host)
-    assert loaded is not None
-    ctrl.start_loading()
+    host, rows = written_and_wiped(ctrl, NUM_TOKENS)
+    loaded = start_held_load(ctrl, host)
     assert _counted(ctrl)[1]
     monkeypatch.setattr(StreamWaits, "_counted_done", staticmethod(lambda event: False))
     monkeypatch.setattr(layer_counters, "_wait_value", lambda *args: 1)
-    seen = read_layer_by_layer(ctrl, [(pool, layer, loaded.tensor)
-                                      for layer in range(NUM_LAYERS)])
+    seen = _read(ctrl, loaded)
     assert not layer_counters.counters_enabled()
-    for layer, got in enumerate(seen):
-        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    check_layers(seen, rows)
     ctrl.drain()
     _load_and_read(ctrl, host, rows)
     assert not any(_counted(ctrl))
@@ -182,12 +157,10 @@ def test_waits_skip_the_driver_once_the_load_has_fired(in_flight: bool,
     if in_flight:
         monkeypatch.setattr(StreamWaits, "_counted_done", staticmethod(lambda event: False))
     ctrl = _controller(HostLayout.LAYER_FIRST)
-    host, rows = _backed_up(ctrl)
+    host, rows = written_and_wiped(ctrl, NUM_TOKENS)
     loaded = _load_and_read(ctrl, host, rows)
     assert _counted(ctrl)[1:-1] == [True] * (NUM_LAYERS - 2)
     calls.clear()
-    seen = read_layer_by_layer(ctrl, [(ctrl.device_pool, layer, loaded.tensor)
-                                      for layer in range(NUM_LAYERS)])  # the load is done
+    seen = _read(ctrl, loaded)  # the load is done
     assert len(calls) == (NUM_LAYERS - 2 if in_flight else 0)
-    for layer, got in enumerate(seen):
-        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    check_layers(seen, rows)

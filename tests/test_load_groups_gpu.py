@@ -27,7 +27,7 @@ from hicache.controller import (
 from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
-from hicache.pools import DeviceKVPool, HostLayout
+from hicache.pools import DeviceKVPool, HostLayout, Indices
 
 pytestmark = [
     pytest.mark.gpu,
@@ -63,6 +63,25 @@ def read_layer_by_layer(ctrl: TransferCore,
             seen.append(pool.data[:, local].index_select(1, index))
     forward.synchronize()
     return seen
+
+
+def start_held_load(ctrl: CacheController, host: Indices) -> Indices:
+    """Wipe the device pool, hold the load stream behind a sleeping producer and start the
+    load of ``host``; its device slots."""
+    ctrl.device_pool.data.fill_(SENTINEL)
+    torch.cuda.synchronize()
+    held_back(ctrl)
+    loaded = ctrl.load(host)
+    assert loaded is not None
+    ctrl.start_loading()
+    return loaded
+
+
+def check_layers(seen: list[torch.Tensor], rows: torch.Tensor) -> None:
+    """Each layer read (``[components, n, row]``) equals that layer of ``rows``
+    (``[n, components, layers, row]``)."""
+    for layer, got in enumerate(seen):
+        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
 
 
 def held_back(ctrl: TransferCore) -> None:
@@ -101,17 +120,11 @@ def test_grouped_load_events_and_rows(backend: TransferBackend, layout: HostLayo
     assert host is not None
     ctrl.drain()
     ctrl.evict_device(device)
-    pool.data.fill_(SENTINEL)
-    torch.cuda.synchronize()
-    held_back(ctrl)
-    loaded = ctrl.load(host)
-    assert loaded is not None
-    ctrl.start_loading()
+    loaded = start_held_load(ctrl, host)
     seen = read_layer_by_layer(ctrl, [(pool, layer, loaded.tensor)
                                       for layer in range(NUM_LAYERS)])
     ctrl.drain()
-    for layer, got in enumerate(seen):
-        assert torch.equal(got.cpu(), rows[:, :, layer].permute(1, 0, 2)), f"layer {layer}"
+    check_layers(seen, rows)
     after = device_rows(pool)
     assert torch.equal(after[loaded.tensor], rows)
     assert (untouched(after, loaded.tensor) == SENTINEL).all()
