@@ -96,6 +96,20 @@ def _find_wait_value() -> Any:
     return False
 
 
+def check_counters(counters: torch.Tensor, like: torch.Tensor, layer_end: int) -> bool:
+    """True for counters a launch of layers below ``layer_end`` may count into: a contiguous
+    int32 tensor on ``like``'s device with a counter per layer; ``ValueError`` otherwise
+    (the kernel would add to memory past them)."""
+    if not (isinstance(counters, torch.Tensor) and counters.dtype == torch.int32
+            and counters.device == like.device and counters.dim() == 1
+            and counters.is_contiguous() and counters.numel() >= layer_end):
+        got = (f"{counters.dtype} {tuple(counters.shape)} on {counters.device}"
+               if isinstance(counters, torch.Tensor) else type(counters).__name__)
+        raise ValueError(f"transfer_rows: counters must be a contiguous 1-D int32 tensor of "
+                         f">= {layer_end} layers on {like.device}, got {got}")
+    return True
+
+
 class LayerCounters:
     """One int32 counter per model layer for the counted loads of one load stream, and what
     the launches issued on it so far add to each (the targets of their waits).

@@ -22,6 +22,7 @@ from hicache.pools import HostLayout
 
 from .copy_rows_kernel import compiled_kernel
 from .kernel_launch import fast_launch
+from .layer_counters import check_counters
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_TOKENS_PER_TILE = 1024
@@ -74,8 +75,7 @@ class RowCopy:
         self._no_counters = _no_counters(device_data.device)
 
     @property
-    def items_per_layer(self) -> int:
-        """What a counted launch adds to each layer's counter (tiles times components)."""
+    def items_per_layer(self) -> int:  # what a counted launch adds to each layer's counter
         return self._num_tiles * self._plan.num_components
 
     def launch(self, layer_begin: int, layer_end: int,
@@ -103,8 +103,8 @@ class RowCopy:
         on_device: contextlib.AbstractContextManager[Any] = (
             torch.cuda.device(device) if device is not None
             and torch.cuda.current_device() != device.index else contextlib.nullcontext())
-        count = counters is not None
-        tail = (*self._tail, counters if counters is not None else self._no_counters)
+        count = counters is not None and check_counters(counters, self._no_counters, layer_end)
+        tail = (*self._tail, counters if count else self._no_counters)
         try:
             with on_device:
                 if device is None:  # the CPU interpreter

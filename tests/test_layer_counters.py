@@ -61,6 +61,19 @@ def test_a_counted_launch_counts_its_layers_and_moves_the_rows(layout: HostLayou
 
 
 @needs_kernel
+@pytest.mark.parametrize("counters", [
+    torch.zeros(5, dtype=torch.int64), torch.zeros(3, dtype=torch.int32),
+    torch.zeros(10, dtype=torch.int32)[::2], torch.zeros(1, 5, dtype=torch.int32)],
+    ids=["int64", "too_few", "strided", "2d"])
+def test_bad_counters_are_refused_before_anything_moves(counters: torch.Tensor) -> None:
+    copy, device, *_ = _copy(HostLayout.LAYER_FIRST, 9)
+    before, counted = device.clone(), counters.clone()
+    with pytest.raises(ValueError, match="counters must be a contiguous 1-D int32 tensor"):
+        copy.launch(1, 5, counters)
+    assert torch.equal(device, before) and torch.equal(counters, counted)
+
+
+@needs_kernel
 def test_the_counted_and_uncounted_launches_move_the_same_rows() -> None:
     counted, device_a, *_ = _copy(HostLayout.PAGE_FIRST_DIRECT, 30, layers=6)
     plain, device_b, *_ = _copy(HostLayout.PAGE_FIRST_DIRECT, 30, layers=6)
