@@ -137,7 +137,7 @@ class SideStreams:
             return None
         counters = self._layer_counters
         if counters is None:  # made on the caller's stream, which the load stream waits on
-            counters = self._layer_counters = LayerCounters(num_layers, self.device)
+            counters = self._layer_counters = LayerCounters(num_layers, self.load_stream.device)
         # never replaced: a launch in flight may still count into them, a stream wait on them
         return counters if len(counters) == num_layers else None
 

@@ -6,6 +6,8 @@ turned off nothing is counted (the GPU half is ``test_layer_counters_gpu.py``)."
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_kernel import (
@@ -164,7 +166,8 @@ def test_which_loads_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     layers or more, a load stream and the driver's call: counted, with one set of counters
     for the stream's life; anything else keeps its layer groups."""
     streams = SideStreams(torch.device("cpu"), [])
-    monkeypatch.setattr(streams, "load_stream", object())  # as on CUDA
+    # a load stream as on CUDA (the counters go on its device)
+    monkeypatch.setattr(streams, "load_stream", SimpleNamespace(device=torch.device("cpu")))
     monkeypatch.setattr("hicache.controller.side_streams.counters_enabled", lambda: True)
     every = tuple(range(8))
     counters = streams._counters(_Op(True, every), 8)  # type: ignore[arg-type]
