@@ -171,9 +171,7 @@ class KernelBackend(TransferBackend):
     ) -> None:
         if moved.host_index.numel() == 0:
             return
-        to_host = direction is Direction.DEVICE_TO_HOST
-        row_copy = moved.row_copy
-        row_copy = self._row_copy(moved, to_host)
+        row_copy = self._row_copy(moved, direction is Direction.DEVICE_TO_HOST)
         # the op records moved.host_index / device_index on its side stream and holds them
         for begin, end in _contiguous_ranges(local_layers):
             row_copy.launch(begin, end)
