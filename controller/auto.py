@@ -10,9 +10,9 @@ matching row, ``torch`` (CPU) or ``kernel`` (GPU) is used. The choice is logged 
 counted per backend in ``TransferStats.backend_ops`` (a metric label).
 
 The shipped table's ``layer_first`` and ``page_first_direct`` rows were re-derived later
-(``rederived``: ``kernel`` and ``staged``, op sizes 256, 2048, 8192 and 32768 tokens, page
-sizes 16 and 64, each figure the median of three full runs); the ``page_first`` rows are
-from the first run (``measured_on``).
+(``rederived``: ``kernel`` and ``staged`` on an H200, op sizes 256, 2048 and 32768 tokens,
+page sizes 16 and 64, each figure the median of three full runs, kernel loads counted); the
+``page_first`` rows are from the first run (``measured_on``).
 """
 
 from __future__ import annotations
