@@ -183,3 +183,40 @@ def test_replay_capacities_are_checked_against_the_trace(
     err = capsys.readouterr().err
     assert "--capacities 2:8" in err and "device >= 3" in err and err.count("\n") == 1
     assert [replay(read_trace(trace, 10), 4, 2, page_size=16).requests] == [5]
+
+
+def test_thread_latency_feeds_both_services_the_same_calls(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """The thread-off and thread-on services take the same calls in turns: afterwards both
+    trees cached and evicted the same tokens (small pools, so the cycles evict), each side
+    timed every repeat, the running service's thread is stopped, and the p99 of the calls
+    no collection stopped is never above the p99 of all of them."""
+    import gc
+
+    import hicache.bench.scheduler_thread as thread_bench
+    from hicache.bench.scheduler import make_service
+
+    monkeypatch.setattr(thread_bench, "WARM_S", 0.05)
+    quiet, running = (make_service(capacity_tokens=16_384, interval_s=0.01) for _ in range(2))
+    try:
+        sides = (thread_bench._Side(quiet, 3, 4096), thread_bench._Side(running, 3, 4096))
+        running.start()
+        gc.callbacks.append(thread_bench._COLLECTIONS.count)
+        off, on = thread_bench._in_turns(sides, "cycle", 40)
+        assert len(off) == len(on) == 40
+        assert len(off.collected) == len(on.collected) == 40
+        for stat in ("inserted_tokens", "evicted_device_tokens", "evicted_host_tokens"):
+            assert getattr(quiet.tree.stats, stat) == getattr(running.tree.stats, stat)
+        assert quiet.tree.stats.evicted_device_tokens > 0  # the cycles evicted: trees changed
+        assert quiet.match(sides[0].prompt).device_hit_tokens == \
+            running.match(sides[1].prompt).device_hit_tokens
+    finally:
+        gc.callbacks.remove(thread_bench._COLLECTIONS.count)
+        quiet.stop()
+        running.stop()
+    out = thread_bench.measure_thread_latency(4096, 50, 0)
+    assert gc.callbacks.count(thread_bench._COLLECTIONS.count) == 0
+    for side in ("off", "on"):
+        whole = out[f"one request's cycle, background thread {side} (p99)"][0]
+        spared = out[f"the same, thread {side}, calls no collection stopped (p99)"][0]
+        assert 0 < spared <= whole
