@@ -14,7 +14,13 @@ import torch
 from gpu_shapes import under_sanitizer
 
 from hicache.bench import main
-from hicache.bench.auto import auto_table, choose_rows, median_records, pick_backend
+from hicache.bench.auto import (
+    auto_table,
+    choose_rows,
+    engine_cost_ms,
+    median_records,
+    pick_backend,
+)
 from hicache.bench.cli import add_bench_parser, check_args, parse_args
 from hicache.bench.plot import have_matplotlib
 from hicache.bench.report import render, targets
@@ -219,6 +225,20 @@ def test_median_records_keep_an_unmeasured_slowdown_unknown() -> None:
         "slowdown_pct"] is None
 
 
+def test_median_records_take_the_issue_and_op_times_too() -> None:
+    """The issue and op times of the engine's cost per op are medians over the runs that
+    kept them; a run saved before they were kept leaves them out, and none kept: None."""
+    base = {"direction": "host_to_device", "layout": "layer_first", "layer_wise": True,
+            "tokens": 256, "page_size": 16, "backend": "kernel", "slowdown_pct": 8.0}
+    merged = median_records([[{**base, "gb_per_s": 10.0}],
+                             [{**base, "gb_per_s": 30.0, "issue_ms": 0.6, "op_ms": 0.7}],
+                             [{**base, "gb_per_s": 20.0, "issue_ms": 0.2, "op_ms": 0.5}]])
+    assert (merged[0]["issue_ms"], merged[0]["op_ms"]) == (pytest.approx(0.4),
+                                                            pytest.approx(0.6))
+    alone = median_records([[{**base, "gb_per_s": 10.0}]])[0]
+    assert (alone["issue_ms"], alone["op_ms"]) == (None, None)
+
+
 def test_runs_of_different_devices_are_refused(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     """One table is for one device: runs of two devices exit 2 with one line naming them."""
@@ -263,38 +283,80 @@ def test_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_fastest_within_slowdown_bound_wins() -> None:
     """A faster backend that slows the matmul by more than 5% loses to a slower one."""
-    assert pick_backend({"kernel": (52.0, 15.0), "staged": (45.0, 4.9)}, 5.0) == "staged"
-    assert pick_backend({"kernel": (52.0, 5.0), "staged": (53.0, 6.0)}, 5.0) == "kernel"
+    assert pick_backend({"kernel": (52.0, 15.0, None), "staged": (45.0, 4.9, None)},
+                        5.0) == "staged"
+    assert pick_backend({"kernel": (52.0, 5.0, None), "staged": (53.0, 6.0, None)}, 5.0) == "kernel"
 
 
 def test_least_slowdown_wins_when_none_qualifies() -> None:
     """If every backend slows the matmul too much, the one slowing it least among those
     fast enough wins; an unknown slowdown counts as the worst; a backend below the share
     of the fastest is not considered even if it spares the matmul."""
-    assert pick_backend({"kernel": (52.0, 15.0), "staged": (45.0, None)}, 5.0) == "kernel"
-    assert pick_backend({"kernel": (51.3, 32.5), "staged": (46.3, 4.5)}, 3.0) == "staged"
-    assert pick_backend({"kernel": (49.0, 8.0), "staged": (19.5, 4.0)}, 3.0, 0.6) == "kernel"
+    assert pick_backend({"kernel": (52.0, 15.0, None), "staged": (45.0, None, None)},
+                        5.0) == "kernel"
+    assert pick_backend({"kernel": (51.3, 32.5, None), "staged": (46.3, 4.5, None)},
+                        3.0) == "staged"
+    assert pick_backend({"kernel": (49.0, 8.0, None), "staged": (19.5, 4.0, None)}, 3.0,
+                        0.6) == "kernel"
+
+
+def test_least_engine_cost_wins_when_none_qualifies() -> None:
+    """When no backend is within the bound and every one reaching the share has a cost per
+    op, the cheapest wins, whatever it does to the matmul: a 256-token load that takes
+    0.3 ms more to issue costs the scheduler thread more than 5% of its 0.67 ms costs the
+    matmul. Within the bound the fastest still wins, and one cost unknown brings back the
+    least slowdown."""
+    small_load = {"kernel": (27.3, 8.6, 0.61), "staged": (17.6, 3.4, 1.02)}
+    assert pick_backend(small_load, 3.0) == "kernel"
+    assert pick_backend(small_load, 4.0) == "staged"
+    assert pick_backend({"kernel": (27.3, 8.6, 0.61), "staged": (17.6, 3.4, None)},
+                        3.0) == "staged"
+    assert pick_backend({"kernel": (27.3, 8.6, 0.61), "staged": (10.0, 0.1, 0.05)},
+                        3.0) == "kernel"  # below the share: no candidate however cheap
+
+
+def test_engine_cost_of_a_record() -> None:
+    """CPU issue plus the slowdown's share of the op's GPU time; a missing figure (a run
+    saved before the issue time was kept) gives no cost; a speed-up costs no matmul."""
+    base = {"slowdown_pct": 10.0, "issue_ms": 0.5, "op_ms": 2.0}
+    assert engine_cost_ms(base) == pytest.approx(0.7)
+    assert engine_cost_ms({**base, "slowdown_pct": -2.0}) == pytest.approx(0.5)
+    assert engine_cost_ms({**base, "issue_ms": None}) is None
+    assert engine_cost_ms({"slowdown_pct": 10.0}) is None
 
 
 def test_a_much_slower_backend_does_not_qualify() -> None:
     """A backend far below the fastest wins nothing by sparing the matmul; with the share
     bound off the plain 5% rule applies."""
-    options = {"kernel": (49.5, 10.0), "staged": (6.0, 0.1)}
+    options = {"kernel": (49.5, 10.0, None), "staged": (6.0, 0.1, None)}
     assert pick_backend(options, 5.0) == "kernel"
     assert pick_backend(options, 5.0, min_share_of_best=0.0) == "staged"
-    assert pick_backend({"kernel": (50.0, 10.0), "staged": (40.0, 1.0)}, 5.0) == "staged"
+    assert pick_backend({"kernel": (50.0, 10.0, None), "staged": (40.0, 1.0, None)},
+                        5.0) == "staged"
 
 
 def test_ties_break_by_name() -> None:
     """Equal GB/s picks the alphabetically first backend, every time."""
-    assert pick_backend({"staged": (50.0, 1.0), "kernel": (50.0, 1.0)}, 5.0) == "kernel"
+    assert pick_backend({"staged": (50.0, 1.0, None), "kernel": (50.0, 1.0, None)}, 5.0) == "kernel"
 
 
 def record(backend: str, tokens: int, gbps: float, slowdown: float | None,
-           page: int = 16) -> dict[str, object]:
+           page: int = 16, issue_ms: float | None = None, op_ms: float | None = None
+           ) -> dict[str, object]:
     return {"direction": "device_to_host", "layout": "layer_first", "layer_wise": False,
             "tokens": tokens, "page_size": page, "backend": backend, "gb_per_s": gbps,
-            "slowdown_pct": slowdown}
+            "slowdown_pct": slowdown, "issue_ms": issue_ms, "op_ms": op_ms}
+
+
+def test_worst_page_size_cost_counts() -> None:
+    """The engine cost a backend is judged by is its highest over the page sizes."""
+    kernel = [record("kernel", 256, 30.0, 8.0, page=16, issue_ms=0.3, op_ms=0.7),
+              record("kernel", 256, 30.0, 8.0, page=64, issue_ms=0.6, op_ms=0.7)]
+    staged = [record("staged", 256, 25.0, 4.0, page=p, issue_ms=0.9, op_ms=0.7)
+              for p in (16, 64)]
+    assert choose_rows(kernel + staged)[0]["backend"] == "kernel"  # 0.656 against 0.928
+    slow_page = record("kernel", 256, 30.0, 8.0, page=1, issue_ms=1.2, op_ms=0.7)
+    assert choose_rows([*kernel, slow_page, *staged])[0]["backend"] == "staged"
 
 
 def test_rows_per_size_with_log_midpoint_thresholds() -> None:

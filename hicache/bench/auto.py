@@ -2,7 +2,14 @@
 
 For every (direction, layout, layer mode, size) measured, the backend with the highest GB/s
 among those whose concurrent matmul slowdown is at most ``max_slowdown_pct`` (3%) wins; if
-none qualifies, the one that slows the matmul least among those reaching the share below.
+none qualifies, the one among those reaching the share below that costs the engine least
+per op: its CPU issue (the scheduler thread launches nothing else meanwhile) plus the
+matmul time it takes (its slowdown times the op's GPU time). A small op shows why: a
+256-token layer-wise load on ``kernel`` takes 0.3-0.6 ms to issue and slows the matmul by
+8.6% over its 0.67 ms (about 0.06 ms of matmul), the same load on ``staged`` 0.5-1.2 ms to
+issue and 3.4% (0.03 ms): ``staged`` spares the GPU 0.03 ms and costs the scheduler thread
+0.2-0.6 ms more. Runs saved before the issue time was recorded fall back to the one that
+slows the matmul least.
 A backend slower than ``min_share_of_best`` (0.6) of the fastest does not qualify: a
 backend that barely touches the GPU because it is bound by the CPU (the staged backend's
 strided ``page_first`` per-layer copies run at a tenth of the link) would otherwise win by
@@ -47,7 +54,8 @@ CANDIDATES = ("torch", "kernel", "staged")
 _DIRECTION = {WRITE: ("device_to_host", False), LOAD: ("host_to_device", True)}
 
 Key = tuple[str, str, bool, int]  # direction, layout, layer_wise, tokens
-Figures = dict[str, tuple[float, float | None]]  # backend -> (GB/s, slowdown % or None)
+# backend -> (GB/s, slowdown % or None, milliseconds the engine loses per op or None)
+Figures = dict[str, tuple[float, float | None, float | None]]
 
 
 def candidate_measurements(measurements: Iterable[Measurement]) -> list[dict[str, Any]]:
@@ -66,40 +74,58 @@ def candidate_measurements(measurements: Iterable[Measurement]) -> list[dict[str
             "tokens": m.tokens, "page_size": m.page_size, "backend": m.backend,
             "gb_per_s": round(gbps, 3),
             "slowdown_pct": None if m.slowdown_pct is None else round(m.slowdown_pct, 2),
+            "issue_ms": None if m.issue_s is None else round(m.issue_s * 1e3, 4),
+            "op_ms": round(m.seconds * 1e3, 4),
         })
     return found
 
 
 def worst_by_backend(records: Sequence[dict[str, Any]]) -> dict[Key, Figures]:
-    """``{key: {backend: (lowest GB/s, highest slowdown or None)}}`` over page sizes."""
+    """``{key: {backend: (lowest GB/s, highest slowdown or None, highest cost per op or
+    None)}}`` over page sizes (:func:`engine_cost_ms`)."""
     table: dict[Key, Figures] = {}
     for r in records:
         key = (r["direction"], r["layout"], bool(r["layer_wise"]), int(r["tokens"]))
         per_backend = table.setdefault(key, {})
-        gbps, slowdown = float(r["gb_per_s"]), r["slowdown_pct"]
+        gbps, slowdown, cost = float(r["gb_per_s"]), r["slowdown_pct"], engine_cost_ms(r)
         if r["backend"] in per_backend:
-            old_gbps, old_slowdown = per_backend[r["backend"]]
+            old_gbps, old_slowdown, old_cost = per_backend[r["backend"]]
             gbps = min(gbps, old_gbps)
             slowdown = None if slowdown is None or old_slowdown is None else max(
                 slowdown, old_slowdown)
-        per_backend[r["backend"]] = (gbps, slowdown)
+            cost = None if cost is None or old_cost is None else max(cost, old_cost)
+        per_backend[r["backend"]] = (gbps, slowdown, cost)
     return table
+
+
+def engine_cost_ms(record: dict[str, Any]) -> float | None:
+    """What one op of ``record`` costs the engine, in milliseconds: its CPU issue plus the
+    matmul time it takes (slowdown times the op's GPU time); ``None`` when the record lacks
+    one of them (a run saved before the issue time was recorded)."""
+    issue, op, slowdown = record.get("issue_ms"), record.get("op_ms"), record["slowdown_pct"]
+    if issue is None or op is None or slowdown is None:
+        return None
+    return float(issue) + max(0.0, float(slowdown)) / 100.0 * float(op)
 
 
 def pick_backend(options: Figures, max_slowdown_pct: float,
                  min_share_of_best: float = DEFAULT_MIN_SHARE_OF_BEST) -> str:
     """The fastest backend whose slowdown is known and within the bound and whose GB/s is
     at least ``min_share_of_best`` of the fastest one's. If none is, the one of those
-    reaching that share (the fastest always does) that slows the matmul least (an unknown
-    slowdown counts as the worst): a backend 10% slower that slows it by 4.5% beats one
-    that slows it by 32%. Ties go to the name first in alphabetical order
-    (deterministic)."""
-    best = max(gbps for gbps, _ in options.values())
+    reaching that share (the fastest always does) that costs the engine least per op
+    (``(GB/s, slowdown, cost)``, :func:`engine_cost_ms`), when every one of them has a
+    cost; otherwise the one that slows the matmul least (an unknown slowdown counts as the
+    worst): a backend 10% slower that slows it by 4.5% beats one that slows it by 32%. Ties
+    go to the name first in alphabetical order (deterministic)."""
+    best = max(figures[0] for figures in options.values())
     fast_enough = {name: v for name, v in options.items() if v[0] >= min_share_of_best * best}
     eligible = {name: v for name, v in fast_enough.items()
                 if v[1] is not None and v[1] <= max_slowdown_pct}
     if eligible:
         return min(eligible, key=lambda name: (-eligible[name][0], name))
+    costs = {name: v[2] for name, v in fast_enough.items()}
+    if all(cost is not None for cost in costs.values()):
+        return min(costs, key=lambda name: (costs[name], name))
     return min(fast_enough, key=lambda name: (
         math.inf if fast_enough[name][1] is None else fast_enough[name][1],
         -fast_enough[name][0], name))
@@ -131,8 +157,8 @@ def choose_rows(records: Sequence[dict[str, Any]],
 def median_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
     """One record per configuration (direction, layout, layer mode, size, page size,
     backend) that any of ``runs`` measured (:func:`candidate_measurements` records): the
-    median of its GB/s and of its slowdown over the runs that measured it (a slowdown none
-    of them measured stays ``None``), in first-seen order."""
+    median of its GB/s, slowdown, issue and op times over the runs that measured each (one
+    none of them measured stays ``None``), in first-seen order."""
     found: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for records in runs:
         for r in records:
@@ -141,13 +167,12 @@ def median_records(runs: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, A
             found.setdefault(key, []).append(r)
     merged = []
     for same in found.values():
-        slowdowns = [r["slowdown_pct"] for r in same if r["slowdown_pct"] is not None]
-        merged.append({
-            **same[0],
-            "gb_per_s": round(statistics.median(r["gb_per_s"] for r in same), 3),
-            "slowdown_pct": round(statistics.median(slowdowns), 2) if slowdowns else None,
-            "runs": len(same),
-        })
+        record = {**same[0], "gb_per_s": round(statistics.median(r["gb_per_s"] for r in same), 3)}
+        for name, digits in (("slowdown_pct", 2), ("issue_ms", 4), ("op_ms", 4)):
+            known = [r[name] for r in same if r.get(name) is not None]
+            record[name] = round(statistics.median(known), digits) if known else None
+        record["runs"] = len(same)
+        merged.append(record)
     return merged
 
 
@@ -194,8 +219,10 @@ def _table(records: list[dict[str, Any]], measured_on: dict[str, Any],
                  f"loads: over CPU issue plus GPU time) among backends "
                  f"whose concurrent bf16 matmul slows by <= {max_slowdown_pct:g}% and that "
                  f"reach >= {min_share_of_best:g} of the best GB/s (worst page size counts), "
-                 f"else the one of those reaching that share that slows the matmul least; a "
-                 f"row applies from min_tokens up"),
+                 f"else the one of those reaching that share that costs the engine least per "
+                 f"op (CPU issue plus slowdown times the op's GPU time; the one that slows "
+                 f"the matmul least where a run lacks the issue time); a row applies from "
+                 f"min_tokens up"),
         "rows": choose_rows(records, max_slowdown_pct, min_share_of_best),
         "measurements": records,
     }

@@ -217,8 +217,9 @@ def auto_lines(table: dict[str, Any]) -> list[str]:
     figures = worst_by_backend(table.get("measurements", []))
     width = layout_width([row["layout"] for row in table["rows"]], least=13)
     head = (f"{'direction':<16}{'layout':<{width}}{'layer_wise':<11}{'tokens':>7}{'min_tok':>8}"
-            + "".join(f"{name:>15}" for name in CANDIDATES) + "  -> backend")
-    lines = [f"auto table ({table.get('rule', '')}); cells: GB/s (matmul slowdown %)",
+            + "".join(f"{name:>21}" for name in CANDIDATES) + "  -> backend")
+    lines = [f"auto table ({table.get('rule', '')}); cells: GB/s (matmul slowdown %) and "
+             f"what one op costs the engine in ms (CPU issue plus matmul time lost)",
              head, "-" * len(head)]
     for row in table["rows"]:
         key = (row["direction"], row["layout"], bool(row["layer_wise"]),
@@ -228,10 +229,10 @@ def auto_lines(table: dict[str, Any]) -> list[str]:
         cells = ""
         for name in CANDIDATES:
             if name not in options:
-                cells += f"{'-':>15}"
+                cells += f"{'-':>21}"
                 continue
-            gbps, slowdown = options[name]
-            cells += f"{gbps:>8.1f} ({_num(slowdown, 0)})".rjust(15)
+            gbps, slowdown, cost = options[name]
+            cells += f"{gbps:>8.1f} ({_num(slowdown, 0)}) {_num(cost, 0, 2)}".rjust(21)
         lines.append(f"{row['direction']:<16}{row['layout']:<{width}}"
                      f"{row['layer_wise']!s:<11}{key[3]:>7}{row['min_tokens']:>8}{cells}  -> "
                      f"{row['backend']}")

@@ -1,5 +1,5 @@
 """``hicache bench scheduler``'s figure of the background thread: the latency of the
-scheduler's calls with the service's thread off, then running, in the steady state of a
+scheduler's calls with the service's thread off and running, in turns, in the steady state of a
 busy scheduler (see :func:`measure_thread_latency`)."""
 
 from __future__ import annotations
