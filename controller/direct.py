@@ -218,6 +218,7 @@ class DirectBackend(TransferBackend):
 
     name = "direct"
     cheap_copies = True  # a copy call is a runtime call of a few microseconds
+    copy_s = 10e-6
 
     def __init__(self) -> None:
         # per pool pair, weakly: a backend shared by many controllers (or tests) keeps no

@@ -107,7 +107,7 @@ class SideStreams:
         else:
             groups = plan_load_groups(len(events),
                                       sum(op.bytes_by_pool.values()) // len(events),
-                                      executor.cheap_copies)
+                                      executor.cheap_copies, executor.copy_s)
         parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         stream = self.load_stream
         self._begin(op, stream)

@@ -37,7 +37,8 @@ from hicache.pools import HostLayout
 MIB = 2**20
 NUM_LAYERS = 32
 SMALL_LOAD = [range(0, 1), range(1, 2), range(2, 4), range(4, 8), range(8, 16),
-              range(16, 24), range(24, 32)]
+              range(16, 24), range(24, 32)]  # the plan before copy costs were modelled
+LINK_BOUND_LOAD = [range(0, 1), range(1, 4), range(4, 10), range(10, 22), range(22, 32)]
 HYBRID_SWA_LAYERS = (1, 3, 4, 5, 6, 10, 13)
 
 
@@ -66,50 +67,88 @@ class SpyBackend(TorchBackend):
 
 # ---- the planner -------------------------------------------------------------------------
 
+def modelled_ready(groups: Sequence[range], layer_bytes: int, copy_s: float) -> list[float]:
+    """Per layer, when the planner's model has it in place: copies issued one after the
+    other, each moved once issued and the one before it is done."""
+    link = layer_bytes / load_groups.LINK_BYTES_PER_S
+    ready: list[float] = []
+    issued = done = 0.0
+    for group in groups:
+        issued += copy_s
+        done = max(issued, done) + len(group) * link
+        ready.extend(done for _ in group)
+    return ready
+
+
 @pytest.mark.parametrize("num_layers", [1, 2, 3, 5, 8, 31, 32, 61, 80, 128])
 @pytest.mark.parametrize("layer_mib", [0, 0.01, 1, 3, 8, 9, 128])
-def test_groups_cover_every_layer_once_in_order(num_layers: int, layer_mib: float) -> None:
-    """Layer 0 alone first, then consecutive groups no larger than the layers before them,
-    within the byte and share bounds (one layer may exceed the byte bound on its own, and
-    every group may hold the copy-count bound's layers); about MAX_COPIES copies at most."""
-    layer_bytes = int(layer_mib * MIB)
-    groups = plan_load_groups(num_layers, layer_bytes)
+@pytest.mark.parametrize("copy_us", [0, 10, 25, 70, 300])
+def test_groups_cover_every_layer_once_and_keep_each_ready_in_time(
+        num_layers: int, layer_mib: float, copy_us: int) -> None:
+    """Layer 0 alone first, then consecutive groups within the byte bound (one layer may
+    exceed it on its own, every group may hold the copy-count bound's layers, a last group
+    may take a tail that moves in less than one copy's issue); every layer ready, in the
+    model, at most LATENESS times as late as per-layer copies make it (plus one copy's
+    issue, for the merged tail); about MAX_COPIES copies at most."""
+    layer_bytes, copy_s = int(layer_mib * MIB), copy_us * 1e-6
+    groups = plan_load_groups(num_layers, layer_bytes, copy_s=copy_s)
     assert groups[0] == range(0, 1)
     assert [layer for group in groups for layer in group] == list(range(num_layers))
-    share = max(1, int(num_layers * load_groups.MAX_GROUP_SHARE))
     for_copies = load_groups.copy_bound_layers(num_layers)
-    for group in groups[1:]:
-        assert 1 <= len(group) <= min(load_groups.RAMP_FACTOR * group.start,
-                                      max(share, for_copies))
+    link = layer_bytes / load_groups.LINK_BYTES_PER_S
+    for group in groups[1:-1]:
         assert len(group) <= for_copies or len(group) * layer_bytes <= GROUP_BYTES
+    if len(groups) > 1:
+        last = groups[-1]
+        over = len(last) - max(for_copies, GROUP_BYTES // max(1, layer_bytes))
+        assert over <= 0 or over * link < copy_s
+    ready = modelled_ready(groups, layer_bytes, copy_s)
+    for layer in range(num_layers):
+        alone = load_groups.per_layer_ready(layer, link, copy_s)
+        assert ready[layer] <= load_groups.LATENESS * alone + copy_s + 1e-12, layer
     ramp = (max(1, for_copies) - 1).bit_length() + 1  # copies before groups reach the bound
     assert len(groups) <= load_groups.MAX_COPIES + ramp
 
 
-def test_small_load_of_32_layers_is_seven_copies() -> None:
-    """256 tokens of 32 layers (1 MiB a layer): groups of 1, 1, 2, 4, 8, 8, 8 layers."""
-    assert list(plan_load_groups(NUM_LAYERS, MIB)) == SMALL_LOAD
+def test_small_staged_load_of_32_layers_is_four_copies() -> None:
+    """256 tokens of 32 layers (1 MiB a layer, 21 us on the link) with staged chunks of
+    70 us: the CPU is the slower, so groups grow as it falls behind: 1, 8, 16, 7 layers
+    (the old ramp took 7 copies), and the last layer is ready sooner than with 7 or 32."""
+    groups = plan_load_groups(NUM_LAYERS, MIB, copy_s=70e-6)
+    assert [len(g) for g in groups] == [1, 8, 16, 7]
+    last = modelled_ready(groups, MIB, 70e-6)[-1]
+    assert last < modelled_ready(SMALL_LOAD, MIB, 70e-6)[-1]
+    assert last < modelled_ready([range(i, i + 1) for i in range(NUM_LAYERS)], MIB, 70e-6)[-1]
+
+
+def test_groups_grow_as_the_cpu_falls_behind() -> None:
+    """The costlier a copy against its layers' transfer, the fewer copies a small load."""
+    counts = [len(plan_load_groups(NUM_LAYERS, MIB, copy_s=us * 1e-6))
+              for us in (0, 10, 25, 70, 300)]
+    assert counts == sorted(counts, reverse=True)
+    assert counts[0] > counts[-1]
 
 
 def test_groups_stop_growing_at_the_byte_bound() -> None:
-    """4 MiB layers: groups grow to 4 layers (16 MiB) and stay there."""
-    sizes = [len(g) for g in plan_load_groups(NUM_LAYERS, 4 * MIB)]
-    assert sizes == [1, 1, 2] + [4] * 7
-
-
-def test_a_larger_ramp_factor_reaches_the_bound_in_fewer_copies(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ramp factor 3: groups of up to three times the layers before them, 6 copies."""
-    monkeypatch.setattr(load_groups, "RAMP_FACTOR", 3)
-    assert [len(g) for g in plan_load_groups(NUM_LAYERS, MIB)] == [1, 3, 8, 8, 8, 4]
+    """4 MiB layers (80 us on the link, longer than a copy's issue): groups grow to 4 layers
+    (16 MiB) and stay there."""
+    sizes = [len(g) for g in plan_load_groups(NUM_LAYERS, 4 * MIB, copy_s=25e-6)]
+    assert sizes == [1, 3] + [4] * 7
 
 
 def test_big_layers_load_in_groups_of_the_copy_bound() -> None:
-    """Layers of more than half the byte bound: groups ramp up to the copy-count bound's
-    size (3 layers of 32: 1, 1, 2, then 3s), 13 copies instead of 32."""
+    """Layers of more than half the byte bound: groups of the copy-count bound's size
+    (3 layers of 32) after layer 0, 12 copies instead of 32."""
     for layer_bytes in (GROUP_BYTES // 2 + 1, GROUP_BYTES, 128 * MIB):
         assert [len(g) for g in plan_load_groups(NUM_LAYERS, layer_bytes)] == [
-            1, 1, 2] + [3] * 9 + [1]
+            1] + [3] * 10 + [1]
+
+
+def test_a_link_bound_load_ramps_up() -> None:
+    """Copies that cost no CPU: each group about as large as the layers before it allow
+    (a layer at most twice as late as alone), up to the byte bound."""
+    sizes = [len(g) for g in plan_load_groups(NUM_LAYERS, MIB, copy_s=0)]
+    assert sizes == [1, 3, 6, 12, 10]
 
 
 def test_without_the_copy_bound_big_layers_load_layer_by_layer(
@@ -121,10 +160,11 @@ def test_without_the_copy_bound_big_layers_load_layer_by_layer(
 
 def test_cheap_copies_load_big_layers_one_by_one_and_small_ones_grouped() -> None:
     """Without the copy-count bound (a backend of cheap copies), big layers are one group
-    each; small ones are grouped by the byte, share and ramp rules as before."""
-    assert list(plan_load_groups(NUM_LAYERS, GROUP_BYTES // 2 + 1, cheap_copies=True)) == [
-        range(i, i + 1) for i in range(NUM_LAYERS)]
-    assert list(plan_load_groups(NUM_LAYERS, MIB, cheap_copies=True)) == SMALL_LOAD
+    each; small ones are grouped by the lateness and byte rules as before."""
+    assert list(plan_load_groups(NUM_LAYERS, GROUP_BYTES // 2 + 1, cheap_copies=True,
+                                 copy_s=10e-6)) == [range(i, i + 1) for i in range(NUM_LAYERS)]
+    assert ([len(g) for g in plan_load_groups(NUM_LAYERS, MIB, cheap_copies=True,
+                                              copy_s=10e-6)] == [1, 3, 6, 12, 10])
 
 
 class DirectSpy(DirectBackend):
@@ -145,6 +185,7 @@ def test_direct_loads_big_layers_one_copy_each(monkeypatch: pytest.MonkeyPatch) 
     """Through the controller: with layers above half the byte bound, the direct backend
     copies every layer on its own (no copy-count bound), and the rows arrive exactly."""
     monkeypatch.setattr(load_groups, "GROUP_BYTES", 2)  # every layer counts as big
+    monkeypatch.setattr(load_groups, "LINK_BYTES_PER_S", 1.0)  # and slow to move
     log: list[int] = []
     ctrl = make_controller(DirectSpy(log), num_layers=NUM_LAYERS)
     host, rows = written_and_wiped(ctrl, 4)
@@ -167,13 +208,15 @@ def test_planner_rejects_bad_arguments() -> None:
         plan_load_groups(0, MIB)
     with pytest.raises(ValueError, match="layer_bytes must be >= 0, got -1"):
         plan_load_groups(4, -1)
+    with pytest.raises(ValueError, match="copy_s must be >= 0, got -1"):
+        plan_load_groups(4, MIB, copy_s=-1)
 
 
 def test_local_groups_of_a_pool_holding_some_layers() -> None:
     """A pool of model layers 0, 2, 5 and 9: local ids per group, empty where it holds none."""
-    groups = plan_load_groups(12, 1)  # 1, 1, 2, 3, 3, 2 layers
-    assert [len(g) for g in groups] == [1, 1, 2, 3, 3, 2]
-    assert local_groups((0, 2, 5, 9), groups) == ((0,), (), (1,), (2,), (3,), ())
+    groups = plan_load_groups(12, MIB, copy_s=0)
+    assert [len(g) for g in groups] == [1, 3, 6, 2]
+    assert local_groups((0, 2, 5, 9), groups) == ((0,), (1,), (2, 3), ())
     assert local_groups(tuple(range(12)), groups) == tuple(tuple(g) for g in groups)
 
 
@@ -197,9 +240,13 @@ def test_grouped_load_is_bit_exact(backend: TransferBackend, layout: HostLayout)
 
 def test_every_event_recorded_after_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
     """One copy per group; after it, the event of the group's last layer is recorded and
-    every other layer's event follows it (fires with it), before the next group's copy."""
+    every other layer's event follows it (fires with it), before the next group's copy.
+    Copies of no CPU cost over a slow link: the plan of a link-bound load."""
     log: list[tuple[str, int]] = []
-    ctrl = make_controller(SpyBackend(log), num_layers=NUM_LAYERS)
+    spy = SpyBackend(log)
+    spy.copy_s = 0.0
+    monkeypatch.setattr(load_groups, "LINK_BYTES_PER_S", 1.0)
+    ctrl = make_controller(spy, num_layers=NUM_LAYERS)
     host, _ = written_and_wiped(ctrl, 4)
     events = ctrl.layer_events._sets[0]
     position = {id(event): layer for layer, event in enumerate(events)}
@@ -222,7 +269,7 @@ def test_every_event_recorded_after_its_group(monkeypatch: pytest.MonkeyPatch) -
     assert ctrl.load(host) is not None
     assert ctrl.start_loading() == 0
     expected: list[tuple[str, int]] = []
-    for group in SMALL_LOAD:
+    for group in LINK_BOUND_LOAD:
         expected += [("copy", layer) for layer in group] + [("call", len(group))]
         expected += [("event", group[-1])] + [("follow", layer) for layer in group[:-1]]
     assert log == expected
@@ -246,6 +293,7 @@ def test_big_layers_are_copied_one_by_one(monkeypatch: pytest.MonkeyPatch) -> No
     host, _ = written_and_wiped(ctrl, 4)
     monkeypatch.setattr(load_groups, "GROUP_BYTES", 1)
     monkeypatch.setattr(load_groups, "MAX_COPIES", NUM_LAYERS)
+    monkeypatch.setattr(load_groups, "LINK_BYTES_PER_S", 1.0)  # each layer slow to move
     assert ctrl.load(host) is not None
     ctrl.start_loading()
     assert [entry for entry in log if entry[0] == "call"] == [("call", 1)] * NUM_LAYERS
@@ -266,10 +314,12 @@ def test_wait_until_every_layer_after_a_grouped_load() -> None:
 
 @pytest.mark.parametrize("backend", backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
-def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout) -> None:
-    """16 model layers in groups of 1, 1, 2, 4, 4, 4; SWA layers 1, 3-6, 10 and 13, so groups
-    hold layers of one pool, of both, and three of either: full rows of every token and SWA
-    rows of the tail come back bit for bit, nothing else changes."""
+def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 model layers over a slow link (layer 0, then groups growing to 7 layers); SWA
+    layers 1, 3-6, 10 and 13, so groups hold layers of one pool and of both: full rows of
+    every token and SWA rows of the tail come back bit for bit, nothing else changes."""
+    monkeypatch.setattr(load_groups, "LINK_BYTES_PER_S", 1.0)
     ctrl = make_hybrid(backend, layout=layout, num_layers=16, swa_layers=HYBRID_SWA_LAYERS)
     pool = ctrl.hybrid_pool
     _, host, swa_before, full_rows, swa_rows = back_up_and_evict(ctrl, 10, no_swa_tokens=6)

@@ -98,10 +98,11 @@ def held_back(ctrl: TransferCore) -> None:
 @pytest.mark.parametrize("grouping", ["grouped", "copy_bound", "per_layer"])
 def test_grouped_load_events_and_rows(backend: TransferBackend, layout: HostLayout,
                                       grouping: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 32-layer load (groups of 1, 1, 2, 4, 8, 8, 8 layers; of the copy-count bound's 3
-    layers, as big ops; or one per layer): a reader waiting on each layer's event sees
-    exactly that layer's rows; afterwards every loaded row is bit-exact and every other row
-    keeps the sentinel."""
+    """A 32-layer load modelled as bound by the link (groups of 1, 3, 6, 12, 10 layers; of
+    the copy-count bound's 3 layers, as big ops; or one per layer): a reader waiting on each
+    layer's event sees exactly that layer's rows; afterwards every loaded row is bit-exact
+    and every other row keeps the sentinel."""
+    monkeypatch.setattr(load_groups, "LINK_BYTES_PER_S", 1.0)
     if grouping != "grouped":
         monkeypatch.setattr(load_groups, "GROUP_BYTES", 1)
     if grouping == "per_layer":

@@ -15,6 +15,7 @@ from hicache.controller import (
     TransferBackend,
     chunk_slots,
     copy2d,
+    load_groups,
     staged_chunk,
 )
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
@@ -213,6 +214,14 @@ def test_chunks_are_balanced_whole_pages_within_the_buffer() -> None:
                 assert -(-pairs // chunk) == fewest
 
 
+def per_layer_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer-wise loads copy every layer on its own: each layer above the byte bound, slow
+    to move, no copy-count bound (controller/load_groups.py)."""
+    monkeypatch.setattr(load_groups, "GROUP_BYTES", 1)
+    monkeypatch.setattr(load_groups, "MAX_COPIES", 1024)
+    monkeypatch.setattr(load_groups, "LINK_BYTES_PER_S", 1.0)
+
+
 def issued_copies(monkeypatch: pytest.MonkeyPatch) -> list[Copy2D]:
     """Record every planned 2D copy a staged move issues on the CPU, and still copy."""
     issued: list[Copy2D] = []
@@ -232,6 +241,7 @@ def test_page_first_direct_layer_of_a_page_run_is_one_2d_copy(
     """A layer-wise load of 4 consecutive whole 16-slot pages copies each layer as ONE 2D
     copy: 4 pages x K,V rows of 16 token rows, a layer-major page block apart on the host;
     the write of all layers is one contiguous copy."""
+    per_layer_loads(monkeypatch)
     ctrl = make_controller(StagedBackend(64), page_size=16, num_layers=3, layout=HostLayout
                            .PAGE_FIRST_DIRECT, device_pages=8, host_pages=8)
     copies = issued_copies(monkeypatch)
@@ -285,6 +295,7 @@ def test_layer_wise_load_plans_each_chunk_once(monkeypatch: pytest.MonkeyPatch,
     assert host is not None
     ctrl.drain()
     monkeypatch.setattr(staged_chunk.ChunkSlots, "__init__", counted)
+    per_layer_loads(monkeypatch)
     assert ctrl.load(host) is not None  # 6 layers: one group per layer
     ctrl.drain()
     assert made == [(0, 3 * CHUNK + 2), (3 * CHUNK + 2, 6 * CHUNK + 4)]
