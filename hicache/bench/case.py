@@ -23,6 +23,7 @@ from .workload import BenchmarkError, Session, Shape, Slots
 logger = logging.getLogger(__name__)
 SIZE_BACKENDS = ("kernel", "staged", "direct")  # measured at the auto table's smaller sizes
 WARMUP_OPS = 2  # untimed full-size ops of each direction before a case's timed ones
+PROBE_OPS = 2  # untimed ops of each smaller size that set how many make a timed batch
 
 
 @dataclass
@@ -59,10 +60,13 @@ def bench_backend(ctx: Context, name: str, backend: TransferBackend, host_pool: 
     if name in SIZE_BACKENDS:
         for size in sorted(set(args.auto_sizes) - {shape.tokens}):
             for load in (False, True):
+                # the faster of two probes: an op of a size not moved before can take
+                # tens of milliseconds (seen once: a staged page_first_direct write of 256
+                # tokens), and a batch of one op is too short to time a matmul beside it
                 probe = OpTimes()
-                run_batches(session, load, 1, size, 1, probe)
+                run_batches(session, load, 1, size, PROBE_OPS, probe)
                 count = min(session.max_batch(size),
-                            max(1, math.ceil(args.window_ms / 1e3 / probe.seconds[0])))
+                            max(1, math.ceil(args.window_ms / 1e3 / min(probe.seconds))))
                 times = OpTimes()
                 run_batches(session, load, count, size, repeats, times)
                 found.append(_measure(ctx, label, load, size, session, times, count))
