@@ -180,8 +180,9 @@ class KernelBackend(TransferBackend):
     def copy_counted(self, moved: MovedTransfer, layers: range, counters: torch.Tensor
                      ) -> int:
         row_copy = self._row_copy(moved, False)
-        if moved.host_index.numel():
-            row_copy.launch(layers.start, layers.stop, counters)
+        if not moved.host_index.numel():  # nothing launched: nothing will count
+            return 0
+        row_copy.launch(layers.start, layers.stop, counters)
         return row_copy.items_per_layer
 
     def _row_copy(self, moved: MovedTransfer, to_host: bool) -> RowCopy:

@@ -279,5 +279,6 @@ class TransferBackend(ABC):
                      ) -> int:
         """Load local ``layers`` of ``moved`` (host to device) in one launch, in layer order,
         adding to ``counters[layer]`` as each layer's rows land; returns what the launch adds
-        to each layer's counter (only where :attr:`counts_layers`)."""
+        to each layer's counter, 0 when it launches nothing (no pairs). Only where
+        :attr:`counts_layers`."""
         raise NotImplementedError(f"the {self.name} backend does not count layers")

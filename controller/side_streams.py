@@ -12,18 +12,20 @@ once, in order.
 
 A layer-wise load is issued in groups of consecutive layers (:mod:`.load_groups`): one copy
 per group and pool transfer, every layer's event recorded after its group. Through the
-``kernel`` backend it is two launches, layer 0 and then the rest, the second counting each
-layer's rows in place (:mod:`.layer_counters`), so each layer is still ready on its own.
+``kernel`` backend it is layer 0 and then one launch per pool of the rest, each counting its
+layers' rows in place (:mod:`.layer_counters`), so each layer is still ready on its own: two
+launches for one pool holding every layer, three for a hybrid model's full and SWA pools.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
 
-from .base import TransferBackend, TransferOp
+from .base import MovedTransfer, TransferBackend, TransferOp
 from .events import CurrentStreams, Event
 from .index_moves import record_on_stream
 from .layer_counters import LayerCounters, counters_enabled
@@ -54,7 +56,8 @@ class SideStreams:
         # mark_caller: events waited on already (free to record again), the caller's stream
         self._free_marks: list[Event] = []
         self._callers = CurrentStreams(device) if self.on_cuda else None
-        self._layer_counters: LayerCounters | None = None  # made by the first counted load
+        # per pool's model layers: made by the first counted load of that pool
+        self._layer_counters: dict[tuple[int, ...], LayerCounters] = {}
 
     def mark_caller(self, earlier: Sequence[Event] = ()) -> tuple[Event, ...]:
         """``earlier`` and an event recorded now on the caller's current stream, for an op
@@ -99,10 +102,11 @@ class SideStreams:
         (:mod:`.load_groups`): one copy per group and pool, then the event of the group's last
         layer recorded and the others' set to follow it (one event per model layer; the
         layers of a group become ready together). A counted load (:meth:`_counters`) is two
-        groups, layer 0 and the rest, the second's layers each ready on its own."""
+        groups, layer 0 and the rest, the second's layers each ready on its own (one
+        launch per pool)."""
         executor = _executor(op)
         counters = self._counters(op, len(events))
-        if counters is not None:  # layer 0, then the rest counted in one launch
+        if counters is not None:  # layer 0, then the rest counted in one launch per pool
             groups: tuple[range, ...] = (range(0, 1), range(1, len(events)))
         else:
             groups = plan_load_groups(len(events),
@@ -114,7 +118,7 @@ class SideStreams:
         with _on_stream(stream, self._callers):
             for number, group in enumerate(groups):
                 if counters is not None and number == 1:
-                    self._issue_counted(op, events, group, counters, stream)
+                    self._issue_counted(op, events, group, parts, counters, stream)
                     continue
                 for moved, local in parts:
                     if local[number]:
@@ -126,32 +130,53 @@ class SideStreams:
         op.finish_event = events[-1]
         self._finish(op, stream)
 
-    def _counters(self, op: TransferOp, num_layers: int) -> LayerCounters | None:
-        """The load stream's layer counters when ``op`` loads in two launches, layer 0 and
-        then the rest counted (:mod:`.layer_counters`): a backend that counts layers, on
-        CUDA with the driver's wait on a value, one pool transfer holding every model layer
-        in order, three layers or more; ``None`` otherwise (layer groups)."""
-        if (num_layers < 3 or not _executor(op).counts_layers or len(op.moved) != 1
-                or self.load_stream is None or not counters_enabled()
-                or op.moved[0].source.layers != tuple(range(num_layers))):
+    def _counters(self, op: TransferOp, num_layers: int
+                  ) -> dict[tuple[int, ...], LayerCounters] | None:
+        """The load stream's layer counters of each pool ``op`` loads, when it loads layer 0
+        and then the rest counted, one launch per pool (:mod:`.layer_counters`): a backend
+        that counts layers, on CUDA with the driver's wait on a value, pool transfers that
+        hold every model layer once between them, each in ascending order (one pool of all
+        layers, or a hybrid model's full and SWA pools), three layers or more; ``None``
+        otherwise (layer groups)."""
+        if (num_layers < 3 or not _executor(op).counts_layers or self.load_stream is None
+                or not counters_enabled()
+                or not _cover_once(tuple(moved.source.layers for moved in op.moved),
+                                   num_layers)):
             return None
-        counters = self._layer_counters
-        if counters is None:  # made on the caller's stream, which the load stream waits on
-            counters = self._layer_counters = LayerCounters(num_layers, self.load_stream.device)
+        found = self._layer_counters
+        for moved in op.moved:
+            layers = moved.source.layers
+            if layers not in found:  # made on the caller's stream; the load stream waits on it
+                found[layers] = LayerCounters(len(layers), self.load_stream.device)
         # never replaced: a launch in flight may still count into them, a stream wait on them
-        return counters if len(counters) == num_layers else None
+        return found
 
     @staticmethod
     def _issue_counted(op: TransferOp, events: Sequence[Event], layers: range,
-                       counters: LayerCounters, stream: torch.cuda.Stream | None) -> None:
-        """Load ``layers`` in one counted launch; the last layer's event is recorded after
-        it, the others fire as their counters reach the launch's count."""
-        per_layer = _executor(op).copy_counted(op.moved[0], layers, counters.tensor)
+                       parts: Sequence[tuple[MovedTransfer, tuple[tuple[int, ...], ...]]],
+                       counters: dict[tuple[int, ...], LayerCounters],
+                       stream: torch.cuda.Stream | None) -> None:
+        """Load model ``layers`` (group 1 of ``parts``' local groups) in one counted launch per
+        pool; the last layer's event is recorded after them all, the others fire as their
+        counters reach their launch's count."""
+        executor = _executor(op)
+        launched = []
+        for moved, local in parts:
+            mine = local[1]
+            if mine:  # consecutive local layers: the pool's layers ascend
+                pool_counters = counters[moved.source.layers]
+                local_range = range(mine[0], mine[-1] + 1)
+                per_layer = executor.copy_counted(moved, local_range, pool_counters.tensor)
+                launched.append((moved.source.layers, local_range, pool_counters, per_layer))
         last = events[layers[-1]]
         last.record(stream)
-        targets = counters.issued(layers, per_layer)  # the last layer's counter grew too
-        for layer, (address, value) in zip(layers[:-1], targets[:-1], strict=True):
-            events[layer].count(address, value, last)
+        for model_layers, local_range, pool_counters, per_layer in launched:
+            # every counter grows, the last layer's too (its event is the record above)
+            targets = pool_counters.issued(local_range, per_layer)
+            for local_layer, (address, value) in zip(local_range, targets, strict=True):
+                layer = model_layers[local_layer]
+                if layer != layers[-1]:
+                    events[layer].count(address, value, last)
 
     def _begin(self, op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
         """Order the side stream after every producer and after the caller's stream (which
@@ -186,6 +211,15 @@ class SideStreams:
     def _finish(op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
         if side_stream is not None:
             record_on_stream(op, side_stream)
+
+
+@functools.lru_cache(maxsize=64)
+def _cover_once(layer_sets: tuple[tuple[int, ...], ...], num_layers: int) -> bool:
+    """True when ``layer_sets`` hold every layer below ``num_layers`` once between them,
+    each set in ascending order."""
+    return (all(list(layers) == sorted(layers) for layers in layer_sets)
+            and sorted(layer for layers in layer_sets for layer in layers)
+            == list(range(num_layers)))
 
 
 def _executor(op: TransferOp) -> TransferBackend:

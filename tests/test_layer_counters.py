@@ -162,22 +162,29 @@ class _Op:
 
 
 def test_which_loads_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A backend that counts, one pool transfer holding every model layer in order, three
-    layers or more, a load stream and the driver's call: counted, with one set of counters
-    for the stream's life; anything else keeps its layer groups."""
+    """A backend that counts, pool transfers holding every model layer once between them in
+    ascending order (one pool, or a hybrid model's two), three layers or more, a load stream
+    and the driver's call: counted, with one set of counters per pool's layers for the
+    stream's life; anything else keeps its layer groups."""
     streams = SideStreams(torch.device("cpu"), [])
     # a load stream as on CUDA (the counters go on its device)
     monkeypatch.setattr(streams, "load_stream", SimpleNamespace(device=torch.device("cpu")))
     monkeypatch.setattr("hicache.controller.side_streams.counters_enabled", lambda: True)
-    every = tuple(range(8))
+    every, even, odd = tuple(range(8)), (0, 2, 4, 6), (1, 3, 5, 7)
     counters = streams._counters(_Op(True, every), 8)  # type: ignore[arg-type]
-    assert counters is not None and len(counters) == 8
-    assert streams._counters(_Op(True, every), 8) is counters  # type: ignore[arg-type]
+    assert counters is not None and len(counters[every]) == 8
+    one = counters[every]
+    assert streams._counters(_Op(True, every), 8)[every] is one  # type: ignore[arg-type,index]
+    hybrid = streams._counters(_Op(True, even, odd), 8)  # type: ignore[arg-type]
+    assert hybrid is not None and len(hybrid[even]) == len(hybrid[odd]) == 4
+    assert hybrid[every] is one  # made once, never replaced
+    six = streams._counters(_Op(True, every[:6]), 6)  # type: ignore[arg-type]
+    assert six is not None and len(six[every[:6]]) == 6  # a model of another layer count
     for op, layers in [(_Op(False, every), 8),  # the backend does not count (staged, direct)
-                       (_Op(True, every, (1, 3)), 8),  # a hybrid pool's two transfers
-                       (_Op(True, (0, 2, 4, 6)), 8),  # a pool holding some layers
-                       (_Op(True, every[:2]), 2),  # too few layers to count
-                       (_Op(True, every[:6]), 6)]:  # counters of another layer count
+                       (_Op(True, every, (1, 3)), 8),  # layers 1 and 3 in two pools
+                       (_Op(True, even), 8),  # a pool holding some layers, none the rest
+                       (_Op(True, (0, 2, 1, 3, 4, 5, 6, 7)), 8),  # a pool's layers unordered
+                       (_Op(True, every[:2]), 2)]:  # too few layers to count
         assert streams._counters(op, layers) is None  # type: ignore[arg-type]
     monkeypatch.setattr("hicache.controller.side_streams.counters_enabled", lambda: False)
     assert streams._counters(_Op(True, every), 8) is None  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from hicache.controller import (
     KernelBackend,
     TransferBackend,
     TransferCore,
+    layer_counters,
     load_groups,
 )
 from hicache.controller.direct import DirectBackend
@@ -133,9 +134,13 @@ def test_grouped_load_events_and_rows(backend: TransferBackend, layout: HostLayo
 
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
-def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout) -> None:
-    """16 layers in groups of 1, 1, 2, 4, 4, 4 with SWA layers spread over them: a reader
-    waiting on each layer sees its full rows (every token) and SWA rows (the tail)."""
+@pytest.mark.parametrize("swa_tail", [8, 0], ids=["tail", "no_tail"])
+def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout,
+                             swa_tail: int) -> None:
+    """16 layers with SWA layers spread over them, in layer groups (staged, direct) or, on
+    the kernel, layer 0 and then one counted launch per pool: a reader waiting on each
+    layer sees its full rows (every token) and SWA rows (the tail). With no SWA tail the
+    SWA pool's launch moves nothing and its layers are ready at once."""
     ctrl = make_hybrid(backend, device="cuda", layout=layout, num_layers=16,
                        swa_layers=HYBRID_SWA_LAYERS, full_pages=24, swa_pages=16,
                        host_pages=48)
@@ -143,9 +148,16 @@ def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout) -> No
     _, host, swa_before, full_rows, swa_rows = back_up_and_evict(ctrl, 20, no_swa_tokens=12)
     torch.cuda.synchronize()
     held_back(ctrl)
-    back = ctrl.load(host.full, host.swa, swa_tail_tokens=8)
+    back = ctrl.load(host.full, host.swa, swa_tail_tokens=swa_tail)
     assert back is not None
     ctrl.start_loading()
+    ring = ctrl.layer_events
+    assert ring.consumer is not None
+    counted = [event._counter is not None for event in ring._sets[ring.consumer]]
+    if backend.counts_layers and layer_counters.counters_enabled():
+        assert counted == [False] + [True] * 14 + [False]
+    else:
+        assert not any(counted)
     tail = back.swa.tensor != 0
     full_layers = [layer for layer in range(16) if layer not in HYBRID_SWA_LAYERS]
     reads = [(pool.swa, HYBRID_SWA_LAYERS.index(layer), back.swa.tensor[tail])
