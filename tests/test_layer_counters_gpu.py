@@ -15,7 +15,6 @@ import pytest
 import torch
 from controller_helpers import (
     SENTINEL,
-    back_up_and_evict,
     device_rows,
     make_controller,
     make_hybrid,
@@ -23,7 +22,12 @@ from controller_helpers import (
     written_and_wiped,
 )
 from gpu_shapes import scaled
-from test_load_groups_gpu import check_layers, held_back, read_layer_by_layer, start_held_load
+from test_load_groups_gpu import (
+    check_layers,
+    load_and_read_hybrid,
+    read_layer_by_layer,
+    start_held_load,
+)
 
 from hicache.controller import CacheController, KernelBackend, layer_counters
 from hicache.controller.events import StreamWaits
@@ -177,29 +181,5 @@ def test_a_hybrid_load_is_counted_per_pool(swa_layers: tuple[int, ...]) -> None:
     ctrl = make_hybrid(KernelBackend(num_programs=16), device="cuda",
                        layout=HostLayout.LAYER_FIRST, num_layers=num_layers,
                        swa_layers=swa_layers, full_pages=24, swa_pages=16, host_pages=48)
-    pool = ctrl.hybrid_pool
-    _, host, swa_before, full_rows, swa_rows = back_up_and_evict(ctrl, 20, no_swa_tokens=12)
-    torch.cuda.synchronize()
-    held_back(ctrl)
-    back = ctrl.load(host.full, host.swa, swa_tail_tokens=8)
-    assert back is not None
-    ctrl.start_loading()
-    ring = ctrl.layer_events
-    assert ring.consumer is not None
-    events = ring._sets[ring.consumer]
-    assert [event._counter is not None for event in events] == (
+    assert load_and_read_hybrid(ctrl, swa_layers, num_layers, 8) == (
         [False] + [True] * (num_layers - 2) + [False])
-    tail = back.swa.tensor != 0
-    full_layers = [layer for layer in range(num_layers) if layer not in swa_layers]
-    reads = [(pool.swa, swa_layers.index(layer), back.swa.tensor[tail])
-             if layer in swa_layers else (pool.full, full_layers.index(layer), back.full.tensor)
-             for layer in range(num_layers)]
-    seen = read_layer_by_layer(ctrl, reads)
-    ctrl.drain()
-    for layer, ((data, local, _), got) in enumerate(zip(reads, seen, strict=True)):
-        want = (swa_rows[swa_before[tail]] if data is pool.swa else full_rows)[:, :, local]
-        assert torch.equal(got.cpu(), want.permute(1, 0, 2)), f"layer {layer}"
-    after_full, after_swa = device_rows(pool.full), device_rows(pool.swa)
-    assert torch.equal(after_full[back.full.tensor], full_rows)
-    assert (untouched(after_full, back.full.tensor) == SENTINEL).all()
-    assert (untouched(after_swa, back.swa.tensor[tail]) == SENTINEL).all()

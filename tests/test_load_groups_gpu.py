@@ -19,6 +19,7 @@ from gpu_shapes import scaled
 
 from hicache.controller import (
     CacheController,
+    HybridCacheController,
     KernelBackend,
     TransferBackend,
     TransferCore,
@@ -144,6 +145,19 @@ def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout,
     ctrl = make_hybrid(backend, device="cuda", layout=layout, num_layers=16,
                        swa_layers=HYBRID_SWA_LAYERS, full_pages=24, swa_pages=16,
                        host_pages=48)
+    counted = load_and_read_hybrid(ctrl, HYBRID_SWA_LAYERS, 16, swa_tail)
+    if backend.counts_layers and layer_counters.counters_enabled():
+        assert counted == [False] + [True] * 14 + [False]
+    else:
+        assert not any(counted)
+
+
+def load_and_read_hybrid(ctrl: HybridCacheController, swa_layers: tuple[int, ...],
+                         num_layers: int, swa_tail: int) -> list[bool]:
+    """On a fresh hybrid controller: back up and evict 20 tokens (the first 12 without SWA
+    rows), load them back with ``swa_tail`` tokens of SWA rows behind a sleeping producer,
+    read every layer as it becomes ready and check its full or SWA rows, then every row of
+    both pools. Returns, per model layer, whether its event waits on a counter."""
     pool = ctrl.hybrid_pool
     _, host, swa_before, full_rows, swa_rows = back_up_and_evict(ctrl, 20, no_swa_tokens=12)
     torch.cuda.synchronize()
@@ -154,16 +168,11 @@ def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout,
     ring = ctrl.layer_events
     assert ring.consumer is not None
     counted = [event._counter is not None for event in ring._sets[ring.consumer]]
-    if backend.counts_layers and layer_counters.counters_enabled():
-        assert counted == [False] + [True] * 14 + [False]
-    else:
-        assert not any(counted)
     tail = back.swa.tensor != 0
-    full_layers = [layer for layer in range(16) if layer not in HYBRID_SWA_LAYERS]
-    reads = [(pool.swa, HYBRID_SWA_LAYERS.index(layer), back.swa.tensor[tail])
-             if layer in HYBRID_SWA_LAYERS else (pool.full, full_layers.index(layer),
-                                                  back.full.tensor)
-             for layer in range(16)]
+    full_layers = [layer for layer in range(num_layers) if layer not in swa_layers]
+    reads = [(pool.swa, swa_layers.index(layer), back.swa.tensor[tail])
+             if layer in swa_layers else (pool.full, full_layers.index(layer), back.full.tensor)
+             for layer in range(num_layers)]
     seen = read_layer_by_layer(ctrl, reads)
     ctrl.drain()
     for layer, ((data, local, _), got) in enumerate(zip(reads, seen, strict=True)):
@@ -173,3 +182,4 @@ def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout,
     assert torch.equal(after_full[back.full.tensor], full_rows)
     assert (untouched(after_full, back.full.tensor) == SENTINEL).all()
     assert (untouched(after_swa, back.swa.tensor[tail]) == SENTINEL).all()
+    return counted
