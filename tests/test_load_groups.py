@@ -285,6 +285,23 @@ def test_a_following_event_fires_with_its_leader_until_recorded_again() -> None:
     assert member._leader is None
 
 
+@pytest.mark.parametrize(("copy_s", "calls"), [(0.0, [1, 3, 6, 12, 10]), (1.0, [1, 31])])
+def test_the_controller_plans_with_its_backend_copy_cost(
+        monkeypatch: pytest.MonkeyPatch, copy_s: float, calls: list[int]) -> None:
+    """The controller plans a load's groups with its backend's ``copy_s``: copies of no CPU
+    cost over a slow link ramp up; copies that cost far more than the link takes make the
+    load layer 0 and then one copy of the rest."""
+    log: list[tuple[str, int]] = []
+    spy = SpyBackend(log)
+    spy.copy_s = copy_s
+    monkeypatch.setattr(load_groups, "LINK_BYTES_PER_S", 1e6)  # 256 us a layer here
+    ctrl = make_controller(spy, num_layers=NUM_LAYERS)
+    host, _ = written_and_wiped(ctrl, 4)
+    assert ctrl.load(host) is not None
+    ctrl.start_loading()
+    assert [count for entry, count in log if entry == "call"] == calls
+
+
 def test_big_layers_are_copied_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the byte bound below one layer's bytes and no copy-count bound, the controller
     issues one copy per layer, as before groups."""
