@@ -23,6 +23,7 @@ from hicache.controller import layer_counters
 from hicache.controller.events import Event
 from hicache.controller.kernel import kernel_available
 from hicache.controller.layer_counters import LayerCounters
+from hicache.controller.load_groups import local_groups
 from hicache.controller.row_copy import RowCopy
 from hicache.controller.side_streams import SideStreams
 from hicache.pools import HostLayout
@@ -188,3 +189,47 @@ def test_which_loads_are_counted(monkeypatch: pytest.MonkeyPatch) -> None:
         assert streams._counters(op, layers) is None  # type: ignore[arg-type]
     monkeypatch.setattr("hicache.controller.side_streams.counters_enabled", lambda: False)
     assert streams._counters(_Op(True, every), 8) is None  # type: ignore[arg-type]
+
+
+class _CountingBackend:
+    """Records each counted launch (pool layers, local range) and adds ``per_layer`` (0 for
+    a pool with nothing to move)."""
+
+    counts_layers = True
+
+    def __init__(self, per_layer: dict[tuple[int, ...], int]) -> None:
+        self.per_layer = per_layer
+        self.launches: list[tuple[tuple[int, ...], range]] = []
+
+    def copy_counted(self, moved: _Moved, layers: range, counters: torch.Tensor) -> int:
+        self.launches.append((moved.source.layers, layers))
+        return self.per_layer[moved.source.layers]
+
+
+def test_a_hybrid_load_counts_each_pool_layers_against_its_own_counters() -> None:
+    """Model layers 1..7 of a load over a full pool (0, 2, 3, 6) and an SWA pool (1, 4, 5, 7):
+    one launch per pool over its local layers after layer 0; every layer but the last waits
+    on its own pool's counter for that launch's count (a second load's targets add to the
+    first's), the last layer's event is the load's record; a pool whose launch moves nothing
+    gives its layers the counts they had."""
+    full, swa = (0, 2, 3, 6), (1, 4, 5, 7)
+    counters = {layers: LayerCounters(len(layers), torch.device("cpu")) for layers in (full, swa)}
+    groups = (range(0, 1), range(1, 8))
+    for round_number, per_layer in enumerate(({full: 3, swa: 5}, {full: 2, swa: 0})):
+        backend = _CountingBackend(per_layer)
+        op = SimpleNamespace(executor=backend, moved=[_Moved(full), _Moved(swa)])
+        parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
+        events = [Event(torch.device("cpu")) for _ in range(8)]
+        SideStreams._issue_counted(op, events, groups[1], parts, counters,  # type: ignore[arg-type]
+                                   None)
+        assert backend.launches == [(full, range(1, 4)), (swa, range(0, 4))]
+        assert events[7]._counter is None and events[7].is_recorded
+        assert events[0]._counter is None and not events[0].is_recorded  # group 0's own
+        totals = ({full: 3, swa: 5}, {full: 5, swa: 5})[round_number]
+        for layer in range(1, 7):
+            pool = full if layer in full else swa
+            local = pool.index(layer)
+            address, value = events[layer]._counter  # type: ignore[misc]
+            assert address == counters[pool].tensor.data_ptr() + 4 * local
+            assert value == totals[pool], (round_number, layer)
+            assert events[layer]._leader is events[7]
