@@ -99,9 +99,16 @@ def plan_load_groups(num_layers: int, layer_bytes: int, cheap_copies: bool = Fal
         raise ValueError(f"plan_load_groups: copy_s must be >= 0, got {copy_s}")
     by_bytes = GROUP_BYTES // layer_bytes if layer_bytes else num_layers
     for_copies = 1 if cheap_copies else copy_bound_layers(num_layers)
-    # microseconds, rounded: plans are cached by their arguments
-    link_us = round(layer_bytes / LINK_BYTES_PER_S * 1e6, 1)
-    return _groups(num_layers, max(1, for_copies, by_bytes), link_us, round(copy_s * 1e6, 1))
+    max_layers = min(num_layers, max(1, for_copies, by_bytes))
+    # plans are cached by their arguments: times in microseconds to two significant digits
+    # (a plan moves with its times by tens of percent, not by one), so loads of nearby
+    # sizes share one plan and a load's issue seldom computes one (about 10 us)
+    return _groups(num_layers, max_layers, _two_digits(layer_bytes / LINK_BYTES_PER_S * 1e6),
+                   _two_digits(copy_s * 1e6))
+
+
+def _two_digits(value: float) -> float:
+    return float(f"{value:.2g}")
 
 
 def copy_bound_layers(num_layers: int) -> int:
@@ -122,7 +129,8 @@ def _groups(num_layers: int, max_layers: int, link: float, copy: float
             ) -> tuple[range, ...]:
     """Layer 0, then groups as large as keep each group's first layer ready within
     ``LATENESS`` times :func:`per_layer_ready` and within ``max_layers``; a last group that
-    moves in less than one copy's issue joins the one before."""
+    moves in less than one copy's issue joins the one before. ``link``: one layer's time on
+    the link, ``copy``: one copy's issue, both in microseconds."""
     groups = [range(0, 1)]
     issued, done = copy, copy + link  # the CPU's and the link's time after each copy
     begin = 1
