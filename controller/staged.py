@@ -13,11 +13,13 @@ proportionally more tokens), balanced and in whole host pages (:meth:`chunk_toke
 3-layer group of a 32k-token load of 32 layers is three chunks, not three and a 2-token
 fourth, and no chunk of a ``page_first_direct`` host splits a page. A buffer holds the
 budget plus one host page of every layer, which balancing in whole pages may use. Each
-side stream has a lane of two staging buffers and an auxiliary
-stream: a write gathers chunk i+1 on the auxiliary stream while the side stream copies chunk
-i to the host; a load copies on the auxiliary stream and scatters on the side stream, so the
+side stream has a lane of two staging buffers, an auxiliary stream and a copy stream per
+buffer: a write gathers chunk i+1 on the auxiliary stream while chunk i is copied to the
+host; a load copies on the buffer's copy stream and scatters on the side stream, so the
 copy of the next layer group runs while one is scattered and its "layer ready" events
-recorded.
+recorded. The two copy streams
+take turns (:mod:`.copy_turns`): after a big chunk the next chunk's copy waits until it has
+finished, so the op never holds the copy engine against an engine's own copies.
 Buffers alternate across calls and each waits only for the event that freed it. Staging
 memory is bounded: ``2 * (staging_tokens + page_size) * token_bytes`` per side stream
 (write and load: twice that).
@@ -55,6 +57,7 @@ from hicache.pools import DeviceKVPool, HostKVPool
 from .base import Direction, MovedTransfer, TransferBackend
 from .chunk_copies import CopyTemplates
 from .chunk_slots import host_runs
+from .copy_turns import copy_streams, takes_turns
 from .events import Event
 from .pool_pairs import PoolPairCache
 from .staged_chunk import StagedMove, move_chunk
@@ -143,19 +146,27 @@ class StagedBackend(TransferBackend):
         chunk_tokens = self.chunk_tokens(move.views.num_layers, group.num_layers,
                                          move.num_pairs, page_size)
         staging, free, staged, aux = lane.staging, lane.free, lane.staged, lane.aux
-        side = move.side
+        side, copiers = move.side, lane.copiers
         plans = move.chunks(moved, chunk_tokens, group.shape, staging[0], self.templates)
+        # a chunk's bytes: the next chunk waits for a big one's copy (``copy_turns``)
+        turns = takes_turns(chunk_tokens * group.num_layers * move.geometry.token_bytes(1))
+        done = free if to_host else staged  # recorded on a copier after its copy
         if to_host and aux is not None:
             torch.cuda.set_stream(aux)  # a write's gathers: on aux, once for all its chunks
         try:
             for plan in plans:
                 number = lane.next
                 lane.next = 1 - number
-                move_chunk(plan, group, to_host, staging[number], side, aux, free[number],
-                           staged[number])
+                previous = done[1 - number] if lane.turns else None
+                lane.turns = turns
+                move_chunk(plan, group, to_host, staging[number], side, aux, copiers[number],
+                           free[number], staged[number], previous)
         finally:
             if to_host and side is not None:
                 torch.cuda.set_stream(side)
+        if to_host and side is not None:  # the op's end on the side stream: after its copies
+            free[0].wait(side)
+            free[1].wait(side)
         buffers = lane.buffers
         held = keep_alive[-2:]  # once per op and lane, not once per layer group
         if len(held) < 2 or held[0] is not buffers[0] or held[1] is not buffers[1]:
@@ -196,25 +207,30 @@ class StagedBackend(TransferBackend):
         lane = self._lanes.get(key)
         if lane is None or lane.buffers[0].numel() < half:
             flat = torch.empty(2 * half, dtype=geometry.dtype, device=device_pool.device)
-            aux = lane.aux if lane is not None else (
-                torch.cuda.Stream(side.device) if side is not None else None)
-            lane = _Lane([flat[:half], flat[half:]], aux, device_pool.device)
+            if lane is not None:
+                aux, copiers = lane.aux, lane.copiers
+            else:
+                aux = torch.cuda.Stream(side.device) if side is not None else None
+                copiers = copy_streams(side)
+            lane = _Lane([flat[:half], flat[half:]], aux, copiers, device_pool.device)
             self._lanes[key] = lane
         return lane
 
 
 class _Lane:
     """Double-buffered staging of one side stream: the buffers, each buffer's two events
-    (``free``: after which it may be overwritten; ``staged``: after which the auxiliary
-    stream has filled or drained it; see :func:`move_chunk`), which one the next chunk takes,
-    and the auxiliary stream. Chunks alternate buffers across calls, so consecutive layer
-    groups of a load overlap (the next group's copy runs while one is scattered)."""
+    (``free``: after which it may be overwritten; ``staged``: after which it has been
+    filled or drained; see :func:`move_chunk`), which one the next chunk takes, the
+    auxiliary stream (a write's gathers) and each buffer's copy stream (the two take turns:
+    :mod:`.copy_turns`). Chunks alternate buffers across calls, so consecutive layer groups
+    of a load overlap (the next group's copy runs while one is scattered)."""
 
     def __init__(self, buffers: list[torch.Tensor], aux: torch.cuda.Stream | None,
+                 copiers: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None],
                  device: torch.device) -> None:
-        self.buffers, self.aux = buffers, aux
+        self.buffers, self.aux, self.copiers = buffers, aux, copiers
         self.staging = [StagingBuffer(buffer) for buffer in buffers]  # with their views
         self.free = [Event(device), Event(device)]
         self.staged = [Event(device), Event(device)]
         self.next = 0
-
+        self.turns = False  # the last chunk was big enough for the next to wait on its copy

@@ -164,26 +164,34 @@ class ChunkPlan:
 
 
 def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: StagingBuffer,
-               side: torch.cuda.Stream | None, aux: torch.cuda.Stream | None, free: Event,
-               staged: Event) -> None:
+               side: torch.cuda.Stream | None, aux: torch.cuda.Stream | None,
+               copier: torch.cuda.Stream | None, free: Event, staged: Event,
+               previous: Event | None) -> None:
     """Move one chunk through the staging ``buffer``, whose two events are reused chunk after
-    chunk: ``free`` (recorded on the side stream once the buffer may be overwritten; this
-    chunk waits on its previous record, a no-op before the first) and ``staged`` (recorded
-    on ``aux`` once the buffer is filled or drained there; the side stream waits on it at
-    once). A wait takes the record made before it, so recording an event again after the
-    wait was issued is safe, and no event is created per chunk.
+    chunk: ``free`` (recorded once the buffer may be overwritten; this chunk waits on its
+    previous record, a no-op before the first) and ``staged`` (recorded once the buffer is
+    filled or drained; the other leg waits on it at once). A wait takes the record made
+    before it, so recording an event again after the wait was issued is safe, and no event
+    is created per chunk.
 
-    Write: gather on ``aux``, copy-engine copy on the side stream. Load: copy-engine copy on
-    ``aux``, scatter on the side stream, so the side stream (whose events say "layer ready")
-    never holds back the next layer's copy, and the copies follow one another without a
-    gap. Copies and events name their stream; the kernels run on the current stream, which
-    the caller makes ``aux`` for a write's chunks (its gathers and temporaries) and keeps
-    the side stream for a load's.
+    The copy-engine copy runs on ``copier`` (the buffer's own copy stream), after
+    ``previous`` when given: the event recorded after the copy before it (see
+    :mod:`~hicache.controller.copy_turns`: the copy engine then holds one chunk of the op at
+    a time, and another stream's copy gets it between two chunks).
+
+    Write: gather on ``aux``, copy on ``copier``, ``free`` recorded there. Load: copy on
+    ``copier`` (``staged`` recorded there), scatter on the side stream, so the side stream
+    (whose events say "layer ready") never holds back the next layer's copy. Copies and
+    events name their stream; the kernels run on the current stream, which the caller makes
+    ``aux`` for a write's chunks (its gathers and temporaries) and keeps the side stream
+    for a load's.
     """
     if not to_host:
-        free.wait(aux)
-        _copy(plan, group, buffer, False, aux)
-        staged.record(aux)
+        free.wait(copier)
+        if previous is not None:
+            previous.wait(copier)
+        _copy(plan, group, buffer, False, copier)
+        staged.record(copier)
         staged.wait(side)
         _scatter(plan, group, buffer)
         free.record(side)
@@ -191,9 +199,11 @@ def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: Stagin
     free.wait(aux)
     _gather(plan, group, buffer)
     staged.record(aux)
-    staged.wait(side)
-    _copy(plan, group, buffer, True, side)
-    free.record(side)
+    staged.wait(copier)
+    if previous is not None:
+        previous.wait(copier)
+    _copy(plan, group, buffer, True, copier)
+    free.record(copier)
 
 
 def _copy(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer, to_host: bool,
