@@ -26,6 +26,10 @@ a host page apart), which alone reaches the link's rate, but the layer-wise host
 ``hicache bench e2e`` came out slower through it than through the table's choice at 2k and
 32k tokens (see the README), so that layout follows the table.
 
+Copies of a block of layers of at least ``copy_turns.TURN_BYTES`` go in batches on two copy
+streams that take turns (:mod:`.copy_turns`), so a big op never holds the copy engine
+against an engine's own copies; smaller blocks are copied on the side stream itself.
+
 Plans: a run's copies depend on its length and the layers moved, not on where it starts, so
 each run shape is planned once per pool pair (:class:`RunPlans`) as byte offsets from host
 layer 0 and device layer 0 and shifted to each run; an op gathers its runs' copies once per
@@ -47,8 +51,10 @@ from hicache.pools.nonzero_count import count_nonzero
 
 from . import copy2d
 from .base import Direction, MovedTransfer, TransferBackend
+from .copy_turns import CopyTurns, copy_batches, takes_turns
 from .layer_blocks import layer_blocks
 from .pool_pairs import PoolPairCache
+from .run_views import run_views
 
 __all__ = ["DIRECT_MIN_RUN_TOKENS", "DirectBackend", "DirectMove", "RunPlans", "pair_runs",
            "worth_direct"]
@@ -150,10 +156,11 @@ class DirectMove:
         self.runs = pair_runs(moved.host_index.numpy(), moved.device_index.numpy())
         self._run_plans = plans
         self._plans: dict[int, list[copy2d.Copy2D]] = {}
-        # per direction, the raw handle of the side stream issuing the op: looked up at its
-        # first copy, then reused by every layer group (each lookup costs about 10 us of CPU
-        # on an H100 host, once per group of a layer-wise load otherwise)
-        self.streams: dict[bool, int] = {}
+        self._batches: dict[int, list[tuple[list[copy2d.Copy2D], int]]] = {}
+        # per direction, the copy streams of the op's side stream, found at its first copy
+        # (a lookup of the side stream costs about 10 us of CPU on an H100 host)
+        self.turns: dict[bool, CopyTurns] = {}
+        self.layer_bytes = len(moved.host_index) * self.device_pool.geometry.token_bytes(1)
 
     def copies(self, count: int) -> list[copy2d.Copy2D]:
         """The 2D copies moving layers ``[0, count)`` of every run (offsets from layer 0 of
@@ -166,50 +173,19 @@ class DirectMove:
                                                    count)]
         return plans
 
+    def batches(self, count: int) -> list[tuple[list[copy2d.Copy2D], int]]:
+        """:meth:`copies` of ``count`` layers in turns' batches (:func:`.copy_batches`)."""
+        batches = self._batches.get(count)
+        if batches is None:
+            batches = self._batches[count] = copy_batches(self.copies(count))
+        return batches
+
     def views(self, begin: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(host view, device view)`` of every run for layers ``[begin, begin + count)``
         (for the row-by-row path without a runtime library)."""
         return [view for h, d, n in zip(*(r.tolist() for r in self.runs), strict=True)
                 for view in run_views(self.host_pool, self.device_pool, h, d, n, begin,
                                       count)]
-
-
-def run_views(host_pool: HostKVPool, device_pool: DeviceKVPool, h: int, d: int, n: int,
-              begin: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``(host view, device view)`` of the run of ``n`` pairs from host slot ``h`` and device
-    slot ``d`` for layers ``[begin, begin + count)``: both ``[components, count, tokens,
-    row]``, or for whole pages of a ``page_first_direct`` host ``[components, count, pages,
-    page_size, row]`` (a part of a page alone)."""
-    host, device, end = host_pool.data, device_pool.data, begin + count
-    layout = host_pool.layout
-    if layout is HostLayout.LAYER_FIRST:
-        return [(host[:, begin:end, h:h + n], device[:, begin:end, d:d + n])]
-    if layout is HostLayout.PAGE_FIRST:
-        return [(host[h:h + n, :, begin:end].permute(1, 2, 0, 3),
-                 device[:, begin:end, d:d + n])]
-    return _page_views(host, device, host_pool.page_size, h, d, n, begin, end)
-
-
-def _page_views(host: torch.Tensor, device: torch.Tensor, page_size: int, h: int, d: int,
-                n: int, begin: int, end: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The views of one run on a ``page_first_direct`` host (``[pages, components, layers,
-    page_size, row]``): a part of a page alone, whole pages as one view of ``page_size``-row
-    blocks."""
-    views = []
-    while n:
-        page, offset = divmod(h, page_size)
-        if offset or n < page_size:
-            take = min(n, page_size - offset)
-            views.append((host[page, :, begin:end, offset:offset + take],
-                          device[:, begin:end, d:d + take]))
-        else:
-            pages = n // page_size
-            take = pages * page_size
-            device_rows = device[:, begin:end, d:d + take]
-            views.append((host[page:page + pages, :, begin:end].permute(1, 2, 0, 3, 4),
-                          device_rows.unflatten(2, (pages, page_size))))
-        h, d, n = h + take, d + take, n - take
-    return views
 
 
 class DirectBackend(TransferBackend):
@@ -224,6 +200,7 @@ class DirectBackend(TransferBackend):
         # per pool pair, weakly: a backend shared by many controllers (or tests) keeps no
         # pool (and no pinned memory) alive
         self._plans = PoolPairCache(RunPlans)
+        self._turns: dict[int, CopyTurns] = {}  # by side stream
 
     def index_devices(
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
@@ -259,13 +236,32 @@ class DirectBackend(TransferBackend):
                     else:
                         copy2d.copy_block(device_view, host_view)
             return
-        stream = move.streams.get(to_host)
-        if stream is None:  # an op is issued on one side stream, current now
-            stream = move.streams[to_host] = torch.cuda.current_stream(device.device).cuda_stream
+        turns = move.turns.get(to_host)
+        if turns is None:  # an op is issued on one side stream, current now
+            turns = move.turns[to_host] = self._turns_of(torch.cuda.current_stream(device.device))
+        layer_bytes = move.layer_bytes
         for (_, count), begin in zip(shape, begins, strict=True):
-            copy2d.issue_copies(move.copies(count), move.host_ptr + begin * move.host_layer_bytes,
-                                move.device_ptr + begin * move.device_layer_bytes, to_host,
-                                stream)
+            if not takes_turns(count * layer_bytes):  # a small block: on the side stream itself
+                copy2d.issue_copies(move.copies(count),
+                                    move.host_ptr + begin * move.host_layer_bytes,
+                                    move.device_ptr + begin * move.device_layer_bytes,
+                                    to_host, turns.side.cuda_stream)
+                continue
+            turns.start()  # batches taking turns on the copy streams (``copy_turns``)
+            host_ptr = move.host_ptr + begin * move.host_layer_bytes
+            device_ptr = move.device_ptr + begin * move.device_layer_bytes
+            for batch, num_bytes in move.batches(count):
+                handle = turns.next(num_bytes)
+                copy2d.issue_copies(batch, host_ptr, device_ptr, to_host, handle)
+                turns.end()
+        turns.join()
+
+    def _turns_of(self, side: torch.cuda.Stream) -> CopyTurns:
+        """The copy streams of ``side`` (made on its first op)."""
+        turns = self._turns.get(side.cuda_stream)
+        if turns is None:
+            turns = self._turns[side.cuda_stream] = CopyTurns(side)
+        return turns
 
 
 def _emulate(move: DirectMove, shape: tuple[tuple[int, int], ...], begins: tuple[int, ...],

@@ -114,6 +114,31 @@ def test_loads_by_size_show_issue_time() -> None:
     assert all(line.split()[7:9] == ["-", "-"] for line in body if " 32768 " in line)
 
 
+def test_engine_copy_table_shows_each_configurations_waits_beside_the_copy_alone() -> None:
+    """One line per configuration whose main-size ops were measured with an engine's copy
+    beside them, write and load in ms, under a header with the copy alone; a run without
+    the figures (an older JSON) says so."""
+    result = synthetic_result()
+    assert "an engine's copy during an op: not measured" in render(result)
+    result.ceiling.engine_copy_d2h_s, result.ceiling.engine_copy_h2d_s = 12e-6, 11e-6
+    for m in result.main_rows():
+        if m.kind != "both" and m.page_size == 16:
+            m.engine_copy_s = {"kernel": 20e-6, "staged": 0.9e-3}.get(m.backend, 76e-3) * (
+                2 if m.kind == "load" else 1)
+    lines = render(result).splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("an engine's 64 KiB"))
+    assert "(alone: 0.012 to the host, 0.011 to the device)" in lines[start]
+    end = lines.index("", start)
+    body = lines[start + 3: end]
+    assert len(body) == 4 * len(LAYOUTS)  # page 16 alone measured
+    assert [line.split() for line in body[:4]] == [
+        ["torch", "16", "layer_first", "76.000", "152.000"],
+        ["kernel", "16", "layer_first", "0.020", "0.040"],
+        ["staged", "16", "layer_first", "0.900", "1.800"],
+        ["auto", "16", "layer_first", "76.000", "152.000"]]
+    assert len({len(line) for line in body}) == 1
+
+
 def test_targets_name_what_is_missed() -> None:
     """A staged page-1 load under 90% of the ceiling is marked MISS and listed."""
     result = synthetic_result()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from hicache.controller import TransferBackend
 from hicache.pools import DeviceKVPool, HostKVPool
 
+from .engine_copy import EngineCopy
 from .results import BOTH, LOAD, WRITE, Ceiling, Measurement
 from .timing import MatmulLoop, OpTimes, batch_window, both_ways, median_slowdown, run_batches
 from .verify import Verifier
@@ -35,6 +36,7 @@ class Context:
     ceiling: Ceiling
     loop: MatmulLoop
     device_pool: DeviceKVPool
+    engine: EngineCopy
 
 
 def bench_backend(ctx: Context, name: str, backend: TransferBackend, host_pool: HostKVPool,
@@ -55,6 +57,7 @@ def bench_backend(ctx: Context, name: str, backend: TransferBackend, host_pool: 
         times = OpTimes()
         run_batches(session, load, 1, shape.tokens, repeats, times)
         found.append(_measure(ctx, label, load, shape.tokens, session, times, 1))
+        found[-1].engine_copy_s = ctx.engine.during_s(session, load, shape.tokens)
     both_s, ran = both_ways(session, repeats)
     found.append(_both(ctx, label, both_s, ran, repeats))
     if name in SIZE_BACKENDS:

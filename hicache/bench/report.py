@@ -129,6 +129,30 @@ def load_sizes_table(result: BenchResult) -> list[str]:
     return lines
 
 
+def engine_copy_table(result: BenchResult) -> list[str]:
+    """One line per configuration measured with an engine's copy beside its main-size ops:
+    how long that copy took, next to the same copy alone (the ceiling's figures)."""
+    rows = [m for m in result.main_rows() if m.engine_copy_s is not None]
+    ceiling = result.ceiling
+    if not rows or ceiling.engine_copy_d2h_s is None or ceiling.engine_copy_h2d_s is None:
+        return ["an engine's copy during an op: not measured"]
+    configs = sorted({(m.backend, m.page_size, m.layout) for m in rows},
+                     key=lambda c: (c[1], c[2], BACKEND_ORDER.index(c[0])
+                                    if c[0] in BACKEND_ORDER else 99, c[0]))
+    width = layout_width([c[2] for c in configs])
+    head = f"{'backend':<8}{'page':>4} {'layout':<{width}}{'write':>9}{'load':>9}"
+    lines = [f"an engine's 64 KiB copy on its own stream, issued right after a "
+             f"{result.tokens}-token op, in the op's direction: ms until done (alone: "
+             f"{ceiling.engine_copy_d2h_s * 1e3:.3f} to the host, "
+             f"{ceiling.engine_copy_h2d_s * 1e3:.3f} to the device)", head, "-" * len(head)]
+    for backend, page, layout in configs:
+        w, ld = (result.find(backend, kind, page, layout) for kind in (WRITE, LOAD))
+        lines.append(f"{backend:<8}{page:>4} {layout:<{width}}"
+                     f"{_num(_get(w, 'engine_copy_s', 1e3), 9, 3)}"
+                     f"{_num(_get(ld, 'engine_copy_s', 1e3), 9, 3)}")
+    return lines
+
+
 @dataclass(frozen=True)
 class Target:
     """One goal checked against one measured value."""
@@ -242,5 +266,5 @@ def auto_lines(table: dict[str, Any]) -> list[str]:
 def render(result: BenchResult) -> str:
     """The whole printed report."""
     parts = [header_lines(result), main_table(result), LEGEND, load_sizes_table(result),
-             target_table(result), auto_lines(result.auto_table)]
+             engine_copy_table(result), target_table(result), auto_lines(result.auto_table)]
     return "\n\n".join("\n".join(part) for part in parts)

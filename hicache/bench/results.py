@@ -34,7 +34,9 @@ class Measurement:
     layers ready, to all bytes / ceiling). ``executed_by``: the backends that ran the ops
     (differs from ``backend`` for ``auto``). ``ops``: how many ops the median is over.
     ``issue_s`` / ``wall_s``: median host-clock seconds per op to issue it / to issue and
-    wait for it.
+    wait for it. ``engine_copy_s`` (writes and loads of the main size): GPU seconds an
+    engine's small copy in the op's direction took when issued right after the op
+    (:mod:`hicache.bench.engine_copy`; ``Ceiling.engine_copy_*_s`` is the copy alone).
     """
 
     backend: str
@@ -54,6 +56,7 @@ class Measurement:
     wall_s: float | None = None
     executed_by: str = ""
     ops: int = 1
+    engine_copy_s: float | None = None
 
 
 @dataclass
@@ -62,6 +65,8 @@ class Ceiling:
 
     ``bidir_gb_per_s``: a device-to-host and a host-to-device copy on two streams at once,
     both copies' bytes over the wall time. ``*_slowdown_pct``: matmul slowdown during a copy.
+    ``engine_copy_*_s``: GPU seconds of an engine's small copy with nothing else in flight
+    (:mod:`hicache.bench.engine_copy`), the reference for ``Measurement.engine_copy_s``.
     """
 
     bytes: int
@@ -70,6 +75,8 @@ class Ceiling:
     bidir_gb_per_s: float
     d2h_slowdown_pct: float | None = None
     h2d_slowdown_pct: float | None = None
+    engine_copy_d2h_s: float | None = None
+    engine_copy_h2d_s: float | None = None
 
     def one_way(self, kind: str) -> float:
         """The ceiling a ``write`` (d2h) or ``load`` (h2d) is compared with."""

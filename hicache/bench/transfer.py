@@ -47,6 +47,7 @@ from hicache.pools import HostKVPool, HostLayout
 
 from .auto import auto_table, candidate_measurements, choose_rows
 from .case import Context, bench_backend
+from .engine_copy import EngineCopy
 from .results import BenchResult, Ceiling, Measurement
 from .timing import WARMUP_MATMULS, CeilingBuffers, MatmulLoop, matmul_slowdown, time_copy
 from .verify import Verifier, randomize
@@ -77,7 +78,10 @@ def run_benchmark(args: argparse.Namespace) -> BenchResult:
     meta = _meta(args, shape)
     logger.info("%s: %.2f GiB per transfer", meta["device"], shape.transfer_bytes / 2**30)
     ceiling, loop, alone_s = measure_references(shape, args.repeats, args.matmul_size)
-    ctx = Context(args, shape, ceiling, loop, make_device_pool(shape, "cuda"))
+    engine = EngineCopy()
+    ceiling.engine_copy_d2h_s = engine.alone_s(to_host=True)
+    ceiling.engine_copy_h2d_s = engine.alone_s(to_host=False)
+    ctx = Context(args, shape, ceiling, loop, make_device_pool(shape, "cuda"), engine)
     randomize(ctx.device_pool.data)
     measurements: list[Measurement] = []
     for layout in (HostLayout(name) for name in args.layouts):
