@@ -6,17 +6,19 @@ queue of copies made such a copy wait for the whole op (76 ms behind a 32k-token
 H200). The backends now let the engine in between their big copies
 (:mod:`hicache.controller.copy_turns`); this measures it. A copy of
 :data:`ENGINE_COPY_BYTES` in the op's direction is issued on a stream of its own right
-after the op is issued, and timed on the GPU from an event recorded just before it on an
-idle stream (an event on the copy's own stream can be held up with it) to its end; the
-same copy with nothing in flight is the reference."""
+after the op is issued, and timed on the host clock from its issue until its stream's event
+after it is seen to fire (GPU timestamps cannot time it: an event recorded on the copy's
+stream, or on another idle stream, just before it was seen to be held up too, and fire
+after the copy's end); the same copy with nothing in flight is the reference."""
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
-from .timing import elapsed, issue_batch, recorded
+from .timing import issue_batch, recorded
 from .workload import Session
 
 ENGINE_COPY_BYTES = 64 << 10  # a step's token ids and positions, or a batch's sampled ids
@@ -24,18 +26,17 @@ ENGINE_COPY_OPS = 3  # ops the median is over
 
 
 class EngineCopy:
-    """A pinned host and a device buffer of :data:`ENGINE_COPY_BYTES`, the copy's stream and
-    the idle stream its clock event is recorded on."""
+    """A pinned host and a device buffer of :data:`ENGINE_COPY_BYTES` and the copy's
+    stream."""
 
     def __init__(self) -> None:
         self.host = torch.empty(ENGINE_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
         self.device = torch.empty(ENGINE_COPY_BYTES, dtype=torch.uint8, device="cuda")
         self.stream = torch.cuda.Stream()
-        self.clock = torch.cuda.Stream()
 
     def time_s(self, to_host: bool) -> float:
-        """Issue the copy now and wait for it: GPU seconds from the clock's event to its end."""
-        start = recorded(self.clock)
+        """Issue the copy now and wait for it: host seconds from its issue to its end seen."""
+        begin = time.perf_counter()
         with torch.cuda.stream(self.stream):
             if to_host:
                 self.host.copy_(self.device, non_blocking=True)
@@ -43,7 +44,7 @@ class EngineCopy:
                 self.device.copy_(self.host, non_blocking=True)
             end = recorded(self.stream)
         end.synchronize()
-        return elapsed(start, end)
+        return time.perf_counter() - begin
 
     def alone_s(self, to_host: bool, repeats: int = ENGINE_COPY_OPS + 2) -> float:
         """Median seconds of the copy with nothing else in flight (the reference)."""

@@ -142,7 +142,8 @@ def engine_copy_table(result: BenchResult) -> list[str]:
     width = layout_width([c[2] for c in configs])
     head = f"{'backend':<8}{'page':>4} {'layout':<{width}}{'write':>9}{'load':>9}"
     lines = [f"an engine's 64 KiB copy on its own stream, issued right after a "
-             f"{result.tokens}-token op, in the op's direction: ms until done (alone: "
+             f"{result.tokens}-token op, in the op's direction: ms from its issue until "
+             f"done, host clock (alone: "
              f"{ceiling.engine_copy_d2h_s * 1e3:.3f} to the host, "
              f"{ceiling.engine_copy_h2d_s * 1e3:.3f} to the device)", head, "-" * len(head)]
     for backend, page, layout in configs:

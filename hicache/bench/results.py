@@ -34,7 +34,7 @@ class Measurement:
     layers ready, to all bytes / ceiling). ``executed_by``: the backends that ran the ops
     (differs from ``backend`` for ``auto``). ``ops``: how many ops the median is over.
     ``issue_s`` / ``wall_s``: median host-clock seconds per op to issue it / to issue and
-    wait for it. ``engine_copy_s`` (writes and loads of the main size): GPU seconds an
+    wait for it. ``engine_copy_s`` (writes and loads of the main size): seconds an
     engine's small copy in the op's direction took when issued right after the op
     (:mod:`hicache.bench.engine_copy`; ``Ceiling.engine_copy_*_s`` is the copy alone).
     """
@@ -65,7 +65,7 @@ class Ceiling:
 
     ``bidir_gb_per_s``: a device-to-host and a host-to-device copy on two streams at once,
     both copies' bytes over the wall time. ``*_slowdown_pct``: matmul slowdown during a copy.
-    ``engine_copy_*_s``: GPU seconds of an engine's small copy with nothing else in flight
+    ``engine_copy_*_s``: seconds of an engine's small copy with nothing else in flight
     (:mod:`hicache.bench.engine_copy`), the reference for ``Measurement.engine_copy_s``.
     """
 
