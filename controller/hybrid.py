@@ -18,9 +18,11 @@ import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
 
+from .aligned_slots import cat_space, empty_indices, in_tail, scatter_aligned
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .core import TransferCore
 from .events import Event
+from .index_moves import owned_indices
 from .slot_checks import owned_pages
 
 
@@ -100,7 +102,7 @@ class HybridCacheController(TransferCore):
         if host_swa_part is None:
             self.host_pool.allocator.free(host_full)
             return None
-        host_swa = _scatter_aligned(host_swa_part, mapped, IndexSpace.HOST_SWA)
+        host_swa = scatter_aligned(host_swa_part, mapped, IndexSpace.HOST_SWA)
         if len(host_full):
             transfers = [self._full_transfer(host_full, device_indices),
                          self._swa_transfer(host_swa_part, swa_part)]
@@ -142,22 +144,26 @@ class HybridCacheController(TransferCore):
                 f"load: host_swa has {swa_host.numel()} slots for {len(host_indices)} tokens; "
                 f"pass them aligned (0 where a token has no SWA slot)"
             )
-        tail = self._tail_mask(len(host_indices), swa_tail_tokens)
-        if bool((swa_host[tail] == 0).any()):
+        # the tail is a suffix: slices (views), not masks (a masked read or store costs
+        # 10-25 us each at a request's size)
+        start = self._tail_start(len(host_indices), swa_tail_tokens)
+        swa_tail_host = swa_host[start:]
+        if swa_tail_host.numel() and bool((swa_tail_host.numpy() == 0).any()):
             raise ValueError(
                 "load: a token of the window tail has no SWA host slot; its SWA rows were "
                 "never backed up, so it cannot be restored (recompute it instead)"
             )
-        self._checks.loadable(host_indices, self.host_pool.allocator, "load")
-        swa_tail = Indices(swa_host[tail], IndexSpace.HOST_SWA)
+        host_pages = self._checks.loadable(host_indices, self.host_pool.allocator, "load")
+        swa_tail = Indices(swa_tail_host, IndexSpace.HOST_SWA)
         restore_full, restore_host = self._check_restore(restore)
-        swa_sources = _cat_space([swa_tail, restore_host], IndexSpace.HOST_SWA)
-        self._checks.loadable(swa_sources, self.host_swa.allocator, "load")
-        device_full = self.device_allocator.try_alloc(len(host_indices))
-        if device_full is None:
+        swa_sources = cat_space([swa_tail, restore_host], IndexSpace.HOST_SWA)
+        swa_host_pages = self._checks.loadable(swa_sources, self.host_swa.allocator, "load")
+        allocated = self.device_allocator.try_alloc_pages(len(host_indices))
+        if allocated is None:
             return None
-        tail_full = Indices(device_full.tensor[tail], IndexSpace.DEVICE_FULL)
-        swa_full = _cat_space([tail_full, restore_full], IndexSpace.DEVICE_FULL)
+        device_full, device_pages = allocated
+        tail_full = Indices(device_full.tensor[start:], IndexSpace.DEVICE_FULL)
+        swa_full = cat_space([tail_full, restore_full], IndexSpace.DEVICE_FULL)
         device_swa_part = self.hybrid_pool.try_alloc_swa(swa_full)
         if device_swa_part is None:
             self.device_allocator.free(device_full)
@@ -167,11 +173,19 @@ class HybridCacheController(TransferCore):
             self.device_allocator.free(device_full)
 
         if len(device_full) or len(restore_full):
-            transfers = [self._full_transfer(host_indices, device_full),
-                         self._swa_transfer(swa_sources, device_swa_part)]
-            self._queue(Direction.HOST_TO_DEVICE, transfers, tag, cancel=cancel)
+            # the op's own copies of every slot tensor a caller holds (the slots returned
+            # included), with the pages checked or allocated above: none found again
+            page = self.hybrid_pool.page_size
+            swa_pages = device_swa_part.tensor.numpy()[::page] // page  # fresh, whole pages
+            transfers = [
+                self._full_transfer(owned_indices(host_indices), owned_indices(device_full)),
+                self._swa_transfer(owned_indices(swa_sources), owned_indices(device_swa_part))]
+            self._queue(Direction.HOST_TO_DEVICE, transfers, tag,
+                        [(host_pages, device_pages), (swa_host_pages, swa_pages)], owned=True,
+                        cancel=cancel)
         span_swa = Indices(device_swa_part.tensor[:len(swa_tail)], IndexSpace.DEVICE_SWA)
-        return HybridSlots(device_full, _scatter_aligned(span_swa, tail, IndexSpace.DEVICE_SWA))
+        return HybridSlots(device_full, in_tail(span_swa, len(device_full), start,
+                                                 IndexSpace.DEVICE_SWA))
 
     def write_swa(self, device_indices: Indices, tag: object = None) -> Indices | None:
         """Back up only the SWA rows of ``device_indices`` (the tokens that have an SWA
@@ -201,20 +215,21 @@ class HybridCacheController(TransferCore):
             none = np.empty(0, dtype=np.int64)
             swa_part = Indices(torch.from_numpy(swa), IndexSpace.DEVICE_SWA)
             transfers = [
-                self._full_transfer(_empty(IndexSpace.HOST_FULL), _empty(IndexSpace.DEVICE_FULL)),
+                self._full_transfer(empty_indices(IndexSpace.HOST_FULL),
+                                    empty_indices(IndexSpace.DEVICE_FULL)),
                 self._swa_transfer(allocated[0], swa_part),
             ]
             self._queue(Direction.DEVICE_TO_HOST, transfers, tag,
                         [(none, none), (allocated[1], swa_pages)], owned=True,
                         cancel=lambda: self.host_swa.allocator.free_pages(allocated[1]))
         mapped = torch.from_numpy(np.repeat(have, page))
-        return _scatter_aligned(allocated[0], mapped, IndexSpace.HOST_SWA)
+        return scatter_aligned(allocated[0], mapped, IndexSpace.HOST_SWA)
 
     def _check_restore(self, restore: HybridSlots | None) -> tuple[Indices, Indices]:
         """The device full slots and host SWA slots of a load's SWA restore, checked:
         allocated whole full pages without an SWA slot, aligned host SWA slots, none 0."""
         if restore is None:
-            return _empty(IndexSpace.DEVICE_FULL), _empty(IndexSpace.HOST_SWA)
+            return empty_indices(IndexSpace.DEVICE_FULL), empty_indices(IndexSpace.HOST_SWA)
         owned_pages(restore.full, self.device_allocator, "load (restore)",
                     "restore only device slots the tree owns")
         host = self._checks.cpu(restore.swa, self.host_swa, "load (restore)")
@@ -271,28 +286,10 @@ class HybridCacheController(TransferCore):
             layers=self.swa_layers,
         )
 
-    def _tail_mask(self, num_tokens: int, swa_tail_tokens: int) -> torch.Tensor:
+    def _tail_start(self, num_tokens: int, swa_tail_tokens: int) -> int:
+        """First token of the tail of ``swa_tail_tokens`` rounded up to whole pages, capped
+        at ``num_tokens``."""
         if swa_tail_tokens < 0:
             raise ValueError(f"load: swa_tail_tokens must be >= 0, got {swa_tail_tokens}")
         page = self.hybrid_pool.page_size
-        tail = min(num_tokens, -(-swa_tail_tokens // page) * page)
-        mask = torch.zeros(num_tokens, dtype=torch.bool)
-        mask[num_tokens - tail:] = True
-        return mask
-
-
-def _empty(space: IndexSpace) -> Indices:
-    return Indices(torch.empty(0, dtype=torch.int64), space)
-
-
-def _cat_space(parts: list[Indices], space: IndexSpace) -> Indices:
-    return Indices(torch.cat([p.tensor.to(torch.int64) for p in parts]), space)
-
-
-def _scatter_aligned(part: Indices, mask: torch.Tensor, space: IndexSpace) -> Indices:
-    """``[len(mask)]`` int64 CPU indices: ``part`` where ``mask``, 0 elsewhere (numpy: a
-    masked store there costs a quarter of torch's at a request's size)."""
-    aligned = np.zeros(mask.numel(), dtype=np.int64)
-    aligned[mask.numpy()] = part.tensor.numpy()
-    return Indices(torch.from_numpy(aligned), space)
-
+        return num_tokens - min(num_tokens, -(-swa_tail_tokens // page) * page)

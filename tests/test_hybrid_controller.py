@@ -186,3 +186,38 @@ def test_evict_device_refuses_pages_whose_swa_rows_are_being_copied() -> None:
     ctrl.evict_device(full, pages=pages)
     assert state() == (before[0] + 6, before[1] + 4, [0] * 6)
     pool.check_integrity()
+
+
+@pytest.mark.parametrize("tail", [0, 4, 10], ids=["no-tail", "part", "all"])
+def test_load_keeps_its_own_slots_when_the_caller_changes_its_tensors(tail: int) -> None:
+    """The caller overwrites the host slots it passed (full and SWA) and the device slots it
+    got back before the op runs: the op still moves the rows it was given, into the slots it
+    returned, and the pages held in flight are the ones it allocated."""
+    ctrl = make_hybrid(TorchBackend())
+    full = alloc_sequence(ctrl, 10, window_tokens=10)
+    full_rows = device_rows(ctrl.hybrid_pool.full)[full.tensor]
+    swa_rows = device_rows(ctrl.hybrid_pool.swa)[ctrl.hybrid_pool.swa_slots_of(full).tensor]
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    host_full, host_swa = host.full.tensor.clone(), host.swa.tensor.clone()
+    back = ctrl.load(Indices(host_full, IndexSpace.HOST_FULL),
+                     Indices(host_swa, IndexSpace.HOST_SWA), swa_tail_tokens=tail)
+    assert back is not None
+    returned_full, returned_swa = back.full.tensor.clone(), back.swa.tensor.clone()
+    with pytest.raises(ValueError, match="in flight"):
+        ctrl.evict_device(Indices(returned_full, IndexSpace.DEVICE_FULL))
+    host_full.fill_(host_full[0].item())  # all the first page's slot: wrong rows if read
+    host_swa.zero_()
+    back.full.tensor.fill_(returned_full[0].item())
+    back.swa.tensor.zero_()
+    ctrl.start_loading()
+    assert len(ctrl.poll()) == 1
+    assert torch.equal(device_rows(ctrl.hybrid_pool.full)[returned_full], full_rows)
+    start = 10 - tail
+    assert (returned_swa[:start] == 0).all() and (returned_swa[start:] != 0).all()
+    assert torch.equal(device_rows(ctrl.hybrid_pool.swa)[returned_swa[start:]],
+                       swa_rows[start:])
+    ctrl.evict_device(Indices(returned_full, IndexSpace.DEVICE_FULL))  # no longer in flight
+    ctrl.hybrid_pool.check_integrity()

@@ -1,0 +1,40 @@
+"""Slot tensors of the hybrid controller aligned token by token (0 = no slot): parts joined
+in one index space, and a part placed at its tokens with 0 elsewhere."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hicache.pools import IndexSpace, Indices
+
+
+def empty_indices(space: IndexSpace) -> Indices:
+    return Indices(torch.empty(0, dtype=torch.int64), space)
+
+
+def cat_space(parts: list[Indices], space: IndexSpace) -> Indices:
+    """``parts`` one after the other as int64 indices of ``space`` (a part alone when the
+    others are empty: no copy made for it)."""
+    found = [p.tensor for p in parts if p.tensor.numel()]
+    if len(found) == 1 and found[0].dtype == torch.int64:
+        return Indices(found[0], space)
+    if not found:
+        return Indices(torch.empty(0, dtype=torch.int64), space)
+    return Indices(torch.cat([t.to(torch.int64) for t in found]), space)
+
+
+def in_tail(part: Indices, num_tokens: int, start: int, space: IndexSpace) -> Indices:
+    """``[num_tokens]`` int64 CPU indices: ``part`` from ``start`` on, 0 before."""
+    aligned = np.zeros(num_tokens, dtype=np.int64)
+    aligned[start:] = part.tensor.numpy()
+    return Indices(torch.from_numpy(aligned), space)
+
+
+def scatter_aligned(part: Indices, mask: torch.Tensor, space: IndexSpace) -> Indices:
+    """``[len(mask)]`` int64 CPU indices: ``part`` where ``mask``, 0 elsewhere (numpy: a
+    masked store there costs a quarter of torch's at a request's size)."""
+    aligned = np.zeros(mask.numel(), dtype=np.int64)
+    aligned[mask.numpy()] = part.tensor.numpy()
+    return Indices(torch.from_numpy(aligned), space)
+
