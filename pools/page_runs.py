@@ -42,17 +42,17 @@ def pages_of_runs(starts: list[int], lengths: list[int]) -> np.ndarray:
 
 def runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     """``(starts, lengths)`` of the runs of consecutive pages among distinct ``pages``
-    (sorted here unless they form one ascending run; no numpy wrapper functions, whose
-    Python layers cost more than the arithmetic at these sizes)."""
+    (sorted here unless they ascend; no numpy wrapper functions, whose Python layers cost
+    more than the arithmetic at these sizes)."""
     if pages.size == 1:
         return [pages.item()], [1]
     steps = pages[1:] - pages[:-1]
     (breaks,) = (steps != 1).nonzero()
     if not breaks.size:  # one ascending run
         return [int(pages[0])], [int(pages.size)]
-    # Breaks: sort (cheaper than asking whether the pages ascend), then find them again
-    pages = np.sort(pages)
-    (breaks,) = (pages[1:] - pages[:-1] != 1).nonzero()
+    if steps.min() < 0:  # not ascending (an allocation's pages are): sort, find them again
+        pages = np.sort(pages)
+        (breaks,) = (pages[1:] - pages[:-1] != 1).nonzero()
     if breaks.size < FEW_RUNS:
         starts = [int(pages[0]), *pages[breaks + 1].tolist()]
         ends = [*pages[breaks].tolist(), int(pages[-1])]
