@@ -17,12 +17,11 @@ side stream has a lane of two staging buffers, an auxiliary stream and a copy st
 buffer: a write gathers chunk i+1 on the auxiliary stream while chunk i is copied to the
 host; a load copies on the buffer's copy stream and scatters on the side stream, so the
 copy of the next layer group runs while one is scattered and its "layer ready" events
-recorded. The two copy streams
-take turns (:mod:`.copy_turns`): after a big chunk the next chunk's copy waits until it has
-finished, so the op never holds the copy engine against an engine's own copies.
-Buffers alternate across calls and each waits only for the event that freed it. Staging
-memory is bounded: ``2 * (staging_tokens + page_size) * token_bytes`` per side stream
-(write and load: twice that).
+recorded. The two copy streams take turns (:mod:`.copy_turns`): after a big chunk the next
+chunk's copy waits until it has finished, so the op never holds the copy engine against an
+engine's own copies. Buffers alternate across calls and each waits only for the event that
+freed it. Staging memory is bounded: ``2 * (staging_tokens + page_size) * token_bytes`` per
+side stream (write and load: twice that).
 
 A ``page_first`` host moving one layer (a layer-wise load) copies rows of one layer a
 token's bytes apart: correct, but the copy engine moves such short strided rows at about a
