@@ -91,9 +91,12 @@ class TransferStats:
                 continue
             page_size = transfer.host_pool.page_size
             key = (direction, transfer.name)
-            # distinct ascending pages are one run when they span their count (no array call)
-            one_run = ascending and pages.item(-1) - pages.item(0) == size - 1
-            self.host_runs[key] += 1 if one_run else 1 + _breaks(pages, page_size)
+            if ascending:  # distinct, ascending (an allocation's): a break is a step over 1
+                one_run = pages.item(-1) - pages.item(0) == size - 1  # (no array call)
+                self.host_runs[key] += 1 if one_run else 1 + int(count_nonzero(
+                    pages[1:] - pages[:-1] != 1))
+            else:
+                self.host_runs[key] += 1 + _breaks(pages, page_size)
             self.host_run_tokens[key] += size * page_size
 
     def mean_host_run_tokens(self, direction: str, pool: str) -> float | None:
