@@ -82,9 +82,8 @@ class CopyTurns:
 
     Per call of the backend: :meth:`start` (both copy streams after the side stream's work
     so far), then per batch of copies (:func:`copy_batches`) :meth:`next` (the raw handle of
-    its stream) and :meth:`end`, then
-    :meth:`join` (the side stream after every copy: its events, "layer ready" and the op's
-    last, come after them).
+    its stream) and :meth:`end`, then :meth:`join` (the side stream after every copy: its
+    events, "layer ready" and the op's last, come after them).
 
     Args:
         side: the side stream (a CUDA stream).
