@@ -10,6 +10,7 @@ from hicache.pools import IndexSpace, Indices
 
 
 def empty_indices(space: IndexSpace) -> Indices:
+    """No slots of ``space`` (an empty int64 CPU tensor)."""
     return Indices(torch.empty(0, dtype=torch.int64), space)
 
 
