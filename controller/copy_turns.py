@@ -13,8 +13,8 @@ before the next one starts. Measured (H200, 4 GiB in chunks, an engine's 64 KiB 
 in): one stream made it wait 50-57 ms at 16-128 MiB chunks; taking turns, 0.4-0.75 ms, at
 54.4-55.2 GB/s against 54.8-55.3 on one stream (both directions alike).
 
-A turn costs a gap on the link between two copies (a few microseconds: about 3% of a 4 MiB
-copy, under 1% of a 16 MiB one) and two event calls on the CPU, so only a copy of at least
+A turn costs a gap on the link between two copies (a few microseconds: 3.5% of a 4 MiB
+copy, about 1% of a 16 MiB one) and two event calls on the CPU, so only a copy of at least
 :data:`TURN_BYTES` makes the next one wait: a small op's copies queue together as before (the
 op itself is short).
 """
