@@ -61,7 +61,7 @@ def copy_batches(copies: list[Copy2D]) -> list[tuple[list[Copy2D], int]]:
     size = 0
     for copy in copies:
         host, host_pitch, device, device_pitch, width, height = copy
-        rows = max(1, PIECE_BYTES // width) if width else height
+        rows = max(1, PIECE_BYTES // width if width else height)
         for first in range(0, height, rows):
             count = min(rows, height - first)
             batch.append(copy if count == height else (

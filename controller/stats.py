@@ -91,12 +91,9 @@ class TransferStats:
                 continue
             page_size = transfer.host_pool.page_size
             key = (direction, transfer.name)
-            if ascending:  # distinct, ascending (an allocation's): a break is a step over 1
-                one_run = pages.item(-1) - pages.item(0) == size - 1  # (no array call)
-                self.host_runs[key] += 1 if one_run else 1 + int(count_nonzero(
-                    pages[1:] - pages[:-1] != 1))
-            else:
-                self.host_runs[key] += 1 + _breaks(pages, page_size)
+            # distinct ascending pages are one run when they span their count (no array call)
+            one_run = ascending and pages.item(-1) - pages.item(0) == size - 1
+            self.host_runs[key] += 1 if one_run else 1 + _breaks(pages, page_size, ascending)
             self.host_run_tokens[key] += size * page_size
 
     def mean_host_run_tokens(self, direction: str, pool: str) -> float | None:
@@ -142,12 +139,15 @@ class TransferStats:
                     durations.append((direction, ack.duration_s))
 
 
-def _breaks(pages: np.ndarray, page_size: int) -> int:
+def _breaks(pages: np.ndarray, page_size: int, ascending: bool = False) -> int:
     """Breaks between runs of the slots of whole ``pages`` sorted (allocations are
     ascending: sort only the rare rest): one per gap between pages and, as the slots of a
-    page named twice interleave, ``page_size`` per repeat."""
+    page named twice interleave, ``page_size`` per repeat. ``ascending``: the pages are
+    known distinct and ascending (an allocation's), so a break is a step over 1."""
     if pages.size == 1:
         return 0
+    if ascending:
+        return int(count_nonzero(pages[1:] - pages[:-1] != 1))
     if is_run(pages):
         return 0  # one ascending run (an allocation's)
     steps = np.diff(pages)

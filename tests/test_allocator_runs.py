@@ -169,3 +169,5 @@ def test_host_runs_counted_per_page_match_the_slots() -> None:
         pages = rng.integers(1, 15, int(rng.integers(1, 12)))
         slots = np.sort((pages[:, None] * page_size + np.arange(page_size)).reshape(-1))
         assert _breaks(pages, page_size) == np.count_nonzero(np.diff(slots) != 1), pages
+        distinct = np.unique(pages)  # an allocation's: distinct, ascending
+        assert _breaks(distinct, page_size, ascending=True) == _breaks(distinct, page_size)

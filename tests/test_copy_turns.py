@@ -71,3 +71,10 @@ def test_a_32k_token_run_goes_a_layer_a_batch_and_small_runs_share_one() -> None
     assert [copy[0] for batch, _ in batches for copy in batch] == [i * layer for i in range(32)]
     small = [(i * 4096, 4096, i * 4096, 4096, 4096, 32) for i in range(8)]  # 8 x 128 KiB
     assert copy_batches(small) == [(small, 8 * 4096 * 32)]
+
+
+def test_copies_of_no_rows_make_no_batch() -> None:
+    """A copy of zero rows (or of zero-width rows) moves nothing and issues nothing."""
+    assert copy_batches([]) == []
+    assert copy_batches([(0, 8, 0, 8, 0, 0), (0, 8, 0, 8, 8, 0), (0, 8, 0, 8, 0, 3)]) == [
+        ([(0, 8, 0, 8, 0, 3)], 0)]
