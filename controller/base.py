@@ -114,7 +114,9 @@ class MovedTransfer:
     selectors; the staged backend's chunks with their host runs and planned copies; the
     kernel's checked launch; the direct backend's runs and copies), made at its first use.
     ``pages``: the page ids of the two index tensors, when the op moves them as they are
-    (``None``: not known; a backend reads the slots).
+    (``None``: not known; a backend reads the slots). ``device_page_index``: for a backend
+    that :meth:`~TransferBackend.reads_device_pages`, ``pages.device_pages`` where the device
+    index is, uploaded with it (``None``: not known; the backend finds them).
     """
 
     source: PoolTransfer
@@ -125,6 +127,7 @@ class MovedTransfer:
     staged_move: StagedMove | None = None  # the staged backend's plans of this move
     row_copy: RowCopy | None = None  # the kernel backend's prepared launch
     direct_move: DirectMove | None = None  # the direct backend's runs and planned copies
+    device_page_index: torch.Tensor | None = None
 
 
 @dataclass(eq=False, init=False)
@@ -253,6 +256,13 @@ class TransferBackend(ABC):
         """The backend that executes one op (``auto`` chooses per op; others are themselves).
         ``pairs``: the op's primary transfer, whose slots ``auto`` may read (its runs)."""
         return self
+
+    def reads_device_pages(self, host_pool: HostKVPool, device_pool: DeviceKVPool) -> bool:
+        """True when this backend reads, where the device index is, the device page of
+        every host page of pairs of an op of whole pages (``MovedTransfer.device_page_index``,
+        uploaded with the device index from the pages the op's checks found). Default:
+        no."""
+        return False
 
     def order_pairs(
         self, host_index: torch.Tensor, device_index: torch.Tensor

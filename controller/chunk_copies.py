@@ -24,7 +24,7 @@ import torch
 
 from . import copy2d
 from .copy2d import Copy2D, shifted
-from .direct_staging import Segment
+from .slot_segments import Segment
 
 MAX_TEMPLATES = 4096  # run shapes kept (a few per pool geometry and layer shape in practice)
 

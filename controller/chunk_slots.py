@@ -14,7 +14,15 @@ import torch
 from hicache.pools import HostLayout
 
 from .base import MovedTransfer
-from .direct_staging import PagePlan, Segment, device_pages, page_pieces, page_segments
+from .direct_staging import PagePlan
+from .slot_segments import (
+    Segment,
+    device_pages,
+    page_pieces,
+    page_run_segments,
+    page_segments,
+    whole_pages,
+)
 
 
 def host_runs(host_slots: np.ndarray) -> list[tuple[int, int]]:
@@ -40,7 +48,7 @@ def runs_between(breaks: np.ndarray, start: int, end: int) -> list[tuple[int, in
 
 def segments_between(segments: list[Segment], positions: np.ndarray, start: int, end: int
                      ) -> list[Segment]:
-    """The segments (:func:`~hicache.controller.direct_staging.page_segments`) of positions
+    """The segments (:func:`~hicache.controller.slot_segments.page_segments`) of positions
     ``[start, end)`` (counted from ``start``) of slots whose segments are ``segments``, which
     start at ``positions``: a segment cut by either end keeps its part inside, as a partial
     page, whole pages, and a partial page."""
@@ -96,6 +104,15 @@ class OpSlots:
         self.segments: list[Segment] | None = None
         self.positions = np.zeros(0, dtype=np.int64)
         if host.layout is HostLayout.PAGE_FIRST_DIRECT:
+            known = moved.pages
+            if (known is not None and moved.device_page_index is not None
+                    and known.host_page_size == host.page_size):
+                pages: np.ndarray | None = known.host_pages  # the op's checks found them
+            else:
+                pages = whole_pages(slots, host.page_size)
+            if pages is not None:  # the common case: an op of whole host pages
+                self.segments, self.positions = page_run_segments(pages, host.page_size)
+                return
             self.segments = page_segments(slots, *page_pieces(slots, host.page_size),
                                           host.page_size)
             self.positions = np.array([segment.position for segment in self.segments],
@@ -107,7 +124,7 @@ class OpSlots:
 def device_page_index(moved: MovedTransfer) -> torch.Tensor | None:
     """For a ``page_first_direct`` host, the device page of every ``page_size`` pairs of
     ``moved`` (int64, beside its device index) when each such group is one device page's
-    slots in order (:func:`~hicache.controller.direct_staging.device_pages`), else ``None``.
+    slots in order (:func:`~hicache.controller.slot_segments.device_pages`), else ``None``.
 
     The slots are checked on the CPU, in the op's own index tensors, when the move kept
     their order (its host index is the op's own tensor: no padding pair was dropped and
@@ -116,7 +133,11 @@ def device_page_index(moved: MovedTransfer) -> torch.Tensor | None:
     (the side stream's, which reads them). The device index itself is uploaded with the
     host's by ``move_indices`` on the caller's stream, as for every backend: an upload of
     its own inside the op (on the side or the auxiliary stream) made a host hit of 8k
-    tokens 3 points slower end to end (measured)."""
+    tokens 3 points slower end to end (measured). An op whose checks found its pages
+    (:func:`~.index_moves.move_whole_pages`) has them uploaded with its device index, in
+    the same copy: no check and no kernel."""
+    if moved.device_page_index is not None:  # uploaded with the device index
+        return moved.device_page_index
     source = moved.source
     host = source.host_pool
     if (host.layout is not HostLayout.PAGE_FIRST_DIRECT

@@ -17,8 +17,9 @@ fragment, a slot loaded twice in one merged op) is its own segment of one page.
 When every piece is a whole page, the gather reads the device rows straight into the
 page-major staging (one indexed read per block of layers, written through a permuted view)
 and the scatter writes them back from it the same way; where the device slots are whole
-device pages in order too (an allocation's: :func:`device_pages`), both index pages, not
-slots (:meth:`DirectStaging.gather_device_pages`, :meth:`DirectStaging.scatter_device_pages`).
+device pages in order too (an allocation's: :func:`~.slot_segments.device_pages`), both
+index pages, not slots (:meth:`DirectStaging.gather_device_pages`,
+:meth:`DirectStaging.scatter_device_pages`).
 Otherwise the gather reads them layer-major into a temporary ``[components, moved layers,
 pairs, row]`` and places them with an index copy, and the scatter does the reverse. Both
 run at HBM speed on the stream the caller makes current, which allocates and owns the
@@ -28,25 +29,13 @@ temporaries.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
-from numpy import count_nonzero
 
 from hicache.pools.pinned_uploads import UPLOADS
 
-
-class Segment(NamedTuple):
-    """Pairs ``[position, position + num_pages * length)`` of a chunk: ``num_pages`` consecutive
-    host pages from ``page``, ``length`` slots of each from ``offset`` (whole pages:
-    ``offset`` 0 and ``length`` the page size; a partial page: ``num_pages`` 1)."""
-
-    position: int
-    page: int
-    offset: int
-    num_pages: int
-    length: int
+from .slot_segments import Segment, page_pieces, page_segments
 
 
 class PagePlan:
@@ -236,48 +225,3 @@ class DirectStaging:
         else:
             self._target_rows = torch.from_numpy(grid.reshape(-1))
         return self._target_rows
-
-
-def device_pages(device_slots: np.ndarray, page_size: int, num_slots: int
-                 ) -> np.ndarray | None:
-    """The device page of every ``page_size`` pairs of ``device_slots`` (an op's, int64, in
-    the order it moves them) when each such group is one device page's slots in order (a
-    page being ``page_size`` slots from a multiple of ``page_size``), else ``None`` (then,
-    too, for a pool of ``num_slots`` that is not whole pages). An allocation of whole pages
-    gives such slots, so a ``page_first_direct`` move of whole host pages gathers and
-    scatters page by page (:meth:`DirectStaging.gather_device_pages`,
-    :meth:`DirectStaging.scatter_device_pages`)."""
-    if device_slots.size == 0 or device_slots.size % page_size or num_slots % page_size:
-        return None
-    grouped = device_slots.reshape(-1, page_size) - np.arange(page_size, dtype=np.int64)
-    firsts = grouped[:, 0]
-    if count_nonzero(grouped != firsts[:, None]) or count_nonzero(firsts % page_size):
-        return None
-    return firsts // page_size
-
-
-def page_pieces(host_slots: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(starts, lengths)`` of the runs of consecutive slots within one page each."""
-    if host_slots.size == 0:
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    pages = host_slots // page_size
-    cut = (np.diff(host_slots) != 1) | (np.diff(pages) != 0)
-    starts = np.concatenate(([0], np.flatnonzero(cut) + 1)).astype(np.int64)
-    lengths = np.diff(np.concatenate((starts, [host_slots.size]))).astype(np.int64)
-    return starts, lengths
-
-
-def page_segments(host_slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-              page_size: int) -> list[Segment]:
-    """Pieces joined into runs of consecutive whole pages; partial pages stay alone."""
-    if starts.size == 0:
-        return []
-    first = host_slots[starts]
-    pages, offsets = first // page_size, first % page_size
-    whole = lengths == page_size
-    joined = np.zeros(starts.size, dtype=bool)
-    joined[1:] = whole[1:] & whole[:-1] & (pages[1:] == pages[:-1] + 1)
-    heads = np.flatnonzero(~joined)
-    counts = np.diff(np.concatenate((heads, [starts.size])))
-    return [Segment(int(starts[h]), int(pages[h]), int(offsets[h]), int(count), int(lengths[h]))
-            for h, count in zip(heads, counts, strict=True)]

@@ -28,7 +28,13 @@ from .base import (
     TransferOp,
 )
 from .events import Event
-from .index_moves import cat_parts, move_checked, owned_copy, reads_in_place
+from .index_moves import (
+    cat_parts,
+    move_checked,
+    move_whole_pages,
+    owned_copy,
+    reads_in_place,
+)
 from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
@@ -191,8 +197,9 @@ class OpQueue:
             found = self._in_place.get(key)
             if found is None:  # kept with its answer, the executor's id is not reused
                 found = self._in_place[key] = (executor, reads_in_place(executor, t))
-            if not found[1]:
-                return move_op_indices(op, may_pad)
+            if not found[1]:  # the slots move: with their pages when one call's
+                return move_op_indices(op, may_pad, None if one_call is None else [
+                    self._slot_pages(one_call, j) for j in range(len(op.transfers))])
             host = t.host_indices.tensor  # short moves copy row by row: no pages read
             moved.append(MovedTransfer(t, host, t.device_indices.tensor,
                                        pages=None if one_call is None
@@ -249,19 +256,26 @@ class OpQueue:
                 + len(in_flight[_LOAD]))
 
 
-def move_op_indices(op: TransferOp, may_pad: bool = True) -> list[MovedTransfer]:
+def move_op_indices(op: TransferOp, may_pad: bool = True,
+                    pages: list[SlotPages] | None = None) -> list[MovedTransfer]:
     """Move the indices of every pool transfer of ``op`` (its own list, so a pool kind added
     later is covered without touching call sites) where ``op.executor`` reads them. The
     op's indices are the queue's own copies, checked when their call was queued; without
-    ``may_pad`` those checks found no padding slot among them."""
+    ``may_pad`` those checks found no padding slot among them, and ``pages`` (each
+    transfer's, from those checks) go with the slots to a backend that reads device pages
+    (:func:`~.index_moves.move_whole_pages`)."""
     assert op.executor is not None, f"op {op.op_id} has no backend"
     executor = op.executor
-    return [
-        MovedTransfer(t, *move_checked(t.host_indices.tensor, t.device_indices.tensor,
-                                       t.host_pool, t.device_pool, executor,
-                                       owned=True, may_pad=may_pad))
-        for t in op.transfers
-    ]
+    moved = []
+    for i, t in enumerate(op.transfers):
+        found = None if pages is None else move_whole_pages(t, executor, pages[i])
+        if found is None:
+            found = MovedTransfer(t, *move_checked(t.host_indices.tensor,
+                                                   t.device_indices.tensor, t.host_pool,
+                                                   t.device_pool, executor, owned=True,
+                                                   may_pad=may_pad))
+        moved.append(found)
+    return moved
 
 
 def acknowledgement(op: TransferOp) -> Ack:

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from hicache.pools import DeviceKVPool, HostKVPool
+from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
 from .base import Direction, MovedTransfer, TransferBackend
 from .chunk_copies import CopyTemplates
@@ -105,6 +105,11 @@ class StagedBackend(TransferBackend):
         self, host_pool: HostKVPool, device_pool: DeviceKVPool
     ) -> tuple[torch.device, torch.device]:
         return CPU, device_pool.device
+
+    def reads_device_pages(self, host_pool: HostKVPool, device_pool: DeviceKVPool) -> bool:
+        """A ``page_first_direct`` host's moves gather and scatter whole device pages
+        (:func:`~.chunk_slots.device_page_index`)."""
+        return host_pool.layout is HostLayout.PAGE_FIRST_DIRECT
 
     def order_pairs(
         self, host_index: torch.Tensor, device_index: torch.Tensor

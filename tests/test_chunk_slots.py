@@ -12,7 +12,13 @@ from test_staged_plans import scattered_move
 
 from hicache.controller import copy2d
 from hicache.controller.chunk_slots import OpSlots, segments_between
-from hicache.controller.direct_staging import PagePlan, page_pieces, page_segments
+from hicache.controller.direct_staging import PagePlan
+from hicache.controller.slot_segments import (
+    page_pieces,
+    page_run_segments,
+    page_segments,
+    whole_pages,
+)
 from hicache.controller.staged import StagedBackend
 from hicache.controller.staged_chunk import ChunkPlan, StagedMove
 from hicache.controller.staged_views import StagingBuffer
@@ -54,6 +60,36 @@ def test_segments_cut_from_the_op_equal_the_chunk_own(page_size: int) -> None:
             own_starts, own_lengths = page_pieces(own, page_size)
             assert np.array_equal(starts, own_starts) and np.array_equal(lengths, own_lengths)
             assert plan.whole_pages == bool((own_lengths == page_size).all())
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4, 16])
+def test_whole_page_segments_equal_the_general_ones(page_size: int) -> None:
+    """Slots that are whole pages (runs of consecutive pages, gaps, a page repeated, pages
+    out of order): :func:`whole_pages` finds them and their segments and positions from one
+    entry a page equal :func:`page_segments` of every slot; slots that are not whole pages
+    in order (a partial page, a page's slots out of order, a page not from a multiple of the
+    page size, no slots) are refused."""
+    rng = np.random.default_rng(100 + page_size)
+    for _ in range(300):
+        runs = rng.integers(1, 6, size=rng.integers(1, 6))
+        firsts = np.cumsum(runs + rng.integers(0, 3, size=runs.size)) - runs
+        pages = np.concatenate([np.arange(first, first + run)
+                                for first, run in zip(firsts, runs, strict=True)])
+        if rng.random() < 0.3:  # a page moved twice, or pages not in order
+            pages = np.insert(pages, rng.integers(0, pages.size + 1), pages[0])
+        if rng.random() < 0.2:
+            pages = rng.permutation(pages)
+        slots = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+        found = whole_pages(slots.astype(np.int64), page_size)
+        assert found is not None and np.array_equal(found, pages)
+        segments, positions = page_run_segments(found, page_size)
+        assert segments == page_segments(slots, *page_pieces(slots, page_size), page_size)
+        assert positions.tolist() == [segment.position for segment in segments]
+    assert whole_pages(np.zeros(0, dtype=np.int64), page_size) is None
+    if page_size > 1:
+        one_page = np.arange(page_size, dtype=np.int64)
+        for refused in (one_page[:-1], one_page[::-1].copy(), one_page + 1):
+            assert whole_pages(refused, page_size) is None, refused
 
 
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)

@@ -12,10 +12,11 @@ import pytest
 import torch
 from controller_helpers import device_rows, make_controller, untouched
 
-from hicache.controller import CacheController, direct_staging
-from hicache.controller.base import Direction, MovedTransfer, PoolTransfer
-from hicache.controller.direct_staging import device_pages
-from hicache.controller.index_moves import move_checked
+from hicache.controller import CacheController, chunk_slots, direct_staging, op_queue
+from hicache.controller.backends import TorchBackend
+from hicache.controller.base import Direction, MovedTransfer, PoolTransfer, SlotPages
+from hicache.controller.index_moves import move_checked, move_whole_pages
+from hicache.controller.slot_segments import device_pages
 from hicache.controller.staged import StagedBackend
 from hicache.pools import HostLayout, IndexSpace, Indices
 
@@ -170,3 +171,81 @@ def test_merged_loads_of_whole_pages_move_by_page(calls: dict[str, int]) -> None
     for slots, expected in zip(loaded, rows, strict=True):
         assert torch.equal(device_rows(ctrl.device_pool)[slots.tensor], expected)
     assert calls["scatter_device_pages"] >= 1 and calls["scatter_pages"] == 0
+
+
+def test_an_op_of_whole_pages_brings_its_device_pages(calls: dict[str, int],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write and load of whole pages through the controller carry the pages their checks
+    and allocations found: the device pages are uploaded with the device index and the host
+    segments come from the host pages, so neither is looked for in the slots again (both
+    finders fail here if called); into a fragmented allocation (device pages not one run)
+    the rows still land at exactly the allocated slots, page by page."""
+    ctrl = direct_controller(num_layers=2)
+    first = ctrl.device_allocator.try_alloc(6 * PAGE)
+    assert first is not None
+    rows = device_rows(ctrl.device_pool)[first.tensor].clone()
+    host = ctrl.write(first)
+    assert host is not None
+    ctrl.drain()
+    rest = ctrl.device_allocator.try_alloc(ctrl.device_allocator.num_free_tokens)
+    assert rest is not None  # the pool full: what is freed next is all there is
+    pages = first.tensor.view(-1, PAGE)  # free every other page: the next allocation is split
+    ctrl.device_allocator.free(Indices(pages[::2].reshape(-1).clone(), IndexSpace.DEVICE_FULL))
+
+    def refused(*args: object) -> None:
+        raise AssertionError("the op's pages were looked for in its slots")
+
+    monkeypatch.setattr(chunk_slots, "device_pages", refused)
+    monkeypatch.setattr(chunk_slots, "whole_pages", refused)
+    moved: list[MovedTransfer | None] = []
+    found = op_queue.move_whole_pages
+
+    def spy(*args: Any) -> MovedTransfer | None:
+        moved.append(found(*args))
+        return moved[-1]
+
+    monkeypatch.setattr(op_queue, "move_whole_pages", spy)
+    part = Indices(host.tensor[:3 * PAGE].clone(), IndexSpace.HOST_FULL)
+    before = device_rows(ctrl.device_pool).clone()
+    loaded = ctrl.load(part)
+    assert loaded is not None
+    ctrl.drain()
+    loaded_pages = loaded.tensor.view(-1, PAGE)[:, 0] // PAGE
+    assert not bool((loaded_pages[1:] == loaded_pages[:-1] + 1).all())  # not one run
+    after = device_rows(ctrl.device_pool)
+    assert torch.equal(after[loaded.tensor], rows[:3 * PAGE])
+    assert torch.equal(untouched(after, loaded.tensor), untouched(before, loaded.tensor))
+    assert len(moved) == 1 and moved[0] is not None
+    index = moved[0].device_page_index
+    assert index is not None and index.tolist() == loaded_pages.tolist()
+    assert calls["scatter_device_pages"] >= 1 and calls["scatter_pages"] == 0
+
+
+def test_pages_go_only_to_a_backend_that_reads_them() -> None:
+    """``move_whole_pages`` hands the pages over only where the backend reads device
+    pages of whole pages as they are: not for another backend or host layout, not when
+    the device pages are of another size, and not when the pairs would be reordered."""
+    ctrl = direct_controller(num_layers=2)
+    device = Indices(torch.arange(44, 52), IndexSpace.DEVICE_FULL)
+
+    def transfer(host_slots: torch.Tensor, pool_ctrl: CacheController = ctrl) -> PoolTransfer:
+        return PoolTransfer(name="full", host_pool=pool_ctrl.host_pool,
+                            device_pool=pool_ctrl.device_pool,
+                            host_indices=Indices(host_slots, IndexSpace.HOST_FULL),
+                            device_indices=device, layers=(0, 1))
+
+    def pages(host_pages: list[int], ascending: bool, page_size: int = PAGE) -> SlotPages:
+        return SlotPages(np.array(host_pages), PAGE, np.array([11, 12]), page_size, ascending)
+
+    in_order = transfer(torch.arange(8, 16))
+    found = move_whole_pages(in_order, ctrl.backend, pages([2, 3], True))
+    assert found is not None and found.host_index is in_order.host_indices.tensor
+    assert found.device_page_index is not None and found.device_page_index.tolist() == [11, 12]
+    swapped = transfer(torch.cat([torch.arange(12, 16), torch.arange(8, 12)]))
+    assert move_whole_pages(swapped, ctrl.backend, pages([3, 2], False)) is None
+    assert move_whole_pages(in_order, ctrl.backend, pages([2, 3], True, 2 * PAGE)) is None
+    layer_first = make_controller(StagedBackend(4 * PAGE), page_size=PAGE, num_layers=2,
+                                  device_pages=40, host_pages=40)
+    assert move_whole_pages(transfer(torch.arange(8, 16), layer_first), layer_first.backend,
+                            pages([2, 3], True)) is None
+    assert move_whole_pages(in_order, TorchBackend(), pages([2, 3], True)) is None
