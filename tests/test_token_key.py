@@ -127,3 +127,67 @@ def test_numpy_integers_in_a_list_give_the_key_of_the_same_ints() -> None:
         assert (len(other), other.num_page_tokens, other.pages) == (6, 4, tuple(ints[:4]))
     finally:
         service.stop()
+
+
+def _array_forms() -> list[object]:
+    """The ids 0, 1, 5, 90, 127 (and 40 more) as every integer array and CPU tensor form."""
+    import numpy as np
+
+    ids = [0, 1, 5, 90, 127, *range(40)]
+    forms: list[object] = [np.array(ids, dtype=dtype) for dtype in (
+        np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64)]
+    forms += [torch.tensor(ids, dtype=dtype) for dtype in (
+        torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)]
+    forms.append(np.array(ids, dtype=">i8"))  # big-endian: packed in native order
+    forms.append(np.array([ids, ids], dtype=np.int64)[:, ::1][0])  # a row of a 2-D array
+    forms.append(np.repeat(np.array(ids, dtype=np.int64), 2)[::2])  # strided
+    return forms
+
+
+@pytest.mark.parametrize("tokens", _array_forms(), ids=lambda t: f"{type(t).__name__}-{t.dtype}")
+def test_an_array_or_tensor_gives_the_key_of_the_same_ints(tokens: object) -> None:
+    """Integer arrays and CPU tensors are packed by numpy (not unpacked into Python ints
+    first): the key's bytes and tokens are those of the list of the same ints, and the key
+    owns them (the array refilled after ``key()`` changes nothing)."""
+    service = make_service(capacity_tokens=256, page_size=4)
+    try:
+        ids = [0, 1, 5, 90, 127, *range(40)]
+        key = service.key(tokens)  # type: ignore[arg-type]
+        assert key.data == service.key(ids).data and key.tokens == tuple(ids)
+        tokens[:] = 3  # type: ignore[index]
+        assert key.tokens == tuple(ids)
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("tokens,error,message", [
+    ("int64 -1", ValueError, r"^key: token ids must be >= 0, got tokens\[2\] = -1$"),
+    ("int8 -3", ValueError, r"^key: token ids must be >= 0, got tokens\[2\] = -3$"),
+    ("tensor -1", ValueError, r"^key: token ids must be >= 0, got tokens\[2\] = -1$"),
+    ("uint64 2**63", ValueError, r"^key: token ids must be < 2\*\*63, got tokens\[2\]"),
+    ("float", TypeError, r"array of float64"),
+    ("bool array", TypeError, r"array of bool"),
+    ("bool tensor", TypeError, r"integer dtype, got a torch.bool tensor"),
+    ("2-D", TypeError, r"got a 2-D array of int64"),
+])
+def test_an_array_of_bad_ids_is_refused_by_name(tokens: str, error: type, message: str) -> None:
+    """What the packed path does not take goes to the checked path, which names it."""
+    import numpy as np
+
+    forms = {
+        "int64 -1": np.array([4, 5, -1, 6], dtype=np.int64),
+        "int8 -3": np.array([4, 5, -3, 6], dtype=np.int8),
+        "tensor -1": torch.tensor([4, 5, -1, 6]),
+        "uint64 2**63": np.array([4, 5, 2**63, 6], dtype=np.uint64),
+        "float": np.array([4.0, 5.0]),
+        "bool array": np.array([True, False]),
+        "bool tensor": torch.tensor([True, False]),
+        "2-D": np.zeros((2, 4), dtype=np.int64),
+    }
+    service = make_service(capacity_tokens=256, page_size=4)
+    try:
+        with pytest.raises(error, match=message):
+            service.key(forms[tokens])  # type: ignore[arg-type]
+        assert service.tree.num_nodes == 0
+    finally:
+        service.stop()

@@ -17,6 +17,9 @@ from typing import cast
 import numpy as np
 import torch
 
+# integer tensor dtypes numpy reads as they are (no bool: it is refused by name)
+_TENSOR_INT_DTYPES = frozenset((torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64))
+
 # Token ids as engines hold them: ``[n]`` Python ints, or a 1-D integer tensor / numpy array.
 TokenIds = Sequence[int] | torch.Tensor | np.ndarray
 
@@ -122,7 +125,33 @@ def make_key(tokens: TokenIds, page_size: int, op: str) -> TokenKey:
         packed = _packed_ids(tokens)
         if packed is not None:
             return TokenKey.from_packed(packed, page_size)
+    elif isinstance(tokens, (np.ndarray, torch.Tensor)):
+        packed = _packed_array(tokens)
+        if packed is not None:
+            return TokenKey.from_packed(packed, page_size)
     return TokenKey(tokens, page_size, op)
+
+
+def _packed_array(tokens: np.ndarray | torch.Tensor) -> bytes | None:
+    """Key bytes of a 1-D integer array or CPU tensor of valid token ids, packed by numpy
+    (2k ids: about 3 us, where unpacking them into Python ints first took 65), or ``None``
+    when it is anything else (another dtype or shape, a negative id or one of ``2**63`` or
+    more, a tensor off the CPU): the checked path then names what is wrong, or copies the
+    tensor to the host."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.device.type != "cpu" or tokens.dtype not in _TENSOR_INT_DTYPES:
+            return None
+        array = tokens.detach().numpy()
+    else:
+        array = tokens
+    kind = array.dtype.kind
+    if array.ndim != 1 or kind not in "iu":
+        return None
+    if array.size and ((kind == "i" and array.min() < 0)
+                       or (kind == "u" and array.dtype.itemsize == 8
+                           and array.max() >= 2**63)):
+        return None
+    return array.astype(np.int64, copy=False).tobytes()
 
 
 def _packed_ids(tokens: Sequence[object]) -> bytes | None:
