@@ -73,17 +73,25 @@ def direct_controller(num_layers: int = 3) -> CacheController:
                            layout=HostLayout.PAGE_FIRST_DIRECT, device_pages=40, host_pages=40)
 
 
-def test_whole_pages_move_by_page(calls: dict[str, int]) -> None:
-    """A write of 12 allocated device pages and its load back (3 chunks of 4 pages each)
-    gather and scatter page by page, and bring back exactly the written rows; every other
-    device row is untouched."""
-    ctrl = direct_controller()
-    written = ctrl.device_allocator.try_alloc(12 * PAGE)
+def written_back(ctrl: CacheController, num_pages: int
+                 ) -> tuple[Indices, torch.Tensor, Indices]:
+    """``num_pages`` freshly allocated device pages written to the host and drained: their
+    device slots, their rows as written, and the host slots holding them."""
+    written = ctrl.device_allocator.try_alloc(num_pages * PAGE)
     assert written is not None
     rows = device_rows(ctrl.device_pool)[written.tensor].clone()
     host = ctrl.write(written)
     assert host is not None
     ctrl.drain()
+    return written, rows, host
+
+
+def test_whole_pages_move_by_page(calls: dict[str, int]) -> None:
+    """A write of 12 allocated device pages and its load back (3 chunks of 4 pages each)
+    gather and scatter page by page, and bring back exactly the written rows; every other
+    device row is untouched."""
+    ctrl = direct_controller()
+    _, rows, host = written_back(ctrl, 12)
     before = device_rows(ctrl.device_pool).clone()
     loaded = ctrl.load(host)
     assert loaded is not None
@@ -181,12 +189,7 @@ def test_an_op_of_whole_pages_brings_its_device_pages(calls: dict[str, int],
     finders fail here if called); into a fragmented allocation (device pages not one run)
     the rows still land at exactly the allocated slots, page by page."""
     ctrl = direct_controller(num_layers=2)
-    first = ctrl.device_allocator.try_alloc(6 * PAGE)
-    assert first is not None
-    rows = device_rows(ctrl.device_pool)[first.tensor].clone()
-    host = ctrl.write(first)
-    assert host is not None
-    ctrl.drain()
+    first, rows, host = written_back(ctrl, 6)
     rest = ctrl.device_allocator.try_alloc(ctrl.device_allocator.num_free_tokens)
     assert rest is not None  # the pool full: what is freed next is all there is
     pages = first.tensor.view(-1, PAGE)  # free every other page: the next allocation is split
