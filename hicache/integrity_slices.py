@@ -44,9 +44,12 @@ class SliceStats:
     unconfirmed: int = 0  # findings the full check did not confirm (a call's race)
     slices: int = 0
     longest_slice_s: float = 0.0
+    last_start: float = 0.0  # the latest slice's lock hold: from (perf_counter) ...
+    last_s: float = 0.0  # ... for this long
 
-    def record(self, seconds: float) -> None:
+    def record(self, start: float, seconds: float) -> None:
         self.slices += 1
+        self.last_start, self.last_s = start, seconds
         self.longest_slice_s = max(self.longest_slice_s, seconds)
 
 
@@ -129,7 +132,7 @@ class SlicedIntegrityCheck:
                 check, self._check = self._check, None
                 concluded = (check, check.snapshot(self._engine_slots()))
         finally:
-            self.stats.record(time.perf_counter() - start)
+            self.stats.record(start, time.perf_counter() - start)
             self._lock.release()
         for allocator, copies in allocators:
             allocator.verify_snapshot(copies)

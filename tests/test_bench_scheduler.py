@@ -97,6 +97,7 @@ def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
     saved = json.loads(out.read_text(encoding="utf-8"))
     names = {f["name"] for f in saved["figures"]}
     assert {"one request's cycle (2k tokens)", "background integrity check, longest lock hold",
+            "the same, collections inside a hold excluded",
             "key of a 2k-token prompt (token checks)",
             "allocate + free 2048 pages, fragmented",
             "controller op, 1 page(s), copy excluded"} <= names
@@ -105,6 +106,9 @@ def test_benchmark_runs_and_writes_json(tmp_path: Path, trace: Path,
         whole = next(iter(by_name[f"controller op, {pages} page(s), with its copy"].values()))
         kept = next(iter(by_name[f"controller op, {pages} page(s), copy excluded"].values()))
         assert all(0 < k < w for k, w in zip(kept, whole, strict=True))
+    holds = by_name["background integrity check, longest lock hold"]
+    own = by_name["the same, collections inside a hold excluded"]
+    assert all(0 < own[size][0] <= holds[size][0] for size in ("1000", "2000"))
     inserts = by_name["insert of a 2k-token prompt (backup queued)"]
     assert set(inserts) == {"1000", "2000"} and all(
         len(v) == 2 and min(v) > 0 for v in inserts.values())
@@ -220,3 +224,35 @@ def test_thread_latency_feeds_both_services_the_same_calls(monkeypatch: pytest.M
         whole = out[f"one request's cycle, background thread {side} (p99)"][0]
         spared = out[f"the same, thread {side}, calls no collection stopped (p99)"][0]
         assert 0 < spared <= whole
+
+
+def test_a_collection_inside_a_slice_is_taken_out_of_the_check_own_hold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full collection made inside every slice of the walk lengthens the lock hold by its
+    time; the figure without collections takes exactly that time out (within a tenth of a
+    millisecond) and stays positive."""
+    import gc
+
+    from hicache.bench.scheduler import ChatWorkload, background_check_holds, fill, make_service
+    from hicache.integrity_slices import TreeCheck
+
+    service = make_service(capacity_tokens=40_000)
+    try:
+        fill(service, ChatWorkload(0), 10_000)
+        walk = TreeCheck.walk
+        spent: list[float] = []
+
+        def collecting_walk(self: TreeCheck, deadline: float) -> bool:
+            begin = time.perf_counter()
+            gc.collect()
+            spent.append(time.perf_counter() - begin)
+            return walk(self, deadline + spent[-1])
+
+        monkeypatch.setattr(TreeCheck, "walk", collecting_walk)
+        holds = background_check_holds(service)
+        held = holds["background integrity check, longest lock hold"][0]
+        own = holds["the same, collections inside a hold excluded"][0]
+        assert spent and held >= max(spent) * 1e6
+        assert 0 < own <= held - min(spent) * 1e6 + 100
+    finally:
+        service.stop()
