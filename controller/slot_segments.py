@@ -24,7 +24,6 @@ class Segment(NamedTuple):
     length: int
 
 
-
 def device_pages(device_slots: np.ndarray, page_size: int, num_slots: int
                  ) -> np.ndarray | None:
     """The device page of every ``page_size`` pairs of ``device_slots`` (an op's, int64, in
@@ -78,7 +77,7 @@ def page_pieces(host_slots: np.ndarray, page_size: int) -> tuple[np.ndarray, np.
 
 
 def page_segments(host_slots: np.ndarray, starts: np.ndarray, lengths: np.ndarray,
-              page_size: int) -> list[Segment]:
+                  page_size: int) -> list[Segment]:
     """Pieces joined into runs of consecutive whole pages; partial pages stay alone."""
     if starts.size == 0:
         return []
