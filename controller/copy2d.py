@@ -21,10 +21,11 @@ import ctypes
 import functools
 import itertools
 import logging
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
+
+from .cuda_libraries import mapped_libraries
 
 logger = logging.getLogger(__name__)
 
@@ -260,7 +261,8 @@ def _cudart() -> ctypes.CDLL | None:
     if not torch.cuda.is_available():
         return None
     torch.cuda.init()
-    for name in [*_mapped_runtimes(), "libcudart.so", "libcudart.so.13", "libcudart.so.12"]:
+    for name in [*mapped_libraries("libcudart"), "libcudart.so", "libcudart.so.13",
+                 "libcudart.so.12"]:
         try:
             library = ctypes.CDLL(name)
             function = library.cudaMemcpy2DAsync
@@ -274,19 +276,6 @@ def _cudart() -> ctypes.CDLL | None:
     logger.warning("no CUDA runtime library found for 2D copies; strided staged copies go "
                    "row by row (slower)")
     return None
-
-
-def _mapped_runtimes() -> list[str]:
-    """Paths of ``libcudart`` files mapped into this process (the one torch loaded)."""
-    maps = Path("/proc/self/maps")
-    if not maps.exists():
-        return []
-    found: list[str] = []
-    for line in maps.read_text().splitlines():
-        path = line.split()[-1] if line.split() else ""
-        if "libcudart" in Path(path).name and path not in found:
-            found.append(path)
-    return found
 
 
 def _error_name(library: ctypes.CDLL, status: int) -> str:

@@ -25,6 +25,7 @@ from .chunk_slots import ChunkSlots, OpSlots, device_page_index
 from .direct_staging import DirectStaging
 from .events import Event
 from .layer_blocks import BlockShape
+from .page_kernel import PageLaunch, index_fits, launch_pages, page_launches
 from .staged_views import LayerGroup, PoolViews, StagingBuffer
 
 
@@ -92,6 +93,7 @@ class ChunkPlan:
                  buffer: StagingBuffer, templates: CopyTemplates) -> None:
         self.slots = slots
         self.page_index: torch.Tensor | None = None  # whole device pages (see StagedMove)
+        self.kernel_index = False  # page_index can be read by the page copy kernel
         self.host, self.token_major = move.host, move.token_major  # not ``move``: no cycle
         geometry = move.geometry
         c, r, layers = geometry.num_components, geometry.row_elems, sum(n for _, n in shape)
@@ -102,6 +104,7 @@ class ChunkPlan:
             if move.page_index is not None and self.direct.whole_pages:
                 page = move.page_size  # chunks start at whole pages (chunk_tokens)
                 self.page_index = move.page_index[slots.start // page: slots.end // page]
+                self.kernel_index = index_fits(self.page_index)
             self.shape: tuple[int, ...] = (n * c * layers, r)
         else:
             self.shape = (n, c, layers, r) if move.token_major else (c, layers, n, r)
@@ -142,6 +145,20 @@ class ChunkPlan:
         assert isinstance(views, list)
         return views
 
+    def page_launches(self, buffer: StagingBuffer, group: LayerGroup, scatter: bool
+                      ) -> list[PageLaunch] | None:
+        """The page copy kernel's launches (:mod:`~.page_kernel`) between ``buffer`` and
+        ``group``, made once per buffer, chunk length and group; ``None``: torch's copy."""
+        direct = self.direct
+        if not self.kernel_index or direct is None:
+            return None
+        key = ("launch", self.numel, self.wide_shape, direct.shape, group, scatter)
+        found = buffer.get(key)
+        if found is None:
+            found = buffer.keep(key, page_launches(self.page_views(buffer, group.shape),
+                                                   group.paged_rows, scatter) or False)
+        return found or None  # type: ignore[return-value]
+
     def views(self, staged: torch.Tensor, block_offset: int, begin: int, end: int
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(host view, staged view)`` of every host run for host layers ``begin .. end - 1``
@@ -171,8 +188,7 @@ def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: Stagin
     chunk: ``free`` (recorded once the buffer may be overwritten; this chunk waits on its
     previous record, a no-op before the first) and ``staged`` (recorded once the buffer is
     filled or drained; the other leg waits on it at once). A wait takes the record made
-    before it, so recording an event again after the wait was issued is safe, and no event
-    is created per chunk.
+    before it: recording again after the wait was issued is safe; no event is made per chunk.
 
     The copy-engine copy runs on ``copier`` (the buffer's own copy stream), after
     ``previous`` when given: the event recorded after the copy before it (see
@@ -183,8 +199,7 @@ def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: Stagin
     ``copier`` (``staged`` recorded there), scatter on the side stream, so the side stream
     (whose events say "layer ready") never holds back the next layer's copy. Copies and
     events name their stream; the kernels run on the current stream, which the caller makes
-    ``aux`` for a write's chunks (its gathers and temporaries) and keeps the side stream
-    for a load's.
+    ``aux`` for a write's chunks (its gathers and temporaries), the side stream for a load's.
     """
     if not to_host:
         free.wait(copier)
@@ -233,6 +248,9 @@ def _gather(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
     """Device rows of the chunk into its staging rows (wide) in ``buffer``."""
     direct = plan.direct
     if direct is not None and plan.page_index is not None:  # whole pages from whole pages
+        launches = plan.page_launches(buffer, group, False)
+        if launches is not None:
+            return launch_pages(launches, plan.page_index)
         direct.gather_device_pages(plan.page_views(buffer, group.shape), plan.page_index,
                                    group.paged_rows)
         return
@@ -264,6 +282,9 @@ def _scatter(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
     """The chunk's staging rows (wide) in ``buffer`` into the device rows."""
     direct = plan.direct
     if direct is not None and plan.page_index is not None:  # whole pages to whole pages
+        launches = plan.page_launches(buffer, group, True)
+        if launches is not None:
+            return launch_pages(launches, plan.page_index)
         return direct.scatter_device_pages(plan.page_views(buffer, group.shape),
                                            plan.page_index, group.paged_rows)
     dim, layer_dim = (0, 2) if group.views.token_major else (2, 1)

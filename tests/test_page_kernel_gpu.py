@@ -1,0 +1,115 @@
+"""The page copy kernel on a GPU: whole pages between staged page views and a device pool's
+paged rows, bit for bit against torch's ``index_copy_`` / ``index_select``, for blocks of
+layers anywhere in the pool; index entries outside the pool move nothing; views it cannot
+serve are declined; the staged backend's ``page_first_direct`` round trip runs through it,
+and through torch's copies where it is declined, with the same rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_layouts import write_then_layer_wise_load
+
+from hicache.controller import page_kernel, staged_chunk
+from hicache.controller.staged import StagedBackend
+from hicache.pools import AttentionKind, HostLayout
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def pool_and_staging(components: int, layers: int, pages: int, page_size: int, width: int,
+                     staged_pages: int, dtype: torch.dtype = torch.int64
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A device pool's rows ``[C, L, pages * page_size, width]`` viewed by pages and a
+    staging buffer's whole pages ``[staged_pages, C, L, page_size, width]`` permuted to
+    ``[C, L, staged_pages, page_size, width]`` (as the staged backend views them), both
+    random."""
+    gen = torch.Generator(device="cuda").manual_seed(pages + layers)
+    rows = torch.randint(-2**20, 2**20, (components, layers, pages * page_size, width),
+                         generator=gen, device="cuda").to(dtype)
+    staging = torch.randint(-2**20, 2**20, (staged_pages, components, layers, page_size, width),
+                            generator=gen, device="cuda").to(dtype)
+    return (rows.view(components, layers, pages, page_size, width),
+            staging.permute(1, 2, 0, 3, 4))
+
+
+@pytest.mark.parametrize("components,layers,begin,count", [(2, 4, 0, 4), (2, 8, 3, 2),
+                                                           (1, 6, 5, 1)])
+@pytest.mark.parametrize("page_size,width,staged_pages", [(16, 256, 16), (64, 32, 3),
+                                                          (16, 256, 700), (1, 2, 40)])
+def test_scatter_and_gather_equal_torch(components: int, layers: int, begin: int, count: int,
+                                        page_size: int, width: int, staged_pages: int) -> None:
+    paged, staged_all = pool_and_staging(components, layers, 1024, page_size, width,
+                                         staged_pages)
+    device, staged = paged.narrow(1, begin, count), staged_all.narrow(1, 0, count)
+    index = torch.randperm(1024, device="cuda")[:staged_pages].contiguous()
+    expected_pool = paged.clone()
+    expected_pool.narrow(1, begin, count).index_copy_(2, index, staged)
+    launches = page_kernel.page_launches([staged], [device], scatter=True)
+    assert launches is not None
+    page_kernel.launch_pages(launches, index)
+    assert torch.equal(paged, expected_pool)
+
+    staged_all.zero_()
+    gather = page_kernel.page_launches([staged], [device], scatter=False)
+    assert gather is not None
+    page_kernel.launch_pages(gather, index)
+    assert torch.equal(staged, torch.index_select(device, 2, index))
+    assert not staged_all.narrow(1, count, layers - count).any()  # other layers untouched
+
+
+def test_index_entries_outside_the_pool_move_nothing() -> None:
+    paged, staged = pool_and_staging(2, 2, 64, 16, 256, 4)
+    before = paged.clone()
+    index = torch.tensor([-1, 64, 2**40, 5], device="cuda")
+    launches = page_kernel.page_launches([staged], [paged], scatter=True)
+    assert launches is not None
+    page_kernel.launch_pages(launches, index)
+    expected = before.clone()
+    expected[:, :, 5] = staged[:, :, 3]
+    assert torch.equal(paged, expected)
+
+
+def test_views_it_cannot_serve_are_declined() -> None:
+    paged, staged = pool_and_staging(2, 2, 64, 16, 256, 4)
+    flat = paged.reshape(2, 2, -1)
+    odd = paged[..., :255]  # another row width, rows not contiguous
+    assert page_kernel.page_launches([staged], [flat], scatter=True) is None  # not 5-D
+    assert page_kernel.page_launches([staged], [odd], scatter=True) is None  # other shape
+    shifted = torch.empty(2 * 2 * 64 * 16 * 256 + 1, dtype=torch.int32, device="cuda")[1:]
+    misaligned = shifted.view(2, 2, 64, 16, 256)  # 4-byte aligned only
+    aligned = torch.empty_like(misaligned)
+    assert page_kernel.page_launches([aligned], [misaligned], scatter=True) is None
+    assert page_kernel.page_launches([staged], [paged.float()], scatter=True) is None
+    assert page_kernel.page_launches([staged.cpu()], [paged.cpu()], scatter=True) is None
+    assert page_kernel.page_launches([], [], scatter=True) is None
+    assert not page_kernel.index_fits(torch.arange(4, device="cuda")[::2])
+    assert not page_kernel.index_fits(torch.arange(4, dtype=torch.int32, device="cuda"))
+    assert page_kernel.index_fits(torch.arange(4, device="cuda"))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_page_first_direct_round_trip_through_the_kernel(
+        kernel: bool, page_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random device pages into a fragmented page_first_direct host and back layer by layer
+    (the reference rows checked by the helper): with the kernel every chunk's gather and
+    scatter launch it; declined, torch's copies move the same rows."""
+    calls: list[int] = []
+    launch = staged_chunk.launch_pages
+
+    def counted(launches: Any, index: torch.Tensor) -> None:
+        calls.append(len(launches))
+        launch(launches, index)
+
+    monkeypatch.setattr(staged_chunk, "launch_pages", counted)
+    if not kernel:
+        monkeypatch.setattr(staged_chunk, "page_launches", lambda *args: None)
+    write_then_layer_wise_load(StagedBackend(128), HostLayout.PAGE_FIRST_DIRECT, page_size,
+                               AttentionKind.MHA, "cuda")
+    assert (len(calls) > 0) is kernel
