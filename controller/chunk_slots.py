@@ -122,9 +122,11 @@ class OpSlots:
 
 
 def device_page_index(moved: MovedTransfer) -> torch.Tensor | None:
-    """For a ``page_first_direct`` host, the device page of every ``page_size`` pairs of
-    ``moved`` (int64, beside its device index) when each such group is one device page's
-    slots in order (:func:`~hicache.controller.slot_segments.device_pages`), else ``None``.
+    """The device page of every ``page_size`` pairs of ``moved`` (int64, beside its device
+    index) when each such group is one device page's slots in order
+    (:func:`~hicache.controller.slot_segments.device_pages`), else ``None``: uploaded with
+    the device index where the op's checks found them (any layout but ``page_first``),
+    else found here for a ``page_first_direct`` host.
 
     The slots are checked on the CPU, in the op's own index tensors, when the move kept
     their order (its host index is the op's own tensor: no padding pair was dropped and

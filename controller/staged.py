@@ -107,9 +107,9 @@ class StagedBackend(TransferBackend):
         return CPU, device_pool.device
 
     def reads_device_pages(self, host_pool: HostKVPool, device_pool: DeviceKVPool) -> bool:
-        """A ``page_first_direct`` host's moves gather and scatter whole device pages
-        (:func:`~.chunk_slots.device_page_index`)."""
-        return host_pool.layout is HostLayout.PAGE_FIRST_DIRECT
+        """Moves of a ``page_first_direct`` or ``layer_first`` host gather and scatter whole
+        device pages (:func:`~.chunk_slots.device_page_index`, :mod:`.chunk_pages`)."""
+        return host_pool.layout is not HostLayout.PAGE_FIRST
 
     def order_pairs(
         self, host_index: torch.Tensor, device_index: torch.Tensor

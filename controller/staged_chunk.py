@@ -21,11 +21,12 @@ import torch
 from . import copy2d
 from .base import MovedTransfer
 from .chunk_copies import CopyTemplates, run_copies, segment_copies
+from .chunk_pages import move_pages
 from .chunk_slots import ChunkSlots, OpSlots, device_page_index
 from .direct_staging import DirectStaging
 from .events import Event
 from .layer_blocks import BlockShape
-from .page_kernel import PageLaunch, index_fits, launch_pages, page_launches
+from .page_kernel import index_fits
 from .staged_views import LayerGroup, PoolViews, StagingBuffer
 
 
@@ -33,9 +34,9 @@ class StagedMove:
     """What the staged backend derives once per op and pool transfer (``moved.staged_move``,
     held until the op is acknowledged): the side stream that issues it (an op is issued on
     one stream), the views of its pool pair (:class:`~.staged_views.PoolViews`, shared by
-    every op between the two pools; made for this move alone when none is given), for a
-    ``page_first_direct`` host the device page of every host page's pairs when they are
-    whole device pages (``page_index``: :func:`~.chunk_slots.device_page_index`), each
+    every op between the two pools; made for this move alone when none is given), the
+    device page of every host page's pairs when they are whole device pages (``page_index``:
+    :func:`~.chunk_slots.device_page_index`; moved by :mod:`.chunk_pages`), each
     chunk's :class:`ChunkSlots` and each chunk's :class:`ChunkPlan` per layer shape."""
 
     def __init__(self, moved: MovedTransfer, side: torch.cuda.Stream | None,
@@ -99,15 +100,17 @@ class ChunkPlan:
         c, r, layers = geometry.num_components, geometry.row_elems, sum(n for _, n in shape)
         n = len(slots.host_slots)
         self.direct: DirectStaging | None = None
+        self.page_size = move.page_size
         if slots.pages is not None:
             self.direct = DirectStaging(slots.pages, c, layers, r)
-            if move.page_index is not None and self.direct.whole_pages:
-                page = move.page_size  # chunks start at whole pages (chunk_tokens)
-                self.page_index = move.page_index[slots.start // page: slots.end // page]
-                self.kernel_index = index_fits(self.page_index)
             self.shape: tuple[int, ...] = (n * c * layers, r)
         else:
             self.shape = (n, c, layers, r) if move.token_major else (c, layers, n, r)
+        page = move.page_size  # chunks start at whole host pages (chunk_tokens)
+        if (move.page_index is not None and not move.token_major and not n % page
+                and (self.direct is None or self.direct.whole_pages)):
+            self.page_index = move.page_index[slots.start // page: slots.end // page]
+            self.kernel_index = index_fits(self.page_index)
         self.numel = n * c * layers * r
         self.wide_shape = (*self.shape[:-1], move.rows.shape[-1])
         self.wide = move.rows.dtype
@@ -131,33 +134,6 @@ class ChunkPlan:
         """This chunk's staging view of ``buffer`` as wide rows (the device rows'
         elements)."""
         return buffer.view(self.numel, self.wide, self.wide_shape)
-
-    def page_views(self, buffer: StagingBuffer, shape: BlockShape) -> list[torch.Tensor]:
-        """The staging rows (:meth:`rows`) of ``buffer`` as whole pages per block of
-        ``shape`` (:meth:`~.direct_staging.DirectStaging.page_views`), made once per buffer,
-        chunk length and shape."""
-        direct = self.direct
-        assert direct is not None, "page views of a page_first_direct chunk"
-        key = ("pages", self.numel, self.wide_shape, direct.shape, direct.page_size, shape)
-        views = buffer.get(key)
-        if views is None:
-            views = buffer.keep(key, direct.page_views(self.rows(buffer), shape))
-        assert isinstance(views, list)
-        return views
-
-    def page_launches(self, buffer: StagingBuffer, group: LayerGroup, scatter: bool
-                      ) -> list[PageLaunch] | None:
-        """The page copy kernel's launches (:mod:`~.page_kernel`) between ``buffer`` and
-        ``group``, made once per buffer, chunk length and group; ``None``: torch's copy."""
-        direct = self.direct
-        if not self.kernel_index or direct is None:
-            return None
-        key = ("launch", self.numel, self.wide_shape, direct.shape, group, scatter)
-        found = buffer.get(key)
-        if found is None:
-            found = buffer.keep(key, page_launches(self.page_views(buffer, group.shape),
-                                                   group.paged_rows, scatter) or False)
-        return found or None  # type: ignore[return-value]
 
     def views(self, staged: torch.Tensor, block_offset: int, begin: int, end: int
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -246,14 +222,9 @@ def _copy(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer, to_host: bo
 
 def _gather(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
     """Device rows of the chunk into its staging rows (wide) in ``buffer``."""
-    direct = plan.direct
-    if direct is not None and plan.page_index is not None:  # whole pages from whole pages
-        launches = plan.page_launches(buffer, group, False)
-        if launches is not None:
-            return launch_pages(launches, plan.page_index)
-        direct.gather_device_pages(plan.page_views(buffer, group.shape), plan.page_index,
-                                   group.paged_rows)
+    if move_pages(plan, group, buffer, scatter=False):  # whole pages from whole pages
         return
+    direct = plan.direct
     index, rows = plan.slots.device_index, plan.rows(buffer)
     if direct is not None and direct.whole_pages:  # into the page-major staging in place
         direct.gather_pages(rows, index, group.shape, group.device_rows)
@@ -280,13 +251,9 @@ def _select(group: LayerGroup, index: torch.Tensor, out: torch.Tensor, dim: int,
 
 def _scatter(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
     """The chunk's staging rows (wide) in ``buffer`` into the device rows."""
+    if move_pages(plan, group, buffer, scatter=True):  # whole pages to whole pages
+        return None
     direct = plan.direct
-    if direct is not None and plan.page_index is not None:  # whole pages to whole pages
-        launches = plan.page_launches(buffer, group, True)
-        if launches is not None:
-            return launch_pages(launches, plan.page_index)
-        return direct.scatter_device_pages(plan.page_views(buffer, group.shape),
-                                           plan.page_index, group.paged_rows)
     dim, layer_dim = (0, 2) if group.views.token_major else (2, 1)
     index, rows = plan.slots.device_index, plan.rows(buffer)
     if direct is not None and direct.whole_pages:  # from the page-major staging in place

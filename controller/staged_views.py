@@ -41,8 +41,8 @@ class PoolViews:
         self.host_layer_bytes = host.stride(layer_dim) * host.element_size()
         self.host_ptr = host.data_ptr()
         self.rows = wide(device_pool.data)  # [C, L, slots, row], 8-byte elements if it can
-        # page-indexed views (``page_first_direct`` hosts, device pools of whole pages)
-        self.by_pages = (host_pool.layout is HostLayout.PAGE_FIRST_DIRECT
+        # page-indexed views (device pools of whole host pages; see chunk_pages)
+        self.by_pages = (host_pool.layout is not HostLayout.PAGE_FIRST
                          and self.rows.shape[2] % self.page_size == 0)
         self._groups: dict[tuple[int, ...], LayerGroup] = {}
 

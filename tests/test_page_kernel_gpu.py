@@ -1,8 +1,9 @@
 """The page copy kernel on a GPU: whole pages between staged page views and a device pool's
 paged rows, bit for bit against torch's ``index_copy_`` / ``index_select``, for blocks of
 layers anywhere in the pool; index entries outside the pool move nothing; views it cannot
-serve are declined; the staged backend's ``page_first_direct`` round trip runs through it,
-and through torch's copies where it is declined, with the same rows."""
+serve are declined; the staged backend's round trips over ``page_first_direct`` and
+``layer_first`` hosts run through it, and through torch's copies where it is declined, with
+the same rows."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from test_layouts import write_then_layer_wise_load
 
-from hicache.controller import page_kernel, staged_chunk
+from hicache.controller import chunk_pages, page_kernel
 from hicache.controller.staged import StagedBackend
 from hicache.pools import AttentionKind, HostLayout
 
@@ -95,21 +96,23 @@ def test_views_it_cannot_serve_are_declined() -> None:
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_page_first_direct_round_trip_through_the_kernel(
-        kernel: bool, page_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Random device pages into a fragmented page_first_direct host and back layer by layer
-    (the reference rows checked by the helper): with the kernel every chunk's gather and
-    scatter launch it; declined, torch's copies move the same rows."""
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST_DIRECT, HostLayout.LAYER_FIRST],
+                         ids=lambda x: x.value)
+def test_round_trip_through_the_kernel(kernel: bool, page_size: int, layout: HostLayout,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Random device pages into a fragmented host and back layer by layer (the reference
+    rows checked by the helper): with the kernel the chunks' gathers and scatters launch it;
+    declined, torch's page copies (``page_first_direct``) or slot copies (``layer_first``)
+    move the same rows."""
     calls: list[int] = []
-    launch = staged_chunk.launch_pages
+    launch = chunk_pages.launch_pages
 
     def counted(launches: Any, index: torch.Tensor) -> None:
         calls.append(len(launches))
         launch(launches, index)
 
-    monkeypatch.setattr(staged_chunk, "launch_pages", counted)
+    monkeypatch.setattr(chunk_pages, "launch_pages", counted)
     if not kernel:
-        monkeypatch.setattr(staged_chunk, "page_launches", lambda *args: None)
-    write_then_layer_wise_load(StagedBackend(128), HostLayout.PAGE_FIRST_DIRECT, page_size,
-                               AttentionKind.MHA, "cuda")
+        monkeypatch.setattr(chunk_pages, "page_launches", lambda *args: None)
+    write_then_layer_wise_load(StagedBackend(128), layout, page_size, AttentionKind.MHA, "cuda")
     assert (len(calls) > 0) is kernel

@@ -226,8 +226,9 @@ def test_an_op_of_whole_pages_brings_its_device_pages(calls: dict[str, int],
 
 def test_pages_go_only_to_a_backend_that_reads_them() -> None:
     """``move_whole_pages`` hands the pages over only where the backend reads device
-    pages of whole pages as they are: not for another backend or host layout, not when
-    the device pages are of another size, and not when the pairs would be reordered."""
+    pages of whole pages as they are (staged, to or from a ``page_first_direct`` or
+    ``layer_first`` host): not for another backend or a ``page_first`` host, not when the
+    device pages are of another size, and not when the pairs would be reordered."""
     ctrl = direct_controller(num_layers=2)
     device = Indices(torch.arange(44, 52), IndexSpace.DEVICE_FULL)
 
@@ -249,6 +250,12 @@ def test_pages_go_only_to_a_backend_that_reads_them() -> None:
     assert move_whole_pages(in_order, ctrl.backend, pages([2, 3], True, 2 * PAGE)) is None
     layer_first = make_controller(StagedBackend(4 * PAGE), page_size=PAGE, num_layers=2,
                                   device_pages=40, host_pages=40)
-    assert move_whole_pages(transfer(torch.arange(8, 16), layer_first), layer_first.backend,
+    found = move_whole_pages(transfer(torch.arange(8, 16), layer_first), layer_first.backend,
+                             pages([2, 3], True))
+    assert found is not None and found.device_page_index is not None
+    assert found.device_page_index.tolist() == [11, 12]
+    page_first = make_controller(StagedBackend(4 * PAGE), page_size=PAGE, num_layers=2,
+                                 device_pages=40, host_pages=40, layout=HostLayout.PAGE_FIRST)
+    assert move_whole_pages(transfer(torch.arange(8, 16), page_first), page_first.backend,
                             pages([2, 3], True)) is None
     assert move_whole_pages(in_order, TorchBackend(), pages([2, 3], True)) is None
