@@ -1,5 +1,5 @@
 """A staged chunk's whole device pages: where every host page of the chunk's pairs is one
-device page's slots in order (``ChunkPlan.page_index``, for ``layer_first`` and
+device page's slots in order (``ChunkPlan.page_span``, for ``layer_first`` and
 ``page_first_direct`` hosts), the gather and the scatter index pages, not slots. They run
 as the page copy kernel's launches (:mod:`.page_kernel`), made once per staging buffer,
 chunk length and layer group; where the kernel cannot serve (a CPU pool), a
@@ -25,15 +25,15 @@ def move_pages(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer,
     """Copy ``plan``'s whole device pages from (``scatter``) or into ``buffer`` for
     ``group``'s layers; False, with nothing issued, when the chunk has no page index or
     only its slots can be moved (the caller's paths then)."""
-    index = plan.page_index
-    if index is None:
+    if plan.page_span is None:
         return False
-    launches = _launches(plan, buffer, group, scatter)
-    if launches is not None:
-        launch_pages(launches, index)
-        return True
-    direct = plan.direct
-    if direct is None:
+    if plan.kernel_pages is not None:
+        launches = _launches(plan, buffer, group, scatter)
+        if launches is not None:
+            launch_pages(launches, plan.kernel_pages)
+            return True
+    direct, index = plan.direct, plan.page_index
+    if direct is None or index is None:
         return False
     staged = staged_pages(plan, buffer, group.shape)
     if scatter:
@@ -68,8 +68,6 @@ def _launches(plan: ChunkPlan, buffer: StagingBuffer, group: LayerGroup, scatter
               ) -> list[PageLaunch] | None:
     """The kernel's launches between ``buffer`` and ``group`` for chunks like ``plan``
     (kept in the buffer: both buffers and the pool outlive them); ``None``: not served."""
-    if not plan.kernel_index:
-        return None
     key = ("launch", plan.numel, plan.wide_shape, group, scatter)
     found = buffer.get(key)
     if found is None:

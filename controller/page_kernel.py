@@ -72,6 +72,7 @@ class PageLaunch:
     def __init__(self, kernel: int, staged: torch.Tensor, device: torch.Tensor,
                  scatter: bool) -> None:
         self.kernel = kernel
+        self.device_index = staged.device.index
         size = staged.element_size()
         c, count, pages, page_size, width = staged.shape
         self.grid = (pages, count, c)
@@ -105,17 +106,18 @@ def index_fits(index: torch.Tensor) -> bool:
     return index.is_cuda and index.dtype is torch.int64 and index.is_contiguous()
 
 
-def launch_pages(launches: list[PageLaunch], index: torch.Tensor) -> None:
-    """Copy the pages of every launch with ``index`` (:func:`index_fits`; the device page of
-    each staged page) on the current stream of its device, where torch's indexed copy runs.
+def launch_pages(launches: list[PageLaunch], index: int) -> None:
+    """Copy the pages of every launch with the page ids at device address ``index`` (int64,
+    the device page of each staged page: a tensor :func:`index_fits`) on the current stream
+    of the launches' device, where torch's indexed copy runs.
 
     Raises:
         RuntimeError: the driver refused the launch (named with its code).
     """
-    launch, pointer = _driver().cuLaunchKernel, index.data_ptr()
-    stream = _CURRENT_RAW_STREAM(index.device.index)
+    launch = _driver().cuLaunchKernel
+    stream = _CURRENT_RAW_STREAM(launches[0].device_index)
     for item in launches:
-        item.params[_INDEX_PARAM] = pointer
+        item.params[_INDEX_PARAM] = index
         status = launch(item.kernel, *item.grid, item.threads, 1, 1, 0, stream, None, item.extra)
         if status != 0:
             raise RuntimeError(f"page copy kernel: the CUDA driver refused the launch "

@@ -51,6 +51,9 @@ class StagedMove:
         self.num_pairs = int(moved.host_index.numel())
         self.page_size = views.page_size
         self.page_index = device_page_index(moved)
+        # where the page copy kernel reads the page ids (None: it cannot read them)
+        self.page_index_ptr = (self.page_index.data_ptr() if self.page_index is not None
+                               and index_fits(self.page_index) else None)
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
         self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
@@ -93,8 +96,9 @@ class ChunkPlan:
     def __init__(self, move: StagedMove, slots: ChunkSlots, shape: BlockShape,
                  buffer: StagingBuffer, templates: CopyTemplates) -> None:
         self.slots = slots
-        self.page_index: torch.Tensor | None = None  # whole device pages (see StagedMove)
-        self.kernel_index = False  # page_index can be read by the page copy kernel
+        # whole device pages (see StagedMove): the op's page ids and this chunk's span
+        self.page_span: tuple[torch.Tensor, int, int] | None = None
+        self.kernel_pages: int | None = None  # the span's address, for the page kernel
         self.host, self.token_major = move.host, move.token_major  # not ``move``: no cycle
         geometry = move.geometry
         c, r, layers = geometry.num_components, geometry.row_elems, sum(n for _, n in shape)
@@ -109,8 +113,10 @@ class ChunkPlan:
         page = move.page_size  # chunks start at whole host pages (chunk_tokens)
         if (move.page_index is not None and not move.token_major and not n % page
                 and (self.direct is None or self.direct.whole_pages)):
-            self.page_index = move.page_index[slots.start // page: slots.end // page]
-            self.kernel_index = index_fits(self.page_index)
+            first = slots.start // page
+            self.page_span = (move.page_index, first, slots.end // page)
+            if move.page_index_ptr is not None:  # int64 ids: 8 bytes each
+                self.kernel_pages = move.page_index_ptr + 8 * first
         self.numel = n * c * layers * r
         self.wide_shape = (*self.shape[:-1], move.rows.shape[-1])
         self.wide = move.rows.dtype
@@ -125,6 +131,13 @@ class ChunkPlan:
                 self.copies = [run_copies(templates, self.host, staged, self.token_major,
                                           slots.runs, slots.host_slots, offset, count)
                                for offset, count in shape]
+
+    @property
+    def page_index(self) -> torch.Tensor | None:
+        """The device page of each of the chunk's host pages (a slice of the op's page
+        ids, made when asked: the kernel reads them by address), or ``None``."""
+        span = self.page_span
+        return None if span is None else span[0][span[1]: span[2]]
 
     def staged(self, buffer: StagingBuffer) -> torch.Tensor:
         """This chunk's staging view of ``buffer`` in the pool's dtype."""

@@ -53,13 +53,13 @@ def test_scatter_and_gather_equal_torch(components: int, layers: int, begin: int
     expected_pool.narrow(1, begin, count).index_copy_(2, index, staged)
     launches = page_kernel.page_launches([staged], [device], scatter=True)
     assert launches is not None
-    page_kernel.launch_pages(launches, index)
+    page_kernel.launch_pages(launches, index.data_ptr())
     assert torch.equal(paged, expected_pool)
 
     staged_all.zero_()
     gather = page_kernel.page_launches([staged], [device], scatter=False)
     assert gather is not None
-    page_kernel.launch_pages(gather, index)
+    page_kernel.launch_pages(gather, index.data_ptr())
     assert torch.equal(staged, torch.index_select(device, 2, index))
     assert not staged_all.narrow(1, count, layers - count).any()  # other layers untouched
 
@@ -70,7 +70,7 @@ def test_index_entries_outside_the_pool_move_nothing() -> None:
     index = torch.tensor([-1, 64, 2**40, 5], device="cuda")
     launches = page_kernel.page_launches([staged], [paged], scatter=True)
     assert launches is not None
-    page_kernel.launch_pages(launches, index)
+    page_kernel.launch_pages(launches, index.data_ptr())
     expected = before.clone()
     expected[:, :, 5] = staged[:, :, 3]
     assert torch.equal(paged, expected)
@@ -107,7 +107,7 @@ def test_round_trip_through_the_kernel(kernel: bool, page_size: int, layout: Hos
     calls: list[int] = []
     launch = chunk_pages.launch_pages
 
-    def counted(launches: Any, index: torch.Tensor) -> None:
+    def counted(launches: Any, index: int) -> None:
         calls.append(len(launches))
         launch(launches, index)
 
