@@ -66,9 +66,11 @@ def staged_pages(plan: ChunkPlan, buffer: StagingBuffer, shape: BlockShape
 
 def _launches(plan: ChunkPlan, buffer: StagingBuffer, group: LayerGroup, scatter: bool
               ) -> list[PageLaunch] | None:
-    """The kernel's launches between ``buffer`` and ``group`` for chunks like ``plan``
-    (kept in the buffer: both buffers and the pool outlive them); ``None``: not served."""
-    key = ("launch", plan.numel, plan.wide_shape, group, scatter)
+    """The kernel's launches between ``buffer`` and ``group`` for chunks like ``plan``, kept
+    in the buffer under the device views' addresses and strides (``group.paged_key``: a pool
+    made later at the same address with the same shape gets the same, valid, launches; no
+    reference keeps a pool's memory); ``None``: not served."""
+    key = ("launch", plan.numel, plan.wide_shape, group.paged_key, scatter)
     found = buffer.get(key)
     if found is None:
         found = buffer.keep(key, page_launches(staged_pages(plan, buffer, group.shape),

@@ -1,15 +1,17 @@
 """Whole-page copies between a staging buffer and a device pool by one small CUDA kernel,
-launched straight through the driver: the staged backend's page gather and scatter for a
-``page_first_direct`` host whose device slots are whole device pages.
+launched straight through the driver: the staged backend's page gather and scatter where a
+chunk's device slots are whole device pages (``page_first_direct`` and ``layer_first``
+hosts, :mod:`.chunk_pages`).
 
 torch's ``index_copy_`` / ``index_select`` on the paged views do the same copy, but cost
 12-18 us of CPU per call to issue on an H200 host against 8.5-11 for this kernel's launch,
 and for a small chunk several kernels' worth of GPU time: 35 against 10 us for 16 pages of
 one layer, 84 against 72 us for 680 pages of 3 layers (one script, bit-identical). A staged
 chunk makes one such call per block of layers; in one process, alternating, a layer-wise
-load of 256 / 2048 tokens (32 layers, 16-token pages, random device pages) was issued in
-506 / 1517 us against 548 / 1681 with torch's copies, a write in 346 / 865 against 361 /
-960.
+load of 256 / 2048 tokens (32 layers, 16-token pages, random device pages) of a
+``page_first_direct`` host was issued in 535 / 858 us against 576 / 940 with torch's
+copies, a write in 344 / 498 against 365 / 558; of a ``layer_first`` host (against its
+slot copies) 471 / 959 against 508 / 1011 and 295 / 520 against 329 / 550.
 
 The kernel is compiled once per GPU architecture with NVRTC (the library torch's CUDA
 build ships and has already loaded; 0.09 s on the H200 host, at the first staged op) and

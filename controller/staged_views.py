@@ -60,7 +60,9 @@ class LayerGroup:
     """The layers of one copy call: their block shape, each block's host offset (bytes from
     the host buffer's start) and device rows (wide; ``[C, count, slots, row]``, token-major
     ``[slots, C, count, row]`` for a ``page_first`` host; for whole pages also ``[C, count,
-    pages, page_size, row]``, ``paged_rows``)."""
+    pages, page_size, row]``, ``paged_rows``, named by ``paged_key``: their addresses, shapes
+    and strides, which a staging buffer's cache keys with, holding no reference to the pool's
+    memory)."""
 
     def __init__(self, views: PoolViews, layers: tuple[int, ...]) -> None:
         self.shape, begins = layer_blocks(layers)
@@ -78,6 +80,8 @@ class LayerGroup:
                 c, _, slots, width = rows.shape
                 self.paged_rows.append(rows.view(c, count, slots // views.page_size,
                                                  views.page_size, width))
+        self.paged_key = tuple((rows.data_ptr(), tuple(rows.shape), rows.stride())
+                               for rows in self.paged_rows)
 
 
 class StagingBuffer:
