@@ -39,9 +39,11 @@ Issue cost: an op finds its host runs (or pages) once, plans each chunk once per
 from templates the backend keeps per run shape across ops), and every layer group of a
 layer-wise load issues those copies at its layers' offset; copies and events name their streams (the
 side stream is looked up once per op), so a chunk issues its copies, one index kernel and
-four event operations with no stream lookup. The plans and the data movement of one chunk
-are in :mod:`hicache.controller.staged_chunk`; this module holds the backend and its staging
-lanes.
+four event operations with no stream lookup. Where the op's device slots are whole device
+pages (``layer_first`` and ``page_first_direct`` hosts) that kernel indexes pages and is
+launched through the driver (:mod:`.chunk_pages`, :mod:`.page_kernel`). The plans and the
+data movement of one chunk are in :mod:`hicache.controller.staged_chunk`; this module holds
+the backend and its staging lanes.
 """
 
 from __future__ import annotations
