@@ -110,7 +110,7 @@ class ChunkPlan:
             self.shape: tuple[int, ...] = (n * c * layers, r)
         else:
             self.shape = (n, c, layers, r) if move.token_major else (c, layers, n, r)
-        page = move.page_size  # chunks start at whole host pages (chunk_tokens)
+        page = self.page_size  # chunks start at whole host pages (chunk_tokens)
         if (move.page_index is not None and not move.token_major and not n % page
                 and (self.direct is None or self.direct.whole_pages)):
             first = slots.start // page
@@ -265,7 +265,7 @@ def _select(group: LayerGroup, index: torch.Tensor, out: torch.Tensor, dim: int,
 def _scatter(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
     """The chunk's staging rows (wide) in ``buffer`` into the device rows."""
     if move_pages(plan, group, buffer, scatter=True):  # whole pages to whole pages
-        return None
+        return
     direct = plan.direct
     dim, layer_dim = (0, 2) if group.views.token_major else (2, 1)
     index, rows = plan.slots.device_index, plan.rows(buffer)
