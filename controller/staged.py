@@ -142,20 +142,25 @@ class StagedBackend(TransferBackend):
             move = moved.staged_move = StagedMove(moved, side, self._pool_views(moved))
             if move.page_index is not None:  # made on the side stream, read there
                 keep_alive.append(move.page_index)
-        lane = self._lane(moved.source.device_pool, move.side, page_size)
+        lane = self._lanes.get(move.lane_key) if move.lane_key is not None else None
+        if lane is None or lane.half < move.lane_half:
+            lane = self._lane(moved.source.device_pool, move.side, page_size)
+            move.lane_key, move.lane_half = lane.key, lane.half
         to_host = direction is Direction.DEVICE_TO_HOST
         if to_host and lane.aux is not None and move.side is not None:
             # Gathers read device rows: after the producers and the caller (the side stream
             # waited on them when the op began).
             lane.aux.wait_stream(move.side)
         group = move.views.group(tuple(local_layers))
-        chunk_tokens = self.chunk_tokens(move.views.num_layers, group.num_layers,
-                                         move.num_pairs, page_size)
+        # the group's chunk length and turns for moves of this many pairs: made once
+        chunking = group.chunking.get((move.num_pairs, page_size, self.staging_tokens))
+        if chunking is None:
+            chunking = group.chunking[(move.num_pairs, page_size, self.staging_tokens)] = (
+                self._chunking(move, group.num_layers, page_size))
+        chunk_tokens, turns = chunking
         staging, free, staged, aux = lane.staging, lane.free, lane.staged, lane.aux
         side, copiers = move.side, lane.copiers
         plans = move.chunks(moved, chunk_tokens, group.shape, staging[0], self.templates)
-        # a chunk's bytes: the next chunk waits for a big one's copy (``copy_turns``)
-        turns = takes_turns(chunk_tokens * group.num_layers * move.geometry.token_bytes(1))
         done = free if to_host else staged  # recorded on a copier after its copy
         if to_host and aux is not None:
             torch.cuda.set_stream(aux)  # a write's gathers: on aux, once for all its chunks
@@ -194,6 +199,16 @@ class StagedBackend(TransferBackend):
         per_chunk = -(-num_pairs // count)
         return max(1, -(-per_chunk // page_size) * page_size)
 
+    def _chunking(self, move: StagedMove, moved_layers: int, page_size: int
+                  ) -> tuple[int, bool]:
+        """``(chunk_tokens, turns)`` of ``move``'s copies of ``moved_layers`` layers: the
+        chunk length (:meth:`chunk_tokens`) and whether the chunk after one of them waits
+        for its copy (a big chunk: ``copy_turns``)."""
+        chunk_tokens = self.chunk_tokens(move.views.num_layers, moved_layers, move.num_pairs,
+                                         page_size)
+        return chunk_tokens, takes_turns(chunk_tokens * moved_layers
+                                         * move.geometry.token_bytes(1))
+
     def _pool_views(self, moved: MovedTransfer) -> PoolViews:
         """The :class:`PoolViews` of ``moved``'s host and device pools, made on first use."""
         return self._views.get(moved.source.host_pool, moved.source.device_pool)
@@ -219,6 +234,7 @@ class StagedBackend(TransferBackend):
                 aux = torch.cuda.Stream(side.device) if side is not None else None
                 copiers = copy_streams(side)
             lane = _Lane([flat[:half], flat[half:]], aux, copiers, device_pool.device)
+            lane.key, lane.half = key, half
             self._lanes[key] = lane
         return lane
 
@@ -240,3 +256,6 @@ class _Lane:
         self.staged = [Event(device), Event(device)]
         self.next = 0
         self.turns = False  # the last chunk was big enough for the next to wait on its copy
+        # its key among the backend's lanes and its buffers' elements (set by ``_lane``)
+        self.key: tuple[int, torch.dtype] | None = None
+        self.half = 0

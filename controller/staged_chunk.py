@@ -57,6 +57,10 @@ class StagedMove:
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
         self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
+        # the staging lane of its first copy: its key in the backend and the elements of
+        # a buffer it needed (a later copy takes it again while it is still that large)
+        self.lane_key: tuple[int, torch.dtype] | None = None
+        self.lane_half = 0
 
     def chunks(self, moved: MovedTransfer, chunk_tokens: int, shape: BlockShape,
                buffer: StagingBuffer, templates: CopyTemplates) -> list[ChunkPlan]:
