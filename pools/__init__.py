@@ -8,7 +8,6 @@ from .base import (
     PADDING_SLOT,
     AttentionKind,
     BoundsError,
-    ForwardLocs,
     HostLayout,
     IndexSpace,
     Indices,
@@ -18,6 +17,7 @@ from .base import (
 )
 from .bounds import BoundsGuard
 from .device import DeviceKVPool, RowGeometry
+from .forward_locs import ForwardLocs
 from .host import HostKVPool, as_layer_first
 from .swa import HybridSWAPool
 

@@ -157,35 +157,6 @@ class PageTable:
         return int(self.tensor.shape[0])
 
 
-@dataclass(frozen=True, eq=False)
-class ForwardLocs:
-    """One forward's new-token locations, checked once when made, for every layer's write.
-
-    Made by ``DeviceKVPool.forward_locs`` / ``HybridSWAPool.forward_locs``. It owns its
-    tensors (never a view of the caller's buffer, so refilling that buffer in place cannot
-    change it) and remembers the full-to-SWA map it was translated with: a write after the
-    map changed is refused.
-
-    Args:
-        full: ``[n]`` int64 ``DEVICE_FULL`` slots on the pool's device (padding rows: 0).
-        swa: ``[n]`` int32 ``DEVICE_SWA`` slots aligned with ``full`` (hybrid pools only).
-        owner: the pool that made it.
-        map_version: that pool's map version at the time.
-        span: ``(start, end)`` when the slots, checked on the CPU, are the ascending run
-            ``start .. end - 1`` and skip the padding slot: each layer's write is then a
-            slice copy (see :mod:`hicache.pools.forward_locs`); ``None`` otherwise.
-    """
-
-    full: Indices
-    swa: Indices | None
-    owner: object
-    map_version: int
-    span: tuple[int, int] | None = None
-
-    def __len__(self) -> int:
-        return len(self.full)
-
-
 def debug_checks_enabled() -> bool:
     """True when ``HICACHE_DEBUG_CHECKS=1``: CUDA bounds checks also raise at the call."""
     return os.environ.get(DEBUG_CHECKS_ENV, "0") == "1"

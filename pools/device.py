@@ -16,14 +16,13 @@ from .arg_checks import check_int
 from .base import (
     PADDING_SLOT,
     AttentionKind,
-    ForwardLocs,
     IndexSpace,
     Indices,
     PageTable,
     check_indices,
 )
 from .bounds import BoundsGuard
-from .forward_locs import make_forward_locs
+from .forward_locs import ForwardLocs, make_forward_locs
 from .kv_rows import checked_kv_rows
 from .row_geometry import RowGeometry
 from .row_records import layer_records
@@ -121,7 +120,8 @@ class DeviceKVPool:
                 CPU (checked at once there and uploaded without blocking; one ascending run
                 of them makes each layer's write a slice copy: :mod:`.forward_locs`).
         Returns:
-            a :class:`ForwardLocs` owning an int64 copy of them on this pool's device.
+            a :class:`ForwardLocs` owning an int64 copy of them on this pool's device (for
+            a run of CPU slots, made there when its ``full`` is first read).
         """
         return make_forward_locs(self, locs)
 

@@ -9,8 +9,7 @@ engine calls. Attention kernels get int32 SWA indices (:meth:`translate_full_to_
 :meth:`translate_page_table`, :meth:`fill_decode_buffer`); the transfer path asks for int64
 in ``move_indices``.
 
-Bookkeeping (which full page owns which SWA page) is a CPU mirror of the device map, so
-freeing never synchronises the GPU.
+Which full page owns which SWA page is mirrored on the CPU: freeing never synchronises the GPU.
 """
 
 from __future__ import annotations
@@ -22,8 +21,9 @@ import torch
 
 from .allocator import PageAllocator
 from .arg_checks import check_int
-from .base import ForwardLocs, IndexSpace, Indices, PageTable
+from .base import IndexSpace, Indices, PageTable
 from .device import DeviceKVPool, LayerWaiter, RowGeometry
+from .forward_locs import ForwardLocs
 from .swa_map import SWASlotMap
 
 

@@ -643,7 +643,9 @@ def test_checks_bench_times_every_row_on_a_cpu(tmp_path: Path,
     rows = {row["call"]: row["cpu_us"] for row in json.loads(out.read_text())["rows"]}
     for call in ("set_kv of 16 tokens, ForwardLocs, slots given on the device",
                  "set_kv of 16 tokens, ForwardLocs, slots given on the CPU",
-                 "forward_locs of 16 CPU slots (check + upload)",
+                 "forward_locs of 16 CPU slots, a run (check)",
+                 "  and its .full read (the run made on the device)",
+                 "forward_locs of 16 CPU slots, not a run (check + upload)",
                  "key_buffer + value_buffer of a layer"):
         assert call in rows and call in printed
     assert all(cpu_us > 0 for cpu_us in rows.values())

@@ -152,3 +152,46 @@ def test_a_span_write_waits_for_the_layers_load_first(device: str) -> None:
     k = _rows(2, 1.0, device)
     pool.set_kv(2, locs, k, k)
     assert waited == [2]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_locs_are_read_only_and_know_their_length(device: str) -> None:
+    pool = _pool(device)
+    for locs, n in ((pool.forward_locs(_locs(4, 5, 6)), 3),
+                    (pool.forward_locs(_locs(6, 4)), 2)):
+        assert len(locs) == n
+        with pytest.raises(AttributeError, match=r"ForwardLocs is read-only \(tried to set "
+                                                 r"span\)"):
+            locs.span = (1, 2)  # type: ignore[misc]
+        with pytest.raises(AttributeError, match=r"read-only \(tried to set full\)"):
+            locs.full = locs.full  # type: ignore[misc]
+
+
+def test_forward_locs_need_their_slots_or_a_span_and_a_device() -> None:
+    from hicache.pools import ForwardLocs
+    pool = _pool("cpu")
+    with pytest.raises(ValueError, match=r"give the slots, or their span and device"):
+        ForwardLocs(None, None, pool, 0, (2, 4))
+    with pytest.raises(ValueError, match=r"give the slots, or their span and device"):
+        ForwardLocs(None, None, pool, 0, None, pool.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_span_on_a_gpu_pool_is_made_on_the_device_when_first_read() -> None:
+    """A run of CPU slots for a GPU pool uploads nothing when the handle is made (the
+    writes are slice copies); ``full`` makes the run on the device when read, once."""
+    pool = _pool("cuda")
+    locs = pool.forward_locs(_locs(4, 5, 6))
+    assert locs.span == (4, 7) and locs._full is None  # nothing on the device yet
+    k = _rows(3, 1.0, "cuda")
+    pool.set_kv(0, locs, k, k + 0.5)
+    assert locs._full is None  # the write did not need it
+    full = locs.full
+    assert full.space is IndexSpace.DEVICE_FULL and full.tensor.dtype == torch.int64
+    assert full.tensor.device == pool.device and full.tensor.cpu().tolist() == [4, 5, 6]
+    assert locs.full is full  # made once
+    assert torch.equal(pool.key_buffer(0)[4:7].cpu(), k.cpu())
+    scattered = pool.forward_locs(_locs(6, 4))  # not a run: uploaded at once
+    assert scattered.span is None and scattered._full is not None
+    assert scattered.full.tensor.cpu().tolist() == [6, 4]

@@ -105,12 +105,14 @@ def decode_rows(device: torch.device, batch: int, max_pages: int, repeats: int
 def forward_rows(device: torch.device, tokens: int, repeats: int
                  ) -> list[tuple[str, float, float]]:
     """set_kv of ``tokens`` new tokens (one run of slots, as an allocator hands them out)
-    through ForwardLocs made from GPU and from CPU slots, and the layer's views."""
+    through ForwardLocs made from GPU and from CPU slots, and the layer's views; the
+    handles of CPU slots in a run (which upload nothing until ``full`` is read) and not."""
     from hicache.pools import DeviceKVPool
 
     pool = DeviceKVPool(name="full", space=IndexSpace.DEVICE_FULL, num_layers=2,
                         num_slots=4 * tokens + 16, geometry=GEOMETRY, device=device)
     slots = Indices(torch.arange(16, 16 + tokens), IndexSpace.DEVICE_FULL)
+    scattered = Indices(slots.tensor.flip(0), IndexSpace.DEVICE_FULL)
     on_device = Indices(slots.tensor.to(device), IndexSpace.DEVICE_FULL)
     indexed, span = pool.forward_locs(on_device), pool.forward_locs(slots)
     k = torch.randn(tokens, 8, 128, device=device).to(torch.bfloat16)
@@ -122,8 +124,12 @@ def forward_rows(device: torch.device, tokens: int, repeats: int
          *timed(lambda: pool.set_kv(0, span, k, k), device, repeats)),
         ("reference: 2 x copy_ into a dense cache",
          *timed(lambda: (dense[0].copy_(k), dense[1].copy_(k)), device, repeats)),
-        (f"forward_locs of {tokens} CPU slots (check + upload)",
+        (f"forward_locs of {tokens} CPU slots, a run (check)",
          *timed(lambda: pool.forward_locs(slots), device, repeats)),
+        ("  and its .full read (the run made on the device)",
+         *timed(lambda: pool.forward_locs(slots).full, device, repeats)),
+        (f"forward_locs of {tokens} CPU slots, not a run (check + upload)",
+         *timed(lambda: pool.forward_locs(scattered), device, repeats)),
         ("key_buffer + value_buffer of a layer",
          *timed(lambda: (pool.key_buffer(0), pool.value_buffer(0)), device, repeats)),
     ]
