@@ -647,7 +647,7 @@ def test_in_flight_ops_read_beside_the_scheduler_is_never_negative() -> None:
                                  None, "torch"))
             return snapshot
 
-    stats = TransferStats(ops_submitted=SwitchAfterSum())
+    stats = TransferStats(_submitted=SwitchAfterSum())
     assert stats.in_flight_ops >= 0
 
 
