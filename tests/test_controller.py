@@ -398,3 +398,71 @@ def test_fill_unique_is_unique() -> None:
     data = torch.empty(2, 3, 5, 8)
     fill_unique(data)
     assert data.unique().numel() == data.numel()
+
+
+def test_stats_fold_submissions_when_read_and_in_batches() -> None:
+    """An op's submission is only appended at ``start_writing``; the counters read it (ops,
+    backend, host runs and their tokens) all the same, and unread submissions fold every
+    ``FOLD_EVERY``, so none pile up; the op's index tensors are not kept for the fold."""
+    ctrl = make_controller(TorchBackend(), num_layers=1, device_pages=8, host_pages=8)
+    device = ctrl.device_allocator.try_alloc(2)
+    assert device is not None
+    count = FOLD_EVERY + 3
+    for _ in range(count):
+        host = ctrl.write(device)
+        assert host is not None
+        ctrl.start_writing()
+        ctrl.poll()
+        ctrl.evict_host(host)
+    submits = ctrl.stats._unfolded_submits
+    assert len(submits) == 3  # the fold at FOLD_EVERY submissions, then three more
+    assert not any(isinstance(item, torch.Tensor) for entry in submits for item in entry)
+    assert ctrl.stats.ops_submitted["device_to_host"] == count
+    assert ctrl.stats.backend_ops[("device_to_host", "torch")] == count
+    key = ("device_to_host", "full")
+    assert ctrl.stats.host_runs[key] == count  # each op's two host pages are one run
+    assert ctrl.stats.host_run_tokens[key] == 2 * count
+    assert ctrl.stats.mean_host_run_tokens("device_to_host", "full") == 2.0
+    assert ctrl.stats.in_flight_ops == 0 and not submits
+
+
+def test_submissions_folded_by_a_reader_on_another_thread_are_counted_once() -> None:
+    """A metrics reader folds submissions on its own thread while the scheduler submits
+    and acknowledges ops: every op is counted once, and no read counts more acks than
+    submissions."""
+    import sys
+    import threading
+
+    ctrl = make_controller(TorchBackend(), num_layers=1, device_pages=8, host_pages=8)
+    device = ctrl.device_allocator.try_alloc(1)
+    assert device is not None
+    stats, total, done = ctrl.stats, 3 * FOLD_EVERY, threading.Event()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            while not done.is_set():
+                assert stats.in_flight_ops >= 0
+                assert sum(stats.host_runs.values()) <= total
+        except BaseException as exc:  # reported below, on the test's thread
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for _ in range(total):
+            host = ctrl.write(device)
+            assert host is not None
+            ctrl.start_writing()
+            ctrl.poll()
+            ctrl.evict_host(host)
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(switch)
+    assert not errors, errors
+    assert stats.ops_submitted["device_to_host"] == total
+    assert stats.host_runs[("device_to_host", "full")] == total
+    assert stats.ops_acknowledged["device_to_host"] == total and stats.in_flight_ops == 0
