@@ -366,15 +366,8 @@ def test_stats_count_tokens_and_bytes() -> None:
 def test_stats_fold_acks_when_read_and_in_batches() -> None:
     """An ack is only appended on ``poll``; the counters read it (and drained durations)
     all the same, and unread acks are folded every ``FOLD_EVERY``, so none pile up."""
-    ctrl = make_controller(TorchBackend(), num_layers=1, device_pages=8, host_pages=8)
-    device = ctrl.device_allocator.try_alloc(1)
-    assert device is not None
     count = FOLD_EVERY + 5
-    for _ in range(count):
-        host = ctrl.write(device)
-        assert host is not None
-        ctrl.drain()
-        ctrl.evict_host(host)
+    ctrl, _ = _backed_up(1, count)
     assert len(ctrl.stats._unfolded) == 5  # the fold at FOLD_EVERY acks, then five more
     assert ctrl.stats.ops_acknowledged["device_to_host"] == count
     assert ctrl.stats.tokens[("device_to_host", "full")] == count
@@ -404,16 +397,8 @@ def test_stats_fold_submissions_when_read_and_in_batches() -> None:
     """An op's submission is only appended at ``start_writing``; the counters read it (ops,
     backend, host runs and their tokens) all the same, and unread submissions fold every
     ``FOLD_EVERY``, so none pile up; the op's index tensors are not kept for the fold."""
-    ctrl = make_controller(TorchBackend(), num_layers=1, device_pages=8, host_pages=8)
-    device = ctrl.device_allocator.try_alloc(2)
-    assert device is not None
     count = FOLD_EVERY + 3
-    for _ in range(count):
-        host = ctrl.write(device)
-        assert host is not None
-        ctrl.start_writing()
-        ctrl.poll()
-        ctrl.evict_host(host)
+    ctrl, _ = _backed_up(2, count)
     submits = ctrl.stats._unfolded_submits
     assert len(submits) == 3  # the fold at FOLD_EVERY submissions, then three more
     assert not any(isinstance(item, torch.Tensor) for entry in submits for item in entry)
@@ -433,9 +418,7 @@ def test_submissions_folded_by_a_reader_on_another_thread_are_counted_once() -> 
     import sys
     import threading
 
-    ctrl = make_controller(TorchBackend(), num_layers=1, device_pages=8, host_pages=8)
-    device = ctrl.device_allocator.try_alloc(1)
-    assert device is not None
+    ctrl, device = _backed_up(1, 0)
     stats, total, done = ctrl.stats, 3 * FOLD_EVERY, threading.Event()
     errors: list[BaseException] = []
 
@@ -452,12 +435,7 @@ def test_submissions_folded_by_a_reader_on_another_thread_are_counted_once() -> 
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        for _ in range(total):
-            host = ctrl.write(device)
-            assert host is not None
-            ctrl.start_writing()
-            ctrl.poll()
-            ctrl.evict_host(host)
+        _back_up(ctrl, device, total)
     finally:
         done.set()
         reader.join()
@@ -466,3 +444,24 @@ def test_submissions_folded_by_a_reader_on_another_thread_are_counted_once() -> 
     assert stats.ops_submitted["device_to_host"] == total
     assert stats.host_runs[("device_to_host", "full")] == total
     assert stats.ops_acknowledged["device_to_host"] == total and stats.in_flight_ops == 0
+
+
+
+def _backed_up(pages: int, count: int) -> tuple[CacheController, Indices]:
+    """A one-layer CPU controller (pages of one slot) and ``pages`` of its device pages,
+    after :func:`_back_up` of them ``count`` times."""
+    ctrl = make_controller(TorchBackend(), num_layers=1, device_pages=8, host_pages=8)
+    device = ctrl.device_allocator.try_alloc(pages)
+    assert device is not None
+    _back_up(ctrl, device, count)
+    return ctrl, device
+
+
+def _back_up(ctrl: CacheController, device: Indices, count: int) -> None:
+    """``count`` backups of ``device``, each written, acknowledged and its host copy freed."""
+    for _ in range(count):
+        host = ctrl.write(device)
+        assert host is not None
+        ctrl.start_writing()
+        ctrl.poll()
+        ctrl.evict_host(host)
