@@ -142,20 +142,22 @@ class StagedBackend(TransferBackend):
             move = moved.staged_move = StagedMove(moved, side, self._pool_views(moved))
             if move.page_index is not None:  # made on the side stream, read there
                 keep_alive.append(move.page_index)
-        lane = self._lanes.get(move.lane_key) if move.lane_key is not None else None
-        if lane is None or lane.half < move.lane_half:
-            lane = self._lane(moved.source.device_pool, move.side, page_size)
-            move.lane_key, move.lane_half = lane.key, lane.half
+        # the lane its first copy found while it is still this backend's (one replaced by a
+        # larger lane since is looked up again)
+        lane = move.lane
+        if lane is None or self._lanes.get(lane.key) is not lane:
+            lane = move.lane = self._lane(moved.source.device_pool, move.side, page_size)
         to_host = direction is Direction.DEVICE_TO_HOST
         if to_host and lane.aux is not None and move.side is not None:
             # Gathers read device rows: after the producers and the caller (the side stream
             # waited on them when the op began).
             lane.aux.wait_stream(move.side)
         group = move.views.group(tuple(local_layers))
-        # the group's chunk length and turns for moves of this many pairs: made once
-        chunking = group.chunking.get((move.num_pairs, page_size, self.staging_tokens))
+        # the group's chunk length and turns for moves of this many pairs and this budget
+        # (a group is one pool pair's: its page size is fixed), made once
+        chunking = group.chunking.get((move.num_pairs, self.staging_tokens))
         if chunking is None:
-            chunking = group.chunking[(move.num_pairs, page_size, self.staging_tokens)] = (
+            chunking = group.chunking[(move.num_pairs, self.staging_tokens)] = (
                 self._chunking(move, group.num_layers, page_size))
         chunk_tokens, turns = chunking
         staging, free, staged, aux = lane.staging, lane.free, lane.staged, lane.aux
@@ -233,8 +235,7 @@ class StagedBackend(TransferBackend):
             else:
                 aux = torch.cuda.Stream(side.device) if side is not None else None
                 copiers = copy_streams(side)
-            lane = _Lane([flat[:half], flat[half:]], aux, copiers, device_pool.device)
-            lane.key, lane.half = key, half
+            lane = _Lane([flat[:half], flat[half:]], aux, copiers, device_pool.device, key)
             self._lanes[key] = lane
         return lane
 
@@ -249,13 +250,11 @@ class _Lane:
 
     def __init__(self, buffers: list[torch.Tensor], aux: torch.cuda.Stream | None,
                  copiers: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None],
-                 device: torch.device) -> None:
+                 device: torch.device, key: tuple[int, torch.dtype]) -> None:
         self.buffers, self.aux, self.copiers = buffers, aux, copiers
+        self.key = key  # among the backend's lanes (``_lane``)
         self.staging = [StagingBuffer(buffer) for buffer in buffers]  # with their views
         self.free = [Event(device), Event(device)]
         self.staged = [Event(device), Event(device)]
         self.next = 0
         self.turns = False  # the last chunk was big enough for the next to wait on its copy
-        # its key among the backend's lanes and its buffers' elements (set by ``_lane``)
-        self.key: tuple[int, torch.dtype] | None = None
-        self.half = 0

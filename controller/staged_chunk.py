@@ -16,6 +16,8 @@ On a CPU pool (no streams, no copy engine) the same plans run as strided CPU cop
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import copy2d
@@ -28,6 +30,9 @@ from .events import Event
 from .layer_blocks import BlockShape
 from .page_kernel import index_fits
 from .staged_views import LayerGroup, PoolViews, StagingBuffer
+
+if TYPE_CHECKING:
+    from .staged import _Lane
 
 
 class StagedMove:
@@ -57,10 +62,7 @@ class StagedMove:
         self._slots: dict[tuple[int, int], ChunkSlots] = {}
         self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
-        # the staging lane of its first copy: its key in the backend and the elements of
-        # a buffer it needed (a later copy takes it again while it is still that large)
-        self.lane_key: tuple[int, torch.dtype] | None = None
-        self.lane_half = 0
+        self.lane: _Lane | None = None  # the staging lane its first copy found
 
     def chunks(self, moved: MovedTransfer, chunk_tokens: int, shape: BlockShape,
                buffer: StagingBuffer, templates: CopyTemplates) -> list[ChunkPlan]:

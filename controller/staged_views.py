@@ -82,8 +82,8 @@ class LayerGroup:
                                                  views.page_size, width))
         self.paged_key = tuple((rows.data_ptr(), tuple(rows.shape), rows.stride())
                                for rows in self.paged_rows)
-        # the staged backend's chunk length and turns, by (pairs, page size, budget)
-        self.chunking: dict[tuple[int, int, int], tuple[int, bool]] = {}
+        # the staged backend's chunk length and turns, by (pairs, staging budget)
+        self.chunking: dict[tuple[int, int], tuple[int, bool]] = {}
 
 
 class StagingBuffer:

@@ -35,8 +35,8 @@ class TransferStats:
     counters it moves (``ops_acknowledged``, ``tokens``, ``bytes``, ``durations``) fold the
     appended acks when read, or every :data:`FOLD_EVERY` acks. Three counter updates per
     ack, with their tuple keys, were a quarter of a ``poll()``'s cost. A submission is
-    appended the same way (:meth:`on_submit`: the op's direction, backend, held pages and
-    pools, not its index tensors) and folded into ``ops_submitted``, ``backend_ops``,
+    appended the same way (:meth:`on_submit`: the op's direction, backend, host pages and
+    pool names, not its index tensors) and folded into ``ops_submitted``, ``backend_ops``,
     ``host_runs`` and ``host_run_tokens`` with the acks: its four counter updates and run
     test were 1.5 us of a 20 us controller op.
     """
@@ -109,15 +109,10 @@ class TransferStats:
             pools: tuple[tuple[str, int, np.ndarray], ...] = (
                 (transfer.name, transfer.host_pool.page_size, call.parts[0][1]),)
             ascending = call.host_ascending
-        elif len(held) == 1:  # one call: its held pages are the op's, host part first
-            parts = held[0].parts
-            pools = tuple((t.name, t.host_pool.page_size, parts[2 * i][1])
-                          for i, t in enumerate(transfers))
-            ascending = held[0].host_ascending
-        else:  # merged calls: each transfer's host pages joined now (rare)
+        else:  # several pools, or merged calls (their host pages joined now)
             pools = tuple((t.name, t.host_pool.page_size, host_pages_of(op, i))
                           for i, t in enumerate(transfers))
-            ascending = False
+            ascending = len(held) == 1 and held[0].host_ascending
         submits = self._unfolded_submits
         submits.append((op.direction, op.backend, ascending, pools))
         if len(submits) >= FOLD_EVERY:  # none pile up unread (the acks fold on their own)
@@ -170,7 +165,6 @@ class TransferStats:
                     size[(direction, pool)] += size_bytes
                 if ack.duration_s is not None:
                     durations.append((direction, ack.duration_s))
-
 
     def _fold_submits(self) -> None:
         """Count the appended submissions (under the fold lock): per op its direction and
