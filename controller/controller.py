@@ -40,6 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+from numpy import count_nonzero
 
 from hicache.pools import Indices
 
@@ -127,15 +128,38 @@ class CacheController(TransferCore):
                 is allocated or queued then).
         """
         host_pages = self._checks.loadable(host_indices, self.host_pool.allocator, "load")
+        return self._load(host_indices, host_pages, tag, copies=True)
+
+    def load_without_copies(self, host_indices: Indices, pages: np.ndarray,
+                            tag: object = None) -> Indices | None:
+        """:meth:`load` for a caller that never changes ``host_indices`` or the device slots
+        it gets back in place (the radix tree, as for :meth:`write_without_copies`): the op
+        reads those two tensors as they are, where :meth:`load` makes copies of both (two
+        copies of 256 KiB for a 32k-token load). ``pages``: the caller's checked page ids
+        of ``host_indices`` (whole pages in order, int64 slots). Every check of :meth:`load`
+        runs (allocated, no write filling them); returns and raises as it does."""
+        host_pages = self._checks.loadable(host_indices, self.host_pool.allocator,
+                                           "load_without_copies", pages)
+        return self._load(host_indices, host_pages, tag, copies=False)
+
+    def _load(self, host_indices: Indices, host_pages: np.ndarray, tag: object,
+              copies: bool) -> Indices | None:
+        """:meth:`load` past its checks; ``copies``: the op reads copies of the slots."""
         num_tokens = host_pages.size * self.host_pool.page_size
         allocated = self.device_allocator.try_alloc_pages(num_tokens)
         if allocated is None:
             return None
         device, device_pages = allocated
         if host_pages.size:
-            transfer = self._full_transfer(owned_indices(host_indices), owned_indices(device))
+            host = (owned_indices(host_indices) if copies
+                    or host_indices.tensor.dtype is not torch.int64 else host_indices)
+            transfer = self._full_transfer(host, owned_indices(device) if copies else device)
+            # distinct (checked) and ascending pages are ascending slots: the backend need
+            # not look for an order among the op's slots
             self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)],
-                        owned=True, cancel=lambda: self.device_allocator.free_pages(device_pages))
+                        owned=True, cancel=lambda: self.device_allocator.free_pages(device_pages),
+                        host_ascending=host_pages.size < 2
+                        or not count_nonzero(host_pages[1:] <= host_pages[:-1]))
         return device
 
     def evict_device(self, device_indices: Indices, *, pages: np.ndarray | None = None

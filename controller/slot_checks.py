@@ -72,11 +72,13 @@ class SlotChecks:
         self.held.refuse_conflicts(device_indices.space, pages, op, Direction.DEVICE_TO_HOST)
         return pages
 
-    def loadable(self, host_indices: Indices, allocator: PageAllocator, op: str) -> np.ndarray:
+    def loadable(self, host_indices: Indices, allocator: PageAllocator, op: str,
+                 pages: np.ndarray | None = None) -> np.ndarray:
         """Pages of host slots to load: whole, distinct, allocated pages that no write still
-        fills."""
+        fills (``pages``: their ids, when the caller already has them checked)."""
         pages = owned_pages(host_indices, allocator, op,
-                            "load only host slots that write() returned and were not evicted")
+                            "load only host slots that write() returned and were not evicted",
+                            pages)
         self.held.refuse_conflicts(host_indices.space, pages, op, Direction.HOST_TO_DEVICE)
         return pages
 

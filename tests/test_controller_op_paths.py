@@ -10,7 +10,7 @@ import pytest
 import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
 
-from hicache.controller import Direction, MovedTransfer, TorchBackend
+from hicache.controller import CacheController, Direction, MovedTransfer, TorchBackend
 from hicache.pools import IndexSpace, Indices
 
 
@@ -160,3 +160,89 @@ def test_slot_runs_from_the_pages_move_the_right_rows() -> None:
     after = device_rows(ctrl.device_pool)
     assert torch.equal(after[loaded.tensor], rows[back.tensor])
     assert torch.equal(untouched(after, loaded.tensor), untouched(before, loaded.tensor))
+
+
+def test_a_load_tells_the_op_whether_its_host_pages_ascend() -> None:
+    """load() marks its op's host pages ascending when they are (the pairs then need no
+    ordering: one host run is a slice) and not when they are out of order; the rows land
+    in the device slots it returned either way, and no other row changes."""
+    backend = RecordingBackend()
+    ctrl = make_controller(backend, page_size=128, device_pages=8, host_pages=8)
+    device = ctrl.device_allocator.try_alloc(256)
+    assert device is not None
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    flipped = host.tensor.view(-1, 128).flip(0).reshape(-1)
+    for order, ascending in ((host.tensor, True), (flipped, False)):
+        before = device_rows(ctrl.device_pool).clone()
+        loaded = ctrl.load(Indices(order.clone(), IndexSpace.HOST_FULL))
+        assert loaded is not None
+        ctrl.start_loading()
+        assert len(ctrl.poll()) == 1
+        pages = backend.moved[-1].pages
+        assert pages is not None and pages.host_ascending is ascending
+        after = device_rows(ctrl.device_pool)
+        assert torch.equal(after[loaded.tensor], host_rows(ctrl.host_pool)[order])
+        assert torch.equal(untouched(after, loaded.tensor), untouched(before, loaded.tensor))
+        ctrl.evict_device(loaded)
+
+
+def written_host(ctrl: CacheController, num_tokens: int) -> tuple[Indices, torch.Tensor]:
+    """Host slots of ``num_tokens`` written back (acknowledged, the device copy freed) and
+    the rows they hold."""
+    device = ctrl.device_allocator.try_alloc(num_tokens)
+    assert device is not None
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    ctrl.evict_device(device)
+    return host, host_rows(ctrl.host_pool)[host.tensor].clone()
+
+
+def test_load_without_copies_reads_the_callers_tensors() -> None:
+    """load_without_copies queues the op on the caller's host tensor and the device tensor
+    it hands back (no copies), and the rows land in those device slots."""
+    ctrl = make_controller(TorchBackend(), page_size=2)
+    host, rows = written_host(ctrl, 4)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    ctrl.add_observer(lambda _d, transfers, _t: seen.append(
+        (transfers[0].host_indices.tensor, transfers[0].device_indices.tensor)))
+    pages = host.tensor.numpy()[::2] // 2
+    loaded = ctrl.load_without_copies(host, pages)
+    assert loaded is not None
+    assert seen[0][0] is host.tensor and seen[0][1] is loaded.tensor
+    ctrl.start_loading()
+    assert len(ctrl.poll()) == 1
+    assert torch.equal(device_rows(ctrl.device_pool)[loaded.tensor], rows)
+
+
+def test_load_without_copies_keeps_the_checks_of_load() -> None:
+    """load_without_copies refuses host pages a write still fills and unallocated host
+    pages, as load does, with no device slot allocated and nothing queued; it returns None
+    when the device pool is full."""
+    ctrl = make_controller(TorchBackend(), page_size=2)
+    device = ctrl.device_allocator.try_alloc(4)
+    assert device is not None
+    filling = ctrl.write(device)
+    assert filling is not None
+    free_device = ctrl.device_allocator.num_free_tokens
+    pages = filling.tensor.numpy()[::2] // 2
+    with pytest.raises(ValueError, match=r"load_without_copies: HOST_FULL slot \d+ .*"):
+        ctrl.load_without_copies(filling, pages)
+    assert ctrl.device_allocator.num_free_tokens == free_device
+    assert ctrl.num_in_flight == 1  # the write alone
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    ctrl.evict_host(filling)
+    with pytest.raises(ValueError, match=r"load_without_copies: .*not allocated"):
+        ctrl.load_without_copies(filling, pages)
+    assert ctrl.device_allocator.num_free_tokens == free_device
+    assert ctrl.num_in_flight == 0
+    host, _ = written_host(ctrl, 4)
+    rest = ctrl.device_allocator.try_alloc(ctrl.device_allocator.num_free_tokens)
+    assert rest is not None
+    assert ctrl.load_without_copies(host, host.tensor.numpy()[::2] // 2) is None
+    assert ctrl.num_in_flight == 0

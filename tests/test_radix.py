@@ -375,6 +375,32 @@ def test_load_back_restores_rows_bit_for_bit() -> None:
     rig.tree.check_integrity()
 
 
+
+def test_load_back_reads_the_nodes_own_slots() -> None:
+    """A load-back of one node: its op reads the node's host slots as they are and the node
+    gets the very device slots the op fills (no copies: the tree never changes a slot
+    tensor in place); the engine gets a copy of its own, whose change reaches neither; the
+    rows come back."""
+    rig = Rig()
+    _host_only(rig, A[:4])
+    node = find(rig.tree, A[:4])
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    rig.controller.add_observer(lambda _d, transfers, _t: seen.append(
+        (transfers[0].host_indices.tensor, transfers[0].device_indices.tensor)))
+    host = node.host
+    loaded = rig.tree.load_back(node, 100)
+    assert loaded.queued and host is not None and node.device is not None
+    assert len(seen) == 1 and seen[0][0] is host.tensor and seen[0][1] is node.device.tensor
+    assert loaded.device_indices.tensor is not node.device.tensor
+    slots = node.device.tensor.clone()
+    loaded.device_indices.tensor.fill_(7)  # the engine's copy
+    rig.tree.start_loading()
+    rig.ack()
+    assert torch.equal(node.device.tensor, slots)
+    assert torch.equal(read_rows(rig.pool, slots), expected_rows(A[:4], NUM_LAYERS))
+    rig.tree.check_integrity()
+
+
 def test_locks_prevent_eviction() -> None:
     """A locked prefix survives evict(everything) until it is unlocked."""
     rig = Rig()

@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from hicache.controller import Direction
-from hicache.pools import IndexSpace
+from hicache.pools import IndexSpace, Indices
 
 from .node import LoadBack, PendingOp, Refusal, TreeNode, cat_indices, empty_indices, slice_indices
 from .node_io import SlotPair
@@ -67,7 +67,9 @@ def load_back(tree: HiRadixCache, node: TreeNode, device_quota_tokens: int) -> L
     assign_loaded(tree, span, loaded, op)
     restore.assign(tree, op)
     tree.stats.loaded_back_tokens += num_tokens
-    return LoadBack(loaded[0], None, num_tokens, restore.num_tokens)
+    # the engine's own copy: the op (and a node of a one-node span) read the loaded tensor
+    device = Indices(loaded[0].tensor.clone(), IndexSpace.DEVICE_FULL)
+    return LoadBack(device, None, num_tokens, restore.num_tokens)
 
 
 def host_span(tree: HiRadixCache, node: TreeNode) -> list[TreeNode]:
@@ -86,13 +88,17 @@ def host_span(tree: HiRadixCache, node: TreeNode) -> list[TreeNode]:
 def assign_loaded(
     tree: HiRadixCache, span: list[TreeNode], loaded: SlotPair, op: PendingOp
 ) -> None:
-    """Give the span's nodes their slices of the ``loaded`` slots; they wait for ``op``."""
+    """Give the span's nodes their slices of the ``loaded`` slots; they wait for ``op``. A
+    span of one node takes the loaded tensors themselves, which the op reads too (neither
+    changes them in place; the engine gets a copy)."""
     device, device_swa = loaded
     now, offset = tree._clock(), 0
+    whole = len(span) == 1 and len(device) == span[0].num_tokens
     for node in span:
         end = offset + node.num_tokens
-        node.device = slice_indices(device, offset, end)
-        node.device_swa = None if device_swa is None else slice_indices(device_swa, offset, end)
+        node.device = device if whole else slice_indices(device, offset, end)
+        node.device_swa = (None if device_swa is None else device_swa if whole
+                           else slice_indices(device_swa, offset, end))
         node.load_op, node.last_access, offset = op, now, end
         tree._touch(node)
 

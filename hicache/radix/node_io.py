@@ -72,7 +72,7 @@ class NodeIO:
         """Queue a host-to-device copy; the new device slots, or ``None`` if the device is
         full. ``restore`` (hybrid): device slots before ``host`` whose SWA rows come back
         from their host copies in the same op."""
-        device = self.plain.load(host, tag)
+        device = self.plain.load_without_copies(host, self._pages(host), tag)
         return None if device is None else (device, None)
 
     def take_slots(self, device_indices: Indices, num_tokens: int) -> Indices:
