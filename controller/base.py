@@ -108,7 +108,9 @@ class MovedTransfer:
     """A :class:`PoolTransfer` with its indices where the backend reads them.
 
     ``host_index`` / ``device_index`` are raw int64 tensors on the devices the backend asked
-    for, with padding pairs removed. They are recorded on the stream that reads them.
+    for, with padding pairs removed. They are recorded on the stream that reads them. A move
+    with a ``device_page_index`` (below) keeps ``device_index`` on the CPU: the backend reads
+    the pages, and the slots only where it cannot (uploading them then).
     ``row_selectors``, ``staged_move``, ``row_copy`` and ``direct_move``: what a backend
     derived from them once and reuses for every layer group of a load (the CPU copy's numpy
     selectors; the staged backend's chunks with their host runs and planned copies; the

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from hicache.pools import HostLayout
+from hicache.pools.pinned_uploads import UPLOADS
 
 from .base import MovedTransfer
 from .direct_staging import PagePlan
@@ -94,7 +95,9 @@ def _cut(segment: Segment, low: int, high: int, base: int) -> list[Segment]:
 
 class OpSlots:
     """The run breaks (:func:`run_breaks`) of all of an op's host slots, or on a
-    ``page_first_direct`` host their segments (and the position each starts at)."""
+    ``page_first_direct`` host their segments (and the position each starts at). An op
+    whose checks found its host pages (whole pages, in order: :func:`known_host_pages`)
+    finds them from its pages, one id a page, not from its slots."""
 
     def __init__(self, moved: MovedTransfer) -> None:
         host = moved.source.host_pool
@@ -103,13 +106,9 @@ class OpSlots:
         self.breaks: np.ndarray | None = None
         self.segments: list[Segment] | None = None
         self.positions = np.zeros(0, dtype=np.int64)
+        known = known_host_pages(moved)
         if host.layout is HostLayout.PAGE_FIRST_DIRECT:
-            known = moved.pages
-            if (known is not None and moved.device_page_index is not None
-                    and known.host_page_size == host.page_size):
-                pages: np.ndarray | None = known.host_pages  # the op's checks found them
-            else:
-                pages = whole_pages(slots, host.page_size)
+            pages = known if known is not None else whole_pages(slots, host.page_size)
             if pages is not None:  # the common case: an op of whole host pages
                 self.segments, self.positions = page_run_segments(pages, host.page_size)
                 return
@@ -117,8 +116,21 @@ class OpSlots:
                                           host.page_size)
             self.positions = np.array([segment.position for segment in self.segments],
                                       dtype=np.int64)
+        elif known is not None:  # slots run on within a page; between pages, where ids do
+            self.breaks = (np.flatnonzero(known[1:] != known[:-1] + 1) + 1) * host.page_size
         else:
             self.breaks = run_breaks(slots)
+
+
+def known_host_pages(moved: MovedTransfer) -> np.ndarray | None:
+    """The host page of every ``page_size`` pairs of ``moved`` when its checks found them
+    and the move kept its pairs as they are (:func:`~.index_moves.move_whole_pages`
+    handed the pages over), host pages of the host pool's size; else ``None``."""
+    known = moved.pages
+    if (known is None or moved.device_page_index is None
+            or known.host_page_size != moved.source.host_pool.page_size):
+        return None
+    return known.host_pages
 
 
 def device_page_index(moved: MovedTransfer) -> torch.Tensor | None:
@@ -160,6 +172,10 @@ class ChunkSlots:
         self.start, self.end = start, end
         self._op_index: torch.Tensor = moved.device_index  # the op's (a tensor: no cycle)
         self._device_index: torch.Tensor | None = None
+        # a move of whole pages keeps its device slots on the CPU (move_whole_pages)
+        device = moved.source.device_pool.device
+        self._upload_to = device if (device.type == "cuda"
+                                     and not moved.device_index.is_cuda) else None
         self.host_slots = moved.host_index.numpy()[start:end]
         self.pages: PagePlan | None = None
         self.runs: list[tuple[int, int]] = []
@@ -173,8 +189,14 @@ class ChunkSlots:
     @property
     def device_index(self) -> torch.Tensor:
         """The pairs' device slots (a slice of the op's device index, made on first use:
-        a chunk of whole device pages reads their page ids instead)."""
+        a chunk of whole device pages reads their page ids instead). Where the op kept its
+        device slots on the CPU (it moves whole pages), the slice is uploaded here, on the
+        current stream: the stream of the kernels that read it, which is after the op's
+        start (the chunk's side or auxiliary stream)."""
         index = self._device_index
         if index is None:
-            index = self._device_index = self._op_index[self.start: self.end]
+            index = self._op_index[self.start: self.end]
+            if self._upload_to is not None:
+                index = UPLOADS.upload((index.numpy(),), self._upload_to)
+            self._device_index = index
         return index

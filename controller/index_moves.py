@@ -88,7 +88,15 @@ def move_whole_pages(transfer: PoolTransfer, backend: TransferBackend, pages: Sl
     host page's pairs (pages of other sizes, a pool that is not whole pages), or the
     backend would reorder the pairs: then :func:`move_checked`.
     The device pages cost one more copy's worth of CPU otherwise (a check of the slots and
-    a kernel over them: 70-90 us of a 256-token load's issue on an H200 host, measured)."""
+    a kernel over them: 70-90 us of a 256-token load's issue on an H200 host, measured).
+
+    Only the page ids are uploaded (one id a page: 16 KiB for a 32k-token op of 16-token
+    pages, small enough for the driver to carry inline); the device slots stay on the CPU,
+    where the chunks that cannot move whole pages upload their part when they first read
+    it (:class:`~.chunk_slots.ChunkSlots`). Uploading the slots with the pages cost a copy
+    of 16 times the bytes into the pinned buffer and, beyond 16 KiB (an op of more than
+    2032 tokens), a kernel launch through Triton: 150-440 us of a staged load's issue on
+    an H200 host at 2048 and 32k tokens, for slots the page kernel never reads."""
     host_pool, device_pool = transfer.host_pool, transfer.device_pool
     if (pages.device_page_size != host_pool.page_size
             or device_pool.num_slots % host_pool.page_size
@@ -104,9 +112,8 @@ def move_whole_pages(transfer: PoolTransfer, backend: TransferBackend, pages: Sl
     ids = pages.device_pages
     if device_target == _CPU:
         page_index = torch.from_numpy(ids.astype(np.int64, copy=False))
-    else:
-        both = UPLOADS.upload((device.numpy(), ids), device_target)
-        device, page_index = both[:device.numel()], both[device.numel():]
+    else:  # the pages alone: the slots stay on the CPU until a chunk reads them (ChunkSlots)
+        page_index = UPLOADS.upload((ids,), device_target)
     return MovedTransfer(transfer, host, device, pages=pages, device_page_index=page_index)
 
 

@@ -10,8 +10,9 @@ import torch
 from controller_helpers import make_controller
 from test_staged_plans import scattered_move
 
-from hicache.controller import copy2d
-from hicache.controller.chunk_slots import OpSlots, segments_between
+from hicache.controller import MovedTransfer, copy2d
+from hicache.controller.base import SlotPages
+from hicache.controller.chunk_slots import OpSlots, run_breaks, segments_between
 from hicache.controller.direct_staging import PagePlan
 from hicache.controller.slot_segments import (
     page_pieces,
@@ -131,3 +132,29 @@ def test_op_slots_of_each_layout() -> None:
         op = OpSlots(scattered_move(ctrl))
         direct = layout is HostLayout.PAGE_FIRST_DIRECT
         assert (op.segments is not None) == direct and (op.breaks is None) == direct
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_run_breaks_from_known_pages_equal_the_slots_own(page_size: int) -> None:
+    """An op of whole host pages whose pages its checks found (``layer_first`` host) takes
+    its run breaks from the pages: the same breaks as from its slots, for 50 random page
+    sets (runs, gaps, out of order)."""
+    ctrl = make_controller(StagedBackend(4), page_size=page_size, num_layers=2,
+                           layout=HostLayout.LAYER_FIRST)
+    rng = np.random.default_rng(page_size)
+    move = scattered_move(ctrl)
+    for _ in range(50):
+        pages = rng.permutation(40)[:rng.integers(1, 30)] + 1
+        if rng.integers(2):
+            pages = np.sort(pages)
+        slots = (pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+        host_index = torch.from_numpy(slots.astype(np.int64))
+        known = SlotPages(pages.astype(np.int64), page_size, pages.astype(np.int64),
+                          page_size, False)
+        moved = MovedTransfer(move.source, host_index, host_index, pages=known,
+                              device_page_index=torch.from_numpy(pages.astype(np.int64)))
+        op = OpSlots(moved)
+        assert op.breaks is not None
+        assert op.breaks.tolist() == run_breaks(slots).tolist(), pages
+        assert OpSlots(MovedTransfer(move.source, host_index, host_index)).breaks.tolist() \
+            == op.breaks.tolist()

@@ -13,9 +13,10 @@ import pytest
 import torch
 from test_layouts import write_then_layer_wise_load
 
-from hicache.controller import chunk_pages, page_kernel
+from hicache.controller import MovedTransfer, chunk_pages, op_queue, page_kernel
 from hicache.controller.staged import StagedBackend
 from hicache.pools import AttentionKind, HostLayout
+from hicache.pools.pinned_uploads import UPLOADS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -116,3 +117,48 @@ def test_round_trip_through_the_kernel(kernel: bool, page_size: int, layout: Hos
         monkeypatch.setattr(chunk_pages, "page_launches", lambda *args: None)
     write_then_layer_wise_load(StagedBackend(128), layout, page_size, AttentionKind.MHA, "cuda")
     assert (len(calls) > 0) is kernel
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST_DIRECT, HostLayout.LAYER_FIRST],
+                         ids=lambda x: x.value)
+def test_a_move_of_whole_pages_uploads_its_page_ids_alone(
+        kernel: bool, layout: HostLayout, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged move of whole pages uploads one id a page and keeps its device slots on the
+    CPU; where a chunk cannot move whole pages (the kernel declined on a ``layer_first``
+    host: slot copies) it uploads its own slots as it first reads them, on the stream of
+    the copies that read them. The rows land either way (the round trip checks them)."""
+    page_size = 16
+    moved: list[MovedTransfer] = []
+    found = op_queue.move_whole_pages
+
+    def spy(*args: Any) -> MovedTransfer | None:
+        result = found(*args)
+        if result is not None:
+            moved.append(result)
+        return result
+
+    uploads: list[int] = []
+    upload = UPLOADS.upload
+
+    def counted(parts: Any, device: torch.device) -> torch.Tensor:
+        uploads.append(sum(part.size for part in parts))
+        return upload(parts, device)
+
+    monkeypatch.setattr(op_queue, "move_whole_pages", spy)
+    monkeypatch.setattr(UPLOADS, "upload", counted)
+    if not kernel:
+        monkeypatch.setattr(chunk_pages, "page_launches", lambda *args: None)
+    write_then_layer_wise_load(StagedBackend(128), layout, page_size, AttentionKind.MHA, "cuda")
+    assert moved, "no op moved whole pages"
+    most_pages = 0
+    for move in moved:
+        assert move.device_page_index is not None and move.device_page_index.is_cuda
+        assert not move.device_index.is_cuda
+        pages = move.device_index.numel() // page_size
+        assert move.device_page_index.numel() == pages
+        assert move.device_page_index.tolist() == (move.device_index[::page_size]
+                                                   // page_size).tolist()
+        most_pages = max(most_pages, pages)
+    slot_uploads = [count for count in uploads if count > most_pages]
+    assert bool(slot_uploads) is (not kernel and layout is HostLayout.LAYER_FIRST)
