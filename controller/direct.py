@@ -160,6 +160,8 @@ class DirectMove:
         # per direction, the copy streams of the op's side stream, found at its first copy
         # (a lookup of the side stream costs about 10 us of CPU on an H100 host)
         self.turns: dict[bool, CopyTurns] = {}
+        # per direction, whether the copy streams were ordered after the op's start
+        self.started: set[bool] = set()
         self.layer_bytes = len(moved.host_index) * self.device_pool.geometry.token_bytes(1)
 
     def copies(self, count: int) -> list[copy2d.Copy2D]:
@@ -247,7 +249,12 @@ class DirectBackend(TransferBackend):
                                     move.device_ptr + begin * move.device_layer_bytes,
                                     to_host, turns.side.cuda_stream)
                 continue
-            turns.start()  # batches taking turns on the copy streams (``copy_turns``)
+            if to_host not in move.started:
+                # the copy streams after the side stream's start of the op (its waits on
+                # the producers and the caller), once: what the side stream does later
+                # (a small block's copy, joins, layer events) no copy here has to follow
+                turns.start()  # batches taking turns on the copy streams (``copy_turns``)
+                move.started.add(to_host)
             host_ptr = move.host_ptr + begin * move.host_layer_bytes
             device_ptr = move.device_ptr + begin * move.device_layer_bytes
             for batch, num_bytes in move.batches(count):

@@ -51,6 +51,31 @@ def test_turns_keep_layer_wise_loads_exact(name: str, layout: HostLayout) -> Non
     write_then_layer_wise_load(BACKENDS[name](), layout, 4, AttentionKind.MHA, "cuda")
 
 
+
+@pytest.mark.usefixtures("every_copy_takes_turns")
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_direct_orders_its_copy_streams_once_an_op(layout: HostLayout,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The direct backend orders its copy streams after the side stream's start of an op
+    once (a write, then a layer-wise load in several layer groups: two starts), while
+    every group still joins the side stream; the rows land exactly."""
+    starts: list[CopyTurns] = []
+    joins: list[CopyTurns] = []
+    start, join = CopyTurns.start, CopyTurns.join
+
+    def counted_start(turns: CopyTurns) -> None:
+        starts.append(turns)
+        start(turns)
+
+    def counted_join(turns: CopyTurns) -> None:
+        joins.append(turns)
+        join(turns)
+
+    monkeypatch.setattr(CopyTurns, "start", counted_start)
+    monkeypatch.setattr(CopyTurns, "join", counted_join)
+    write_then_layer_wise_load(DirectBackend(), layout, 4, AttentionKind.MHA, "cuda")
+    assert len(starts) == 2 and len(joins) > 2
+
 def _two_copies(first_bytes: int) -> tuple[torch.cuda.Event, torch.cuda.Event, list[bool]]:
     """A copy of ``first_bytes`` held on the GPU behind a long kernel on its stream, then a
     16-byte copy through the turns; the events after each, and the checks of the bytes."""
