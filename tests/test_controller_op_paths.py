@@ -33,12 +33,7 @@ def test_a_backend_that_orders_pairs_is_asked_for_each_op() -> None:
     ctrl = make_controller(backend, page_size=2)
     before = device_rows(ctrl.device_pool)
     for _ in range(2):
-        device = ctrl.device_allocator.try_alloc(6)
-        assert device is not None
-        host = ctrl.write(device)
-        assert host is not None
-        ctrl.start_writing()
-        assert len(ctrl.poll()) == 1
+        device, host = written(ctrl, 6)
         assert torch.equal(host_rows(ctrl.host_pool)[host.tensor], before[device.tensor])
     assert backend.orders == 2
 
@@ -162,18 +157,32 @@ def test_slot_runs_from_the_pages_move_the_right_rows() -> None:
     assert torch.equal(untouched(after, loaded.tensor), untouched(before, loaded.tensor))
 
 
+def written(ctrl: CacheController, num_tokens: int) -> tuple[Indices, Indices]:
+    """Fresh device slots of ``num_tokens`` and the host slots of their write, acknowledged."""
+    device = ctrl.device_allocator.try_alloc(num_tokens)
+    assert device is not None
+    host = ctrl.write(device)
+    assert host is not None
+    ctrl.start_writing()
+    assert len(ctrl.poll()) == 1
+    return device, host
+
+
+def written_host(ctrl: CacheController, num_tokens: int) -> tuple[Indices, torch.Tensor]:
+    """Host slots of ``num_tokens`` written back (acknowledged, the device copy freed) and
+    the rows they hold."""
+    device, host = written(ctrl, num_tokens)
+    ctrl.evict_device(device)
+    return host, host_rows(ctrl.host_pool)[host.tensor].clone()
+
+
 def test_a_load_tells_the_op_whether_its_host_pages_ascend() -> None:
     """load() marks its op's host pages ascending when they are (the pairs then need no
     ordering: one host run is a slice) and not when they are out of order; the rows land
     in the device slots it returned either way, and no other row changes."""
     backend = RecordingBackend()
     ctrl = make_controller(backend, page_size=128, device_pages=8, host_pages=8)
-    device = ctrl.device_allocator.try_alloc(256)
-    assert device is not None
-    host = ctrl.write(device)
-    assert host is not None
-    ctrl.start_writing()
-    assert len(ctrl.poll()) == 1
+    _, host = written(ctrl, 256)
     flipped = host.tensor.view(-1, 128).flip(0).reshape(-1)
     for order, ascending in ((host.tensor, True), (flipped, False)):
         before = device_rows(ctrl.device_pool).clone()
@@ -187,19 +196,6 @@ def test_a_load_tells_the_op_whether_its_host_pages_ascend() -> None:
         assert torch.equal(after[loaded.tensor], host_rows(ctrl.host_pool)[order])
         assert torch.equal(untouched(after, loaded.tensor), untouched(before, loaded.tensor))
         ctrl.evict_device(loaded)
-
-
-def written_host(ctrl: CacheController, num_tokens: int) -> tuple[Indices, torch.Tensor]:
-    """Host slots of ``num_tokens`` written back (acknowledged, the device copy freed) and
-    the rows they hold."""
-    device = ctrl.device_allocator.try_alloc(num_tokens)
-    assert device is not None
-    host = ctrl.write(device)
-    assert host is not None
-    ctrl.start_writing()
-    assert len(ctrl.poll()) == 1
-    ctrl.evict_device(device)
-    return host, host_rows(ctrl.host_pool)[host.tensor].clone()
 
 
 def test_load_without_copies_reads_the_callers_tensors() -> None:
