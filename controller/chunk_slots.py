@@ -103,6 +103,11 @@ class OpSlots:
         host = moved.source.host_pool
         slots = moved.host_index.numpy()
         self.page_size = host.page_size
+        self._device_index = moved.device_index  # the op's (a tensor: no cycle)
+        # a move of whole pages keeps its device slots on the CPU (move_whole_pages)
+        device = moved.source.device_pool.device
+        self._upload_to = device if (device.type == "cuda"
+                                     and not moved.device_index.is_cuda) else None
         self.breaks: np.ndarray | None = None
         self.segments: list[Segment] | None = None
         self.positions = np.zeros(0, dtype=np.int64)
@@ -120,6 +125,18 @@ class OpSlots:
             self.breaks = (np.flatnonzero(known[1:] != known[:-1] + 1) + 1) * host.page_size
         else:
             self.breaks = run_breaks(slots)
+
+    def device_index(self) -> torch.Tensor:
+        """The op's device slots where the chunks' kernels read them. Where the op kept them
+        on the CPU (it moves whole pages), they are uploaded the first time a chunk needs
+        them (one that cannot move whole pages), on the current stream: the stream of the
+        kernels that read them, after the op's start (the op's side or auxiliary stream,
+        the same for all its chunks); once for the op."""
+        if self._upload_to is not None:
+            self._device_index = UPLOADS.upload((self._device_index.numpy(),),
+                                                self._upload_to)
+            self._upload_to = None
+        return self._device_index
 
 
 def known_host_pages(moved: MovedTransfer) -> np.ndarray | None:
@@ -170,12 +187,8 @@ class ChunkSlots:
 
     def __init__(self, moved: MovedTransfer, start: int, end: int, op: OpSlots) -> None:
         self.start, self.end = start, end
-        self._op_index: torch.Tensor = moved.device_index  # the op's (a tensor: no cycle)
+        self._op = op
         self._device_index: torch.Tensor | None = None
-        # a move of whole pages keeps its device slots on the CPU (move_whole_pages)
-        device = moved.source.device_pool.device
-        self._upload_to = device if (device.type == "cuda"
-                                     and not moved.device_index.is_cuda) else None
         self.host_slots = moved.host_index.numpy()[start:end]
         self.pages: PagePlan | None = None
         self.runs: list[tuple[int, int]] = []
@@ -189,14 +202,9 @@ class ChunkSlots:
     @property
     def device_index(self) -> torch.Tensor:
         """The pairs' device slots (a slice of the op's device index, made on first use:
-        a chunk of whole device pages reads their page ids instead). Where the op kept its
-        device slots on the CPU (it moves whole pages), the slice is uploaded here, on the
-        current stream: the stream of the kernels that read it, which is after the op's
-        start (the chunk's side or auxiliary stream)."""
+        a chunk of whole device pages reads their page ids instead; see
+        :meth:`OpSlots.device_index`)."""
         index = self._device_index
         if index is None:
-            index = self._op_index[self.start: self.end]
-            if self._upload_to is not None:
-                index = UPLOADS.upload((index.numpy(),), self._upload_to)
-            self._device_index = index
+            index = self._device_index = self._op.device_index()[self.start: self.end]
         return index

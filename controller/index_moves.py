@@ -91,12 +91,13 @@ def move_whole_pages(transfer: PoolTransfer, backend: TransferBackend, pages: Sl
     a kernel over them: 70-90 us of a 256-token load's issue on an H200 host, measured).
 
     Only the page ids are uploaded (one id a page: 16 KiB for a 32k-token op of 16-token
-    pages, small enough for the driver to carry inline); the device slots stay on the CPU,
-    where the chunks that cannot move whole pages upload their part when they first read
-    it (:class:`~.chunk_slots.ChunkSlots`). Uploading the slots with the pages cost a copy
-    of 16 times the bytes into the pinned buffer and, beyond 16 KiB (an op of more than
-    2032 tokens), a kernel launch through Triton: 150-440 us of a staged load's issue on
-    an H200 host at 2048 and 32k tokens, for slots the page kernel never reads."""
+    pages, small enough for the driver to carry inline); the device slots stay on the CPU
+    until a chunk that cannot move whole pages reads them: then they are uploaded, once for
+    the move (:meth:`~.chunk_slots.OpSlots.device_index`). Uploading the slots with the
+    pages cost a copy of 16 times the bytes into the pinned buffer and, beyond 16 KiB (an
+    op of more than 2032 tokens), a kernel launch through Triton: 150-440 us of a staged
+    load's issue on an H200 host at 2048 and 32k tokens, for slots the page kernel never
+    reads."""
     host_pool, device_pool = transfer.host_pool, transfer.device_pool
     if (pages.device_page_size != host_pool.page_size
             or device_pool.num_slots % host_pool.page_size
@@ -112,7 +113,7 @@ def move_whole_pages(transfer: PoolTransfer, backend: TransferBackend, pages: Sl
     ids = pages.device_pages
     if device_target == _CPU:
         page_index = torch.from_numpy(ids.astype(np.int64, copy=False))
-    else:  # the pages alone: the slots stay on the CPU until a chunk reads them (ChunkSlots)
+    else:  # the pages alone: the slots stay on the CPU until a chunk reads them (OpSlots)
         page_index = UPLOADS.upload((ids,), device_target)
     return MovedTransfer(transfer, host, device, pages=pages, device_page_index=page_index)
 

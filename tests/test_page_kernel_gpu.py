@@ -125,8 +125,8 @@ def test_round_trip_through_the_kernel(kernel: bool, page_size: int, layout: Hos
 def test_a_move_of_whole_pages_uploads_its_page_ids_alone(
         kernel: bool, layout: HostLayout, monkeypatch: pytest.MonkeyPatch) -> None:
     """A staged move of whole pages uploads one id a page and keeps its device slots on the
-    CPU; where a chunk cannot move whole pages (the kernel declined on a ``layer_first``
-    host: slot copies) it uploads its own slots as it first reads them, on the stream of
+    CPU; where its chunks cannot move whole pages (the kernel declined on a ``layer_first``
+    host: slot copies) the first of them uploads the move's slots, once, on the stream of
     the copies that read them. The rows land either way (the round trip checks them)."""
     page_size = 16
     moved: list[MovedTransfer] = []
@@ -161,4 +161,7 @@ def test_a_move_of_whole_pages_uploads_its_page_ids_alone(
                                                    // page_size).tolist()
         most_pages = max(most_pages, pages)
     slot_uploads = [count for count in uploads if count > most_pages]
-    assert bool(slot_uploads) is (not kernel and layout is HostLayout.LAYER_FIRST)
+    if not kernel and layout is HostLayout.LAYER_FIRST:  # slot copies: each move's, once
+        assert sorted(slot_uploads) == sorted(move.device_index.numel() for move in moved)
+    else:
+        assert not slot_uploads
