@@ -97,7 +97,8 @@ class OpSlots:
     """The run breaks (:func:`run_breaks`) of all of an op's host slots, or on a
     ``page_first_direct`` host their segments (and the position each starts at). An op
     whose checks found its host pages (whole pages, in order: :func:`known_host_pages`)
-    finds them from its pages, one id a page, not from its slots."""
+    finds them from its pages, one id a page, not from its slots. The chunks of an op of one
+    run (no break; one segment of whole pages, ``run_page``) are cut by arithmetic."""
 
     def __init__(self, moved: MovedTransfer) -> None:
         host = moved.source.host_pool
@@ -108,20 +109,28 @@ class OpSlots:
         device = moved.source.device_pool.device
         self._upload_to = device if (device.type == "cuda"
                                      and not moved.device_index.is_cuda) else None
+        self.host_slots = slots
         self.breaks: np.ndarray | None = None
         self.segments: list[Segment] | None = None
         self.positions = np.zeros(0, dtype=np.int64)
+        # on a ``page_first_direct`` host, the first page when the op's slots are one run
+        # of whole pages (an allocation's, the common case): its chunks are cut by
+        # arithmetic, as the chunks of an op without run breaks on the other layouts
+        self.run_page: int | None = None
         known = known_host_pages(moved)
         if host.layout is HostLayout.PAGE_FIRST_DIRECT:
             pages = known if known is not None else whole_pages(slots, host.page_size)
             if pages is not None:  # the common case: an op of whole host pages
                 self.segments, self.positions = page_run_segments(pages, host.page_size)
+                if len(self.segments) == 1:
+                    self.run_page = self.segments[0].page
                 return
             self.segments = page_segments(slots, *page_pieces(slots, host.page_size),
                                           host.page_size)
             self.positions = np.array([segment.position for segment in self.segments],
                                       dtype=np.int64)
-        elif known is not None:  # slots run on within a page; between pages, where ids do
+            return
+        if known is not None:  # slots run on within a page; between pages, where ids do
             self.breaks = (np.flatnonzero(known[1:] != known[:-1] + 1) + 1) * host.page_size
         else:
             self.breaks = run_breaks(slots)
@@ -189,15 +198,21 @@ class ChunkSlots:
         self.start, self.end = start, end
         self._op = op
         self._device_index: torch.Tensor | None = None
-        self.host_slots = moved.host_index.numpy()[start:end]
+        self.host_slots = op.host_slots[start:end]
         self.pages: PagePlan | None = None
         self.runs: list[tuple[int, int]] = []
-        if op.segments is not None:
-            self.pages = PagePlan(self.host_slots, op.page_size,
-                                  segments_between(op.segments, op.positions, start, end))
+        page_size = op.page_size
+        if op.segments is None:
+            breaks = op.breaks
+            assert breaks is not None, "an op's slots have breaks or segments"
+            self.runs = runs_between(breaks, start, end) if breaks.size else [(0, end - start)]
+        elif op.run_page is not None and not start % page_size and not end % page_size:
+            # one run of whole pages: the chunk's pages follow from its start
+            self.pages = PagePlan(self.host_slots, page_size, [Segment(
+                0, op.run_page + start // page_size, 0, (end - start) // page_size, page_size)])
         else:
-            assert op.breaks is not None, "an op's slots have breaks or segments"
-            self.runs = runs_between(op.breaks, start, end)
+            self.pages = PagePlan(self.host_slots, page_size,
+                                  segments_between(op.segments, op.positions, start, end))
 
     @property
     def device_index(self) -> torch.Tensor:

@@ -57,11 +57,12 @@ from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
 from .base import Direction, MovedTransfer, TransferBackend
 from .chunk_copies import CopyTemplates
+from .chunk_moves import move_chunk
 from .chunk_slots import host_runs
 from .copy_turns import copy_streams, takes_turns
 from .events import Event
 from .pool_pairs import PoolPairCache
-from .staged_chunk import StagedMove, move_chunk
+from .staged_chunk import StagedMove
 from .staged_views import PoolViews, StagingBuffer
 
 __all__ = ["StagedBackend", "host_runs"]

@@ -1,7 +1,6 @@
-"""A staged move's plans and chunks: what one op derives once and reuses for every layer
-group (:class:`StagedMove`), and the data movement of one chunk (:func:`move_chunk`: device
-gather/scatter through a staging buffer, one copy-engine copy per contiguous host run, on the
-streams :class:`~hicache.controller.staged.StagedBackend` gives it).
+"""A staged move's plans: what one op derives once and reuses for every layer group
+(:class:`StagedMove`), and the plan of each chunk (:class:`ChunkPlan`); the chunk's data
+movement by its plan is :func:`~hicache.controller.chunk_moves.move_chunk`.
 
 A chunk's copies depend on its host slots and how many layers move in which blocks, not on
 which layers: every layer of the host, and of the staging buffer, is laid out alike. A chunk
@@ -9,7 +8,10 @@ is planned once per op and layer shape (:class:`ChunkPlan`) as byte offsets from
 and staging buffers, each run's copies shifted from a template planned once per run shape
 (:mod:`~hicache.controller.chunk_copies`), its runs or pages cut from the op's
 (:mod:`~hicache.controller.chunk_slots`); each layer group issues those copies with one
-pointer addition per block of layers.
+pointer addition per block of layers. In an op whose host slots are one run (an
+allocation's, the common case) every chunk of one length is the first one's, shifted by the
+host bytes between them (:meth:`ChunkPlan.like`): a 32k-token write is 32 chunks of one
+length, and planning each alone took about a third of its issue (measured).
 
 On a CPU pool (no streams, no copy engine) the same plans run as strided CPU copies
 (:func:`~hicache.controller.copy2d.emulate_copies`): chunks and plans are tested on a CPU."""
@@ -20,16 +22,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hicache.pools import HostLayout
+
 from . import copy2d
 from .base import MovedTransfer
 from .chunk_copies import CopyTemplates, run_copies, segment_copies
-from .chunk_pages import move_pages
 from .chunk_slots import ChunkSlots, OpSlots, device_page_index
+from .copy2d import shifted
 from .direct_staging import DirectStaging
-from .events import Event
 from .layer_blocks import BlockShape
 from .page_kernel import index_fits
-from .staged_views import LayerGroup, PoolViews, StagingBuffer
+from .staged_views import PoolViews, StagingBuffer
 
 if TYPE_CHECKING:
     from .staged import _Lane
@@ -53,6 +56,11 @@ class StagedMove:
         # the host buffer, read off the pool (a closed pool raises here): never cached
         self.host = moved.source.host_pool.data
         self.token_major, self.rows = views.token_major, views.rows
+        # bytes between two host slots a page (a ``page_first_direct`` host) or a slot apart
+        size = self.host.element_size()
+        self._by_page = moved.source.host_pool.layout is HostLayout.PAGE_FIRST_DIRECT
+        self._slot_bytes = self.host.stride(
+            0 if self._by_page or self.token_major else 2) * size
         self.num_pairs = int(moved.host_index.numel())
         self.page_size = views.page_size
         self.page_index = device_page_index(moved)
@@ -71,12 +79,36 @@ class StagedMove:
         ``buffer`` (either buffer of a lane: they are laid out alike) from ``templates``."""
         plans = self._plans.get((chunk_tokens, shape))
         if plans is None:
-            plans = self._plans[(chunk_tokens, shape)] = [
-                ChunkPlan(self, self.slots(moved, start, min(start + chunk_tokens,
-                                                             self.num_pairs)),
-                          shape, buffer, templates)
-                for start in range(0, self.num_pairs, chunk_tokens)]
+            plans = self._plans[(chunk_tokens, shape)] = []
+            first_of_length: dict[int, ChunkPlan] = {}  # in an op of one host run
+            for start in range(0, self.num_pairs, chunk_tokens):
+                end = min(start + chunk_tokens, self.num_pairs)
+                slots = self.slots(moved, start, end)
+                first = first_of_length.get(end - start)
+                if first is not None:
+                    plans.append(first.like(self, slots))
+                    continue
+                plan = ChunkPlan(self, slots, shape, buffer, templates)
+                if self._one_run(start, end):
+                    first_of_length[end - start] = plan
+                plans.append(plan)
         return plans
+
+    def _one_run(self, start: int, end: int) -> bool:
+        """Whether pairs ``[start, end)`` are part of one run of the op's host slots, as
+        every chunk of their length (:meth:`ChunkPlan.like`): an op without run breaks, or
+        of one run of whole pages on a ``page_first_direct`` host cut at whole pages."""
+        op = self._op_slots
+        assert op is not None, "slots() found the op's first"
+        if op.segments is None:
+            return op.breaks is not None and not op.breaks.size
+        page = self.page_size
+        return op.run_page is not None and not start % page and not end % page
+
+    def host_bytes(self, slot: int) -> int:
+        """Bytes from the host buffer's start to host slot ``slot`` (of layer 0, component 0;
+        on a ``page_first_direct`` host, the first slot of a page)."""
+        return (slot // self.page_size if self._by_page else slot) * self._slot_bytes
 
     def slots(self, moved: MovedTransfer, start: int, end: int) -> ChunkSlots:
         """The :class:`ChunkSlots` of pairs ``[start, end)``, shared by every layer shape."""
@@ -138,6 +170,30 @@ class ChunkPlan:
                                           slots.runs, slots.host_slots, offset, count)
                                for offset, count in shape]
 
+    def like(self, move: StagedMove, slots: ChunkSlots) -> ChunkPlan:
+        """The plan of another chunk of ``move`` of this one's length and layer shape, both
+        in one run of its host slots (:meth:`StagedMove._one_run`): this plan's shapes and
+        staging views, its copies shifted by the host bytes between the two chunks' first
+        slots, its own slots, pages and page ids. What a plan made afresh would be."""
+        plan = ChunkPlan.__new__(ChunkPlan)
+        plan.__dict__.update(self.__dict__)
+        plan.slots = slots
+        if self.direct is not None:
+            assert slots.pages is not None, "a page_first_direct chunk has pages"
+            plan.direct = DirectStaging(slots.pages, *self.direct.shape,
+                                        self.direct.row_elems)
+        if self.page_span is not None:
+            index, first, _ = self.page_span
+            page = slots.start // self.page_size
+            plan.page_span = (index, page, slots.end // self.page_size)
+            if self.kernel_pages is not None:
+                plan.kernel_pages = self.kernel_pages + 8 * (page - first)
+        if self.copies is not None:
+            shift = (move.host_bytes(int(slots.host_slots[0]))
+                     - move.host_bytes(int(self.slots.host_slots[0])))
+            plan.copies = [shifted(copies, shift, 0) for copies in self.copies]
+        return plan
+
     @property
     def page_index(self) -> torch.Tensor | None:
         """The device page of each of the chunk's host pages (a slice of the op's page
@@ -173,114 +229,3 @@ class ChunkPlan:
                               staged[:, block_offset: block_offset + count,
                                      offset: offset + length]))
         return views
-
-
-def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: StagingBuffer,
-               side: torch.cuda.Stream | None, aux: torch.cuda.Stream | None,
-               copier: torch.cuda.Stream | None, free: Event, staged: Event,
-               previous: Event | None) -> None:
-    """Move one chunk through the staging ``buffer``, whose two events are reused chunk after
-    chunk: ``free`` (recorded once the buffer may be overwritten; this chunk waits on its
-    previous record, a no-op before the first) and ``staged`` (recorded once the buffer is
-    filled or drained; the other leg waits on it at once). A wait takes the record made
-    before it: recording again after the wait was issued is safe; no event is made per chunk.
-
-    The copy-engine copy runs on ``copier`` (the buffer's own copy stream), after
-    ``previous`` when given: the event recorded after the copy before it (see
-    :mod:`~hicache.controller.copy_turns`: the copy engine then holds one chunk of the op at
-    a time, and another stream's copy gets it between two chunks).
-
-    Write: gather on ``aux``, copy on ``copier``, ``free`` recorded there. Load: copy on
-    ``copier`` (``staged`` recorded there), scatter on the side stream, so the side stream
-    (whose events say "layer ready") never holds back the next layer's copy. Copies and
-    events name their stream; the kernels run on the current stream, which the caller makes
-    ``aux`` for a write's chunks (its gathers and temporaries), the side stream for a load's.
-    """
-    if not to_host:
-        free.wait(copier)
-        if previous is not None:
-            previous.wait(copier)
-        _copy(plan, group, buffer, False, copier)
-        staged.record(copier)
-        staged.wait(side)
-        _scatter(plan, group, buffer)
-        free.record(side)
-        return
-    free.wait(aux)
-    _gather(plan, group, buffer)
-    staged.record(aux)
-    staged.wait(copier)
-    if previous is not None:
-        previous.wait(copier)
-    _copy(plan, group, buffer, True, copier)
-    free.record(copier)
-
-
-def _copy(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer, to_host: bool,
-          stream: torch.cuda.Stream | None) -> None:
-    """The chunk's host runs between the host and ``buffer`` on ``stream``."""
-    if plan.copies is None:  # a GPU without a runtime library for 2D copies: row by row
-        staged = plan.staged(buffer)
-        with torch.cuda.stream(stream):
-            for (offset, count), begin in zip(group.shape, group.begins, strict=True):
-                for host_view, staged_view in plan.views(staged, offset, begin, begin + count):
-                    if to_host:
-                        copy2d.copy_block(host_view, staged_view)
-                    else:
-                        copy2d.copy_block(staged_view, host_view)
-        return
-    if stream is None:
-        staged, host = copy2d.as_bytes(buffer.data), copy2d.as_bytes(plan.host)
-        for copies, host_offset in zip(plan.copies, group.host_offsets, strict=True):
-            copy2d.emulate_copies(copies, host, host_offset, staged, to_host)
-        return
-    handle, base = stream.cuda_stream, buffer.data.data_ptr()
-    for copies, host_ptr in zip(plan.copies, group.host_ptrs, strict=True):
-        copy2d.issue_copies(copies, host_ptr, base, to_host, handle)
-
-
-def _gather(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
-    """Device rows of the chunk into its staging rows (wide) in ``buffer``."""
-    if move_pages(plan, group, buffer, scatter=False):  # whole pages from whole pages
-        return
-    direct = plan.direct
-    index, rows = plan.slots.device_index, plan.rows(buffer)
-    if direct is not None and direct.whole_pages:  # into the page-major staging in place
-        direct.gather_pages(rows, index, group.shape, group.device_rows)
-    elif direct is not None:
-        gathered = torch.empty((*direct.shape, index.numel(), rows.shape[-1]),
-                               dtype=rows.dtype, device=rows.device)
-        _select(group, index, gathered, 2, 1)
-        direct.stage(gathered, rows)
-    elif group.views.token_major:
-        _select(group, index, rows, 0, 2)
-    else:
-        _select(group, index, rows, 2, 1)
-
-
-def _select(group: LayerGroup, index: torch.Tensor, out: torch.Tensor, dim: int,
-            layer_dim: int) -> None:
-    """``out`` (layers along ``layer_dim``) = the device rows of ``index`` along ``dim``."""
-    if len(group.device_rows) == 1:
-        torch.index_select(group.device_rows[0], dim, index, out=out)
-        return
-    for (offset, count), device_rows in zip(group.shape, group.device_rows, strict=True):
-        out.narrow(layer_dim, offset, count).copy_(torch.index_select(device_rows, dim, index))
-
-
-def _scatter(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer) -> None:
-    """The chunk's staging rows (wide) in ``buffer`` into the device rows."""
-    if move_pages(plan, group, buffer, scatter=True):  # whole pages to whole pages
-        return
-    direct = plan.direct
-    dim, layer_dim = (0, 2) if group.views.token_major else (2, 1)
-    index, rows = plan.slots.device_index, plan.rows(buffer)
-    if direct is not None and direct.whole_pages:  # from the page-major staging in place
-        return direct.scatter_pages(rows, index, group.shape, group.device_rows)
-    if direct is not None:
-        rows = direct.unstage(rows)  # layer-major, as for a layer_first host
-    if len(group.device_rows) == 1:
-        group.device_rows[0].index_copy_(dim, index, rows)
-        return
-    for (offset, count), device_rows in zip(group.shape, group.device_rows, strict=True):
-        device_rows.index_copy_(dim, index, rows.narrow(layer_dim, offset, count))

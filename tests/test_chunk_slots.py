@@ -4,15 +4,17 @@ slots and views, for random slots (partial pages, repeats, gaps) and random chun
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
 from controller_helpers import make_controller
 from test_staged_plans import scattered_move
 
-from hicache.controller import MovedTransfer, copy2d
-from hicache.controller.base import SlotPages
-from hicache.controller.chunk_slots import OpSlots, run_breaks, segments_between
+from hicache.controller import CacheController, MovedTransfer, copy2d
+from hicache.controller.base import PoolTransfer, SlotPages
+from hicache.controller.chunk_slots import ChunkSlots, OpSlots, run_breaks, segments_between
 from hicache.controller.direct_staging import PagePlan
 from hicache.controller.slot_segments import (
     page_pieces,
@@ -23,7 +25,7 @@ from hicache.controller.slot_segments import (
 from hicache.controller.staged import StagedBackend
 from hicache.controller.staged_chunk import ChunkPlan, StagedMove
 from hicache.controller.staged_views import StagingBuffer
-from hicache.pools import HostLayout
+from hicache.pools import HostLayout, IndexSpace, Indices
 
 
 def random_slots(rng: np.random.Generator, page_size: int) -> np.ndarray:
@@ -158,3 +160,87 @@ def test_run_breaks_from_known_pages_equal_the_slots_own(page_size: int) -> None
         assert op.breaks.tolist() == run_breaks(slots).tolist(), pages
         assert OpSlots(MovedTransfer(move.source, host_index, host_index)).breaks.tolist() \
             == op.breaks.tolist()
+
+
+def run_move(ctrl: CacheController, first_page: int, num_pages: int,
+             known: bool) -> MovedTransfer:
+    """``num_pages`` whole host pages from ``first_page`` (one run) and as many device pages
+    in a random order; with ``known``, the pages its checks would have found handed over."""
+    page_size = ctrl.host_pool.page_size
+    rng = np.random.default_rng(first_page)
+    host_pages = np.arange(first_page, first_page + num_pages, dtype=np.int64)
+    device_pages = (rng.permutation(ctrl.device_allocator.num_pages)[:num_pages] + 1)
+    host = (host_pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+    device = (device_pages[:, None] * page_size + np.arange(page_size)).reshape(-1)
+    host_idx = Indices(torch.from_numpy(host), IndexSpace.HOST_FULL)
+    device_idx = Indices(torch.from_numpy(device.astype(np.int64)), IndexSpace.DEVICE_FULL)
+    transfer = PoolTransfer(name="full", host_pool=ctrl.host_pool, device_pool=ctrl.device_pool,
+                            host_indices=host_idx, device_indices=device_idx,
+                            layers=tuple(range(ctrl.device_pool.num_layers)))
+    if not known:
+        return MovedTransfer(transfer, host_idx.tensor, device_idx.tensor)
+    pages = SlotPages(host_pages, page_size, device_pages.astype(np.int64), page_size, True)
+    return MovedTransfer(transfer, host_idx.tensor, device_idx.tensor, pages=pages,
+                         device_page_index=torch.from_numpy(device_pages.astype(np.int64)).to(
+                             ctrl.device_pool.device))
+
+
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+@pytest.mark.parametrize("known", [False, True], ids=["found", "known"])
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_chunks_of_one_host_run_equal_plans_made_afresh(
+        monkeypatch: pytest.MonkeyPatch, layout: HostLayout, known: bool, device: str) -> None:
+    """An op whose host slots are one run of whole pages: one plan is made per chunk length
+    and layer shape, every other chunk is its length's first shifted (``ChunkPlan.like``),
+    and each equals a plan made afresh from the chunk's slots cut the general way: copies,
+    staging shapes, host pages, page ids, their span and (on a GPU) the address the page
+    kernel reads them at."""
+    page_size = 4
+    ctrl = make_controller(StagedBackend(4), device=device, page_size=page_size, num_layers=4,
+                           layout=layout)
+    buffer = StagingBuffer(torch.zeros(8192, dtype=ctrl.device_pool.data.dtype,
+                                       device=device))
+    templates = StagedBackend(4).templates
+    made = []
+    init = ChunkPlan.__init__
+
+    def counted(self: ChunkPlan, *args: Any) -> None:
+        made.append(self)
+        init(self, *args)
+
+    monkeypatch.setattr(ChunkPlan, "__init__", counted)
+    for first_page, num_pages in ((3, 11), (40, 7), (1, 1)):
+        moved = run_move(ctrl, first_page, num_pages, known)
+        move = StagedMove(moved, None)
+        if device == "cuda" and known and layout is not HostLayout.PAGE_FIRST:
+            assert move.page_index_ptr is not None  # the page kernel reads the ids
+        general = OpSlots(moved)
+        general.run_page = None  # segments cut by binary search, as for any op
+        for chunk_tokens in (4, 8, 12, 40):
+            for shape in (((0, 4),), ((0, 1),), ((0, 1), (1, 2))):
+                made.clear()
+                plans = move.chunks(moved, chunk_tokens, shape, buffer, templates)
+                lengths = {plan.slots.end - plan.slots.start for plan in plans}
+                assert len(made) == len(lengths), (chunk_tokens, shape)
+                for plan in plans:
+                    slots = plan.slots
+                    cut = ChunkSlots(moved, slots.start, slots.end, general)
+                    if slots.pages is None:
+                        assert slots.runs == [(0, slots.end - slots.start)]
+                    else:
+                        assert cut.pages is not None
+                        assert slots.pages.segments == cut.pages.segments
+                    fresh = ChunkPlan(move, slots, shape, buffer, templates)
+                    assert plan.copies is not None and plan.copies == fresh.copies
+                    assert (plan.shape, plan.numel, plan.wide_shape) == (
+                        fresh.shape, fresh.numel, fresh.wide_shape)
+                    assert plan.kernel_pages == fresh.kernel_pages
+                    assert (plan.page_span is None) == (fresh.page_span is None)
+                    if plan.page_span is not None and fresh.page_span is not None:
+                        assert plan.page_span[1:] == fresh.page_span[1:]
+                        assert plan.page_span[0] is fresh.page_span[0]
+                    if fresh.direct is not None:
+                        assert plan.direct is not None and plan.direct is not fresh.direct
+                        assert plan.direct.segments == fresh.direct.segments

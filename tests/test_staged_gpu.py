@@ -13,7 +13,7 @@ from test_layouts import write_then_layer_wise_load
 from test_staged import fragmented_round_trip
 from test_staged_plans import copy_groups, scattered_move
 
-from hicache.controller import KernelBackend, TorchBackend, TransferBackend, copy2d, staged_chunk
+from hicache.controller import KernelBackend, TorchBackend, TransferBackend, chunk_moves, copy2d
 from hicache.controller.base import Direction
 from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
@@ -86,7 +86,7 @@ def test_a_write_leaves_its_side_stream_current(monkeypatch: pytest.MonkeyPatch)
         backend.copy(scattered_move(ctrl), [0, 1, 2, 3], Direction.DEVICE_TO_HOST, [])
         assert torch.cuda.current_stream() == side
     seen = []
-    gather = staged_chunk._gather
+    gather = chunk_moves._gather
 
     def failing(*args: object) -> None:
         seen.append(torch.cuda.current_stream())
@@ -94,7 +94,7 @@ def test_a_write_leaves_its_side_stream_current(monkeypatch: pytest.MonkeyPatch)
             raise RuntimeError("a chunk fails")
         gather(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(staged_chunk, "_gather", failing)
+    monkeypatch.setattr(chunk_moves, "_gather", failing)
     with torch.cuda.stream(side):
         with pytest.raises(RuntimeError, match="a chunk fails"):
             backend.copy(scattered_move(ctrl, 1), [0, 1, 2, 3], Direction.DEVICE_TO_HOST, [])
