@@ -20,6 +20,16 @@ if TYPE_CHECKING:
     from .staged_chunk import ChunkPlan
 
 
+def kernel_launches(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer,
+                    scatter: bool) -> list[PageLaunch] | None:
+    """The page kernel's launches that move ``plan``'s whole device pages from (``scatter``)
+    or into ``buffer`` for ``group``'s layers, or ``None`` where the kernel cannot serve
+    the chunk (no page ids it can read, views it cannot copy, no kernel)."""
+    if plan.kernel_pages is None:
+        return None
+    return _launches(plan, buffer, group, scatter)
+
+
 def move_pages(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer,
                scatter: bool) -> bool:
     """Copy ``plan``'s whole device pages from (``scatter``) or into ``buffer`` for

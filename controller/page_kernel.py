@@ -108,16 +108,18 @@ def index_fits(index: torch.Tensor) -> bool:
     return index.is_cuda and index.dtype is torch.int64 and index.is_contiguous()
 
 
-def launch_pages(launches: list[PageLaunch], index: int) -> None:
+def launch_pages(launches: list[PageLaunch], index: int, stream: int | None = None) -> None:
     """Copy the pages of every launch with the page ids at device address ``index`` (int64,
-    the device page of each staged page: a tensor :func:`index_fits`) on the current stream
-    of the launches' device, where torch's indexed copy runs.
+    the device page of each staged page: a tensor :func:`index_fits`) on the CUDA stream of
+    raw handle ``stream``, by default the current stream of the launches' device, where
+    torch's indexed copy runs.
 
     Raises:
         RuntimeError: the driver refused the launch (named with its code).
     """
     launch = _driver().cuLaunchKernel
-    stream = _CURRENT_RAW_STREAM(launches[0].device_index)
+    if stream is None:
+        stream = _CURRENT_RAW_STREAM(launches[0].device_index)
     for item in launches:
         item.params[_INDEX_PARAM] = index
         status = launch(item.kernel, *item.grid, item.threads, 1, 1, 0, stream, None, item.extra)

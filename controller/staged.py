@@ -39,11 +39,16 @@ Issue cost: an op finds its host runs (or pages) once, plans each chunk once per
 from templates the backend keeps per run shape across ops), and every layer group of a
 layer-wise load issues those copies at its layers' offset; copies and events name their streams (the
 side stream is looked up once per op), so a chunk issues its copies, one index kernel and
-four event operations with no stream lookup. Where the op's device slots are whole device
+a few event operations with no stream lookup. Where the op's device slots are whole device
 pages (``layer_first`` and ``page_first_direct`` hosts) that kernel indexes pages and is
-launched through the driver (:mod:`.chunk_pages`, :mod:`.page_kernel`). The plans and the
-data movement of one chunk are in :mod:`hicache.controller.staged_chunk`; this module holds
-the backend and its staging lanes.
+launched through the driver (:mod:`.chunk_pages`, :mod:`.page_kernel`) on the buffer's own
+copy stream, with the copy (:func:`~.chunk_moves.move_paged_chunk`): the stream's order
+keeps the buffer's uses apart, so such a chunk makes two event calls (its copy's end and
+the turn before it), where a chunk that gathers on the auxiliary stream or scatters on the
+side stream makes five; the copy streams wait on the side stream once an op, and the side
+stream on them once a layer group of a load. The plans are in
+:mod:`hicache.controller.staged_chunk`, a chunk's data movement in
+:mod:`hicache.controller.chunk_moves`; this module holds the backend and its staging lanes.
 """
 
 from __future__ import annotations
@@ -57,7 +62,8 @@ from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
 
 from .base import Direction, MovedTransfer, TransferBackend
 from .chunk_copies import CopyTemplates
-from .chunk_moves import move_chunk
+from .chunk_moves import move_chunk, move_paged_chunk
+from .chunk_pages import kernel_launches
 from .chunk_slots import host_runs
 from .copy_turns import copy_streams, takes_turns
 from .events import Event
@@ -78,7 +84,7 @@ class StagedBackend(TransferBackend):
     """
 
     name = "staged"
-    # a chunk: its scatter launch (22-28 us), 2D copies (6 us each), four event
+    # a chunk: its scatter launch (22-28 us), 2D copies (6 us each), two to five event
     # operations and a few views
     copy_s = 70e-6
 
@@ -149,10 +155,6 @@ class StagedBackend(TransferBackend):
         if lane is None or self._lanes.get(lane.key) is not lane:
             lane = move.lane = self._lane(moved.source.device_pool, move.side, page_size)
         to_host = direction is Direction.DEVICE_TO_HOST
-        if to_host and lane.aux is not None and move.side is not None:
-            # Gathers read device rows: after the producers and the caller (the side stream
-            # waited on them when the op began).
-            lane.aux.wait_stream(move.side)
         group = move.views.group(tuple(local_layers))
         # the group's chunk length and turns for moves of this many pairs and this budget
         # (a group is one pool pair's: its page size is fixed), made once
@@ -165,22 +167,52 @@ class StagedBackend(TransferBackend):
         side, copiers = move.side, lane.copiers
         plans = move.chunks(moved, chunk_tokens, group.shape, staging[0], self.templates)
         done = free if to_host else staged  # recorded on a copier after its copy
-        if to_host and aux is not None:
-            torch.cuda.set_stream(aux)  # a write's gathers: on aux, once for all its chunks
+        on_aux = False  # a write's gathers by torch: on aux, made current once for them all
+        scattered = [False, False]  # a load's copy streams that scattered chunks
         try:
             for plan in plans:
                 number = lane.next
                 lane.next = 1 - number
                 previous = done[1 - number] if lane.turns else None
                 lane.turns = turns
-                move_chunk(plan, group, to_host, staging[number], side, aux, copiers[number],
+                copier = copiers[number]
+                launches = (kernel_launches(plan, group, staging[number], not to_host)
+                            if copier is not None else None)
+                if launches is not None and copier is not None and side is not None:
+                    if not move.copiers_follow:  # the kernels touch the op's device rows
+                        move.copiers_follow = True
+                        lane.fence.record(side)
+                        lane.fence.wait(copiers[0])
+                        lane.fence.wait(copiers[1])
+                    drained = None
+                    if not to_host:
+                        scattered[number] = True
+                        if lane.drained_on_side[number]:
+                            drained, lane.drained_on_side[number] = free[number], False
+                    move_paged_chunk(plan, group, launches, to_host, staging[number], copier,
+                                     done[number], previous, drained)
+                    continue
+                if to_host and aux is not None and side is not None and not on_aux:
+                    # Gathers read device rows: after the producers and the caller (the side
+                    # stream waited on them when the op began).
+                    aux.wait_stream(side)
+                    torch.cuda.set_stream(aux)
+                    on_aux = True
+                move_chunk(plan, group, to_host, staging[number], side, aux, copier,
                            free[number], staged[number], previous)
+                if not to_host and side is not None:
+                    lane.drained_on_side[number] = True
         finally:
-            if to_host and side is not None:
+            if on_aux:
                 torch.cuda.set_stream(side)
-        if to_host and side is not None:  # the op's end on the side stream: after its copies
-            free[0].wait(side)
-            free[1].wait(side)
+        if side is not None:  # the op's end (a write) or the group's layers (a load)
+            if to_host:
+                free[0].wait(side)
+                free[1].wait(side)
+            for number in (0, 1):
+                if scattered[number]:
+                    lane.scattered[number].record(copiers[number])
+                    lane.scattered[number].wait(side)
         buffers = lane.buffers
         held = keep_alive[-2:]  # once per op and lane, not once per layer group
         if len(held) < 2 or held[0] is not buffers[0] or held[1] is not buffers[1]:
@@ -259,3 +291,10 @@ class _Lane:
         self.staged = [Event(device), Event(device)]
         self.next = 0
         self.turns = False  # the last chunk was big enough for the next to wait on its copy
+        # chunks moved by the page kernel on the copy streams (:func:`move_paged_chunk`):
+        # the copy streams wait on ``fence`` (recorded on the side stream) once an op, the
+        # side stream on ``scattered`` after a load's chunks; ``drained_on_side``: the
+        # buffer's last chunk was a load scattered on the side stream (``free`` says when)
+        self.fence = Event(device)
+        self.scattered = [Event(device), Event(device)]
+        self.drained_on_side = [False, False]

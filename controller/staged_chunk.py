@@ -71,6 +71,8 @@ class StagedMove:
         self._op_slots: OpSlots | None = None  # the whole op's runs or pages, found once
         self._plans: dict[tuple[int, BlockShape], list[ChunkPlan]] = {}
         self.lane: _Lane | None = None  # the staging lane its first copy found
+        # the lane's copy streams wait on the side stream's op start (move_paged_chunk)
+        self.copiers_follow = False
 
     def chunks(self, moved: MovedTransfer, chunk_tokens: int, shape: BlockShape,
                buffer: StagingBuffer, templates: CopyTemplates) -> list[ChunkPlan]:

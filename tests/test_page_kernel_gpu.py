@@ -11,9 +11,17 @@ from typing import Any
 
 import pytest
 import torch
+from controller_helpers import make_controller
 from test_layouts import write_then_layer_wise_load
 
-from hicache.controller import MovedTransfer, chunk_pages, op_queue, page_kernel
+from hicache.controller import (
+    MovedTransfer,
+    chunk_moves,
+    chunk_pages,
+    op_queue,
+    page_kernel,
+    staged,
+)
 from hicache.controller.staged import StagedBackend
 from hicache.pools import AttentionKind, HostLayout
 from hicache.pools.pinned_uploads import UPLOADS
@@ -106,13 +114,14 @@ def test_round_trip_through_the_kernel(kernel: bool, page_size: int, layout: Hos
     declined, torch's page copies (``page_first_direct``) or slot copies (``layer_first``)
     move the same rows."""
     calls: list[int] = []
-    launch = chunk_pages.launch_pages
+    launch = page_kernel.launch_pages
 
-    def counted(launches: Any, index: int) -> None:
+    def counted(launches: Any, *args: Any) -> None:
         calls.append(len(launches))
-        launch(launches, index)
+        launch(launches, *args)
 
     monkeypatch.setattr(chunk_pages, "launch_pages", counted)
+    monkeypatch.setattr(chunk_moves, "launch_pages", counted)
     if not kernel:
         monkeypatch.setattr(chunk_pages, "page_launches", lambda *args: None)
     write_then_layer_wise_load(StagedBackend(128), layout, page_size, AttentionKind.MHA, "cuda")
@@ -165,3 +174,49 @@ def test_a_move_of_whole_pages_uploads_its_page_ids_alone(
         assert sorted(slot_uploads) == sorted(move.device_index.numel() for move in moved)
     else:
         assert not slot_uploads
+
+
+@pytest.mark.parametrize("layout", [HostLayout.PAGE_FIRST_DIRECT, HostLayout.LAYER_FIRST],
+                         ids=lambda x: x.value)
+@pytest.mark.parametrize("declined", [0, 2, 3], ids=["none", "every-2nd", "every-3rd"])
+def test_chunks_on_the_copy_streams_and_the_side_stream_mix(
+        layout: HostLayout, declined: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk the page kernel moves runs on its buffer's copy stream alone (gather and copy,
+    or copy and scatter); one it declines uses the auxiliary or side stream and events. With
+    the kernel declined for every 2nd chunk, one buffer's chunks run one way and the other's
+    the other way, side by side; for every 3rd, each buffer passes between the two ways (a
+    buffer a side-stream scatter drained is filled on its copy stream, and the reverse): a
+    128-page write of 16 layers in one-page chunks and its layer-wise load back, three
+    times over, land every row."""
+    page_size, layers, pages = 16, 16, 128
+    ctrl = make_controller(StagedBackend(page_size), device="cuda", page_size=page_size,
+                           device_pages=2 * pages + 8, host_pages=pages + 8,
+                           num_layers=layers, layout=layout, dtype=torch.float32)
+    kinds: list[str] = []
+    found = staged.kernel_launches
+
+    def sometimes(*args: Any) -> Any:
+        launches = found(*args)
+        if declined and launches is not None and len(kinds) % declined == declined - 1:
+            launches = None
+        kinds.append("side" if launches is None else "copier")
+        return launches
+
+    monkeypatch.setattr(staged, "kernel_launches", sometimes)
+    source = ctrl.device_allocator.try_alloc(pages * page_size)
+    assert source is not None
+    before = ctrl.device_pool.data[:, :, source.tensor.cuda()].clone()
+    for _ in range(3):
+        host = ctrl.write(source)
+        assert host is not None
+        ctrl.start_writing()
+        ctrl.drain()
+        loaded = ctrl.load(host)
+        assert loaded is not None
+        ctrl.start_loading()
+        ctrl.drain()
+        torch.cuda.synchronize()
+        assert torch.equal(ctrl.device_pool.data[:, :, loaded.tensor.cuda()], before)
+        ctrl.evict_device(loaded)
+        ctrl.evict_host(host)
+    assert "copier" in kinds and (("side" in kinds) == bool(declined))
