@@ -62,33 +62,28 @@ def move_chunk(plan: ChunkPlan, group: LayerGroup, to_host: bool, buffer: Stagin
 
 
 def move_paged_chunk(plan: ChunkPlan, group: LayerGroup, launches: list[PageLaunch],
-                     to_host: bool, buffer: StagingBuffer, copier: torch.cuda.Stream,
-                     done: Event, previous: Event | None, drained: Event | None) -> None:
-    """:func:`move_chunk` of a chunk whose device side the page kernel moves
+                     buffer: StagingBuffer, copier: torch.cuda.Stream, done: Event,
+                     previous: Event | None, drained: Event | None) -> None:
+    """:func:`move_chunk` of a load's chunk whose device side the page kernel scatters
     (``launches``: :func:`~.chunk_pages.kernel_launches`), all of it on ``copier``, the
-    buffer's own copy stream: a write gathers there and copies, a load copies and scatters
-    there. The buffer then needs no event: what last used it ran earlier on that stream
-    (``drained``: the event of a load's scatter that ran on the side stream instead, which
-    the copy waits on first). ``done`` is recorded after the copy (the next chunk's turn,
-    ``previous``, waits on it, as in :func:`move_chunk`): two event calls a chunk where
-    :func:`move_chunk` makes five.
+    buffer's own copy stream: the copy, then the scatter. The buffer then needs no event:
+    what last used it ran earlier on that stream (``drained``: the event of a scatter that
+    ran on the side stream instead, which the copy waits on first). ``done`` is recorded
+    after the copy (the next chunk's turn, ``previous``, waits on it, as in
+    :func:`move_chunk`): two event calls a chunk where :func:`move_chunk` makes five.
 
-    The caller has made ``copier`` wait on the side stream once for the op (the kernels
-    read or write the op's device rows after its start) and, after a load's chunks, makes
-    the side stream wait on the copy streams whose scatters it issued."""
-    stream = copier.cuda_stream
+    The caller has made ``copier`` wait on the side stream once for the op (the scatter
+    writes the op's device rows after its start) and, after the chunks of a layer group,
+    makes the side stream wait on the copy streams that scattered them."""
     pages = plan.kernel_pages
     assert pages is not None, "kernel_launches found the chunk's page ids"
     if drained is not None:
         drained.wait(copier)
-    if to_host:
-        launch_pages(launches, pages, stream)
     if previous is not None:
         previous.wait(copier)
-    _copy(plan, group, buffer, to_host, copier)
+    _copy(plan, group, buffer, False, copier)
     done.record(copier)
-    if not to_host:
-        launch_pages(launches, pages, stream)
+    launch_pages(launches, pages, copier.cuda_stream)
 
 
 def _copy(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer, to_host: bool,

@@ -41,12 +41,12 @@ layer-wise load issues those copies at its layers' offset; copies and events nam
 side stream is looked up once per op), so a chunk issues its copies, one index kernel and
 a few event operations with no stream lookup. Where the op's device slots are whole device
 pages (``layer_first`` and ``page_first_direct`` hosts) that kernel indexes pages and is
-launched through the driver (:mod:`.chunk_pages`, :mod:`.page_kernel`) on the buffer's own
-copy stream, with the copy (:func:`~.chunk_moves.move_paged_chunk`): the stream's order
-keeps the buffer's uses apart, so such a chunk makes two event calls (its copy's end and
-the turn before it), where a chunk that gathers on the auxiliary stream or scatters on the
-side stream makes five; the copy streams wait on the side stream once an op, and the side
-stream on them once a layer group of a load. The plans are in
+launched through the driver (:mod:`.chunk_pages`, :mod:`.page_kernel`); a load scatters
+such a chunk on the buffer's own copy stream, after its copy
+(:func:`~.chunk_moves.move_paged_chunk`): the stream's order keeps the buffer's uses apart,
+so the chunk makes two event calls (its copy's end and the turn before it) where one
+scattered on the side stream makes five; the copy streams wait on the side stream once an
+op, and the side stream on them once a layer group. The plans are in
 :mod:`hicache.controller.staged_chunk`, a chunk's data movement in
 :mod:`hicache.controller.chunk_moves`; this module holds the backend and its staging lanes.
 """
@@ -176,20 +176,20 @@ class StagedBackend(TransferBackend):
                 previous = done[1 - number] if lane.turns else None
                 lane.turns = turns
                 copier = copiers[number]
-                launches = (kernel_launches(plan, group, staging[number], not to_host)
-                            if copier is not None else None)
+                # a load's chunk of whole device pages: scattered on its copy stream (a
+                # write's gathers there slowed writes by 1-2%, measured: they stay on aux)
+                launches = (kernel_launches(plan, group, staging[number], True)
+                            if copier is not None and not to_host else None)
                 if launches is not None and copier is not None and side is not None:
-                    if not move.copiers_follow:  # the kernels touch the op's device rows
+                    if not move.copiers_follow:  # the scatters write the op's device rows
                         move.copiers_follow = True
                         lane.fence.record(side)
                         lane.fence.wait(copiers[0])
                         lane.fence.wait(copiers[1])
-                    drained = None
-                    if not to_host:
-                        scattered[number] = True
-                        if lane.drained_on_side[number]:
-                            drained, lane.drained_on_side[number] = free[number], False
-                    move_paged_chunk(plan, group, launches, to_host, staging[number], copier,
+                    scattered[number], drained = True, None
+                    if lane.drained_on_side[number]:
+                        drained, lane.drained_on_side[number] = free[number], False
+                    move_paged_chunk(plan, group, launches, staging[number], copier,
                                      done[number], previous, drained)
                     continue
                 if to_host and aux is not None and side is not None and not on_aux:
@@ -200,8 +200,8 @@ class StagedBackend(TransferBackend):
                     on_aux = True
                 move_chunk(plan, group, to_host, staging[number], side, aux, copier,
                            free[number], staged[number], previous)
-                if not to_host and side is not None:
-                    lane.drained_on_side[number] = True
+                if not to_host and side is not None:  # ``free`` on the side stream says it
+                    lane.drained_on_side[number], scattered[number] = True, False
         finally:
             if on_aux:
                 torch.cuda.set_stream(side)
@@ -209,10 +209,10 @@ class StagedBackend(TransferBackend):
             if to_host:
                 free[0].wait(side)
                 free[1].wait(side)
-            for number in (0, 1):
+            for number in (0, 1):  # ``free`` says when a buffer the copy stream drained last
                 if scattered[number]:
-                    lane.scattered[number].record(copiers[number])
-                    lane.scattered[number].wait(side)
+                    free[number].record(copiers[number])
+                    free[number].wait(side)
         buffers = lane.buffers
         held = keep_alive[-2:]  # once per op and lane, not once per layer group
         if len(held) < 2 or held[0] is not buffers[0] or held[1] is not buffers[1]:
@@ -291,10 +291,10 @@ class _Lane:
         self.staged = [Event(device), Event(device)]
         self.next = 0
         self.turns = False  # the last chunk was big enough for the next to wait on its copy
-        # chunks moved by the page kernel on the copy streams (:func:`move_paged_chunk`):
-        # the copy streams wait on ``fence`` (recorded on the side stream) once an op, the
-        # side stream on ``scattered`` after a load's chunks; ``drained_on_side``: the
+        # loads scattered by the page kernel on the copy streams (:func:`move_paged_chunk`):
+        # the copy streams wait on ``fence`` (recorded on the side stream) once an op; the
+        # side stream on ``free`` recorded on them after a copy call's last scatters (so a
+        # later call, of either direction, finds it valid); ``drained_on_side``: the
         # buffer's last chunk was a load scattered on the side stream (``free`` says when)
         self.fence = Event(device)
-        self.scattered = [Event(device), Event(device)]
         self.drained_on_side = [False, False]

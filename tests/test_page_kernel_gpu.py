@@ -181,12 +181,12 @@ def test_a_move_of_whole_pages_uploads_its_page_ids_alone(
 @pytest.mark.parametrize("declined", [0, 2, 3], ids=["none", "every-2nd", "every-3rd"])
 def test_chunks_on_the_copy_streams_and_the_side_stream_mix(
         layout: HostLayout, declined: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A chunk the page kernel moves runs on its buffer's copy stream alone (gather and copy,
-    or copy and scatter); one it declines uses the auxiliary or side stream and events. With
-    the kernel declined for every 2nd chunk, one buffer's chunks run one way and the other's
+    """A load's chunk the page kernel scatters runs on its buffer's copy stream alone (copy,
+    then scatter); one it declines is scattered on the side stream, with events. With the
+    kernel declined for every 2nd chunk, one buffer's chunks run one way and the other's
     the other way, side by side; for every 3rd, each buffer passes between the two ways (a
     buffer a side-stream scatter drained is filled on its copy stream, and the reverse): a
-    128-page write of 16 layers in one-page chunks and its layer-wise load back, three
+    128-page write of 16 layers and its layer-wise load back in one-page chunks, three
     times over, land every row."""
     page_size, layers, pages = 16, 16, 128
     ctrl = make_controller(StagedBackend(page_size), device="cuda", page_size=page_size,
