@@ -47,7 +47,7 @@ from hicache.pools import Indices
 from .base import Direction
 from .core import TransferCore
 from .events import Event
-from .index_moves import owned_indices
+from .index_moves import owned_pages_copy
 from .op_queue import TransferObserver
 
 __all__ = ["CacheController", "TransferObserver"]
@@ -102,9 +102,11 @@ class CacheController(TransferCore):
             return None
         host, host_pages = allocated
         if device_pages.size:  # the op's own copies (an allocation's slots are int64 already)
+            page_size = self.device_allocator.page_size
             transfer = self._full_transfer(
-                Indices(host.tensor.clone(), host.space) if copies else host,
-                owned_indices(device_indices) if copies or
+                owned_pages_copy(host, host_pages, self.host_pool.page_size, True)
+                if copies else host,
+                owned_pages_copy(device_indices, device_pages, page_size) if copies or
                 device_indices.tensor.dtype is not torch.int64 else device_indices)
             self._queue(Direction.DEVICE_TO_HOST, [transfer], tag, [(host_pages, device_pages)],
                         owned=True, marks=marks,
@@ -151,15 +153,19 @@ class CacheController(TransferCore):
             return None
         device, device_pages = allocated
         if host_pages.size:
-            host = (owned_indices(host_indices) if copies
-                    or host_indices.tensor.dtype is not torch.int64 else host_indices)
-            transfer = self._full_transfer(host, owned_indices(device) if copies else device)
             # distinct (checked) and ascending pages are ascending slots: the backend need
             # not look for an order among the op's slots
+            ascending = host_pages.size < 2 or not count_nonzero(host_pages[1:]
+                                                                  <= host_pages[:-1])
+            host = (owned_pages_copy(host_indices, host_pages, self.host_pool.page_size,
+                                     ascending) if copies
+                    or host_indices.tensor.dtype is not torch.int64 else host_indices)
+            transfer = self._full_transfer(host, owned_pages_copy(
+                device, device_pages, self.device_allocator.page_size, True)
+                if copies else device)
             self._queue(Direction.HOST_TO_DEVICE, [transfer], tag, [(host_pages, device_pages)],
                         owned=True, cancel=lambda: self.device_allocator.free_pages(device_pages),
-                        host_ascending=host_pages.size < 2
-                        or not count_nonzero(host_pages[1:] <= host_pages[:-1]))
+                        host_ascending=ascending)
         return device
 
     def evict_device(self, device_indices: Indices, *, pages: np.ndarray | None = None

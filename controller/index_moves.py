@@ -38,6 +38,24 @@ def owned_indices(indices: Indices) -> Indices:
     return Indices(copy, indices.space)
 
 
+def owned_pages_copy(indices: Indices, pages: np.ndarray, page_size: int,
+                     ascending: bool | None = None) -> Indices:
+    """:func:`owned_indices` of ``indices``, whole pages in slot order whose distinct page
+    ids are ``pages`` (checked). Pages that are one ascending run (an allocation's) give
+    the copy from the run's bounds, without reading the slots: in an op, after the caches
+    have moved the last op's rows, reading 32k slots cost more than three times making
+    them (measured). ``ascending``: whether ``pages`` ascend, when the caller knows."""
+    size = pages.size
+    if size and pages.item(-1) - pages.item(0) == size - 1:
+        if ascending is None:
+            ascending = size < 2 or not count_nonzero(pages[1:] <= pages[:-1])
+        if ascending:  # distinct, ascending, spanning ``size`` ids: consecutive
+            first = pages.item(0) * page_size
+            slots = np.arange(first, first + size * page_size, dtype=np.int64)
+            return Indices(torch.from_numpy(slots), indices.space)
+    return owned_indices(indices)
+
+
 def cat_parts(parts: list[Indices]) -> Indices:
     """One :class:`Indices` of the parts (all of one space); a single part as it is."""
     if len(parts) == 1:

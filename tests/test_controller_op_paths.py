@@ -11,6 +11,7 @@ import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_controller, untouched
 
 from hicache.controller import CacheController, Direction, MovedTransfer, TorchBackend
+from hicache.controller.index_moves import owned_pages_copy
 from hicache.pools import IndexSpace, Indices
 
 
@@ -242,3 +243,50 @@ def test_load_without_copies_keeps_the_checks_of_load() -> None:
     assert rest is not None
     assert ctrl.load_without_copies(host, host.tensor.numpy()[::2] // 2) is None
     assert ctrl.num_in_flight == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_owned_copies_of_page_runs_equal_the_slots(page_size: int) -> None:
+    """An op's own copy of whole pages: from the run's bounds where the pages are one
+    ascending run, else a clone; either way the caller's values as int64, in a tensor of
+    its own, for 200 random page sets (runs, gaps, descending, shuffled, int32)."""
+    rng = np.random.default_rng(page_size)
+    for _ in range(200):
+        count = int(rng.integers(1, 12))
+        first = int(rng.integers(1, 50))
+        pages = np.arange(first, first + count, dtype=np.int64)
+        shape = rng.integers(4)
+        if shape == 1 and count > 1:
+            pages[rng.integers(1, count):] += int(rng.integers(1, 5))  # a gap
+        elif shape == 2:
+            pages = pages[::-1].copy()
+        elif shape == 3:
+            pages = rng.permutation(pages)
+        slots = torch.from_numpy((pages[:, None] * page_size
+                                  + np.arange(page_size)).reshape(-1))
+        if rng.integers(2):
+            slots = slots.to(torch.int32)
+        given = Indices(slots, IndexSpace.HOST_FULL)
+        for ascending in (None, bool(count < 2 or (np.diff(pages) > 0).all())):
+            copy = owned_pages_copy(given, pages, page_size, ascending)
+            assert copy.space is IndexSpace.HOST_FULL and copy.tensor.dtype is torch.int64
+            assert torch.equal(copy.tensor, slots.to(torch.int64))
+            assert copy.tensor.data_ptr() != slots.data_ptr()
+
+
+def test_a_loads_caller_tensors_are_not_the_ops() -> None:
+    """The op of one load reads its own copies (made from the runs' bounds): the caller's
+    host slots and the device slots it got back, both refilled before the op is issued,
+    change nothing; the rows land in the returned slots."""
+    ctrl = make_controller(TorchBackend(), page_size=2)
+    before = device_rows(ctrl.device_pool)
+    device, host = written(ctrl, 6)
+    passed = Indices(host.tensor.clone(), IndexSpace.HOST_FULL)
+    loaded = ctrl.load(passed)
+    assert loaded is not None
+    expected = loaded.tensor.clone()
+    passed.tensor.fill_(2)
+    loaded.tensor.fill_(2)
+    ctrl.start_loading()
+    assert len(ctrl.poll()) == 1
+    assert torch.equal(device_rows(ctrl.device_pool)[expected], before[device.tensor])
