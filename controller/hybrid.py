@@ -22,7 +22,7 @@ from .aligned_slots import cat_space, empty_indices, in_tail, scatter_aligned
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .core import TransferCore
 from .events import Event
-from .index_moves import owned_indices
+from .index_moves import owned_pages_copy
 from .slot_checks import owned_pages
 
 
@@ -178,8 +178,13 @@ class HybridCacheController(TransferCore):
             page = self.hybrid_pool.page_size
             swa_pages = device_swa_part.tensor.numpy()[::page] // page  # fresh, whole pages
             transfers = [
-                self._full_transfer(owned_indices(host_indices), owned_indices(device_full)),
-                self._swa_transfer(owned_indices(swa_sources), owned_indices(device_swa_part))]
+                self._full_transfer(
+                    owned_pages_copy(host_indices, host_pages, self.host_pool.page_size),
+                    owned_pages_copy(device_full, device_pages, self.device_allocator.page_size,
+                                     True)),
+                self._swa_transfer(
+                    owned_pages_copy(swa_sources, swa_host_pages, self.host_swa.page_size),
+                    owned_pages_copy(device_swa_part, swa_pages, page))]
             self._queue(Direction.HOST_TO_DEVICE, transfers, tag,
                         [(host_pages, device_pages), (swa_host_pages, swa_pages)], owned=True,
                         cancel=cancel)
