@@ -203,7 +203,7 @@ class StagedBackend(TransferBackend):
                 if not to_host and side is not None:  # ``free`` on the side stream says it
                     lane.drained_on_side[number], scattered[number] = True, False
         finally:
-            if on_aux:
+            if on_aux and side is not None:
                 torch.cuda.set_stream(side)
         if side is not None:  # the op's end (a write) or the group's layers (a load)
             if to_host:
