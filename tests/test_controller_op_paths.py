@@ -57,22 +57,31 @@ def test_one_run_of_host_pages_counts_one_run() -> None:
     assert (ctrl.stats.host_runs[key], ctrl.stats.host_run_tokens[key]) == (2, 16)
 
 
-def test_caller_tensors_are_not_the_ops() -> None:
-    """The op of one write reads its own copies: the caller's device slots and the host
-    slots it got back, both refilled before the op is issued, change nothing."""
+@pytest.mark.parametrize("direction", ["write", "load"])
+def test_caller_tensors_are_not_the_ops(direction: str) -> None:
+    """The op of one write or load reads its own copies (of an allocation's runs: made from
+    their bounds): the slots the caller passed and the slots it got back, both refilled
+    before the op is issued, change nothing; the rows land in the returned slots."""
     ctrl = make_controller(TorchBackend(), page_size=2)
     before = device_rows(ctrl.device_pool)
-    device = ctrl.device_allocator.try_alloc(4)
-    assert device is not None
-    passed = Indices(device.tensor.clone(), IndexSpace.DEVICE_FULL)
-    host = ctrl.write(passed)
-    assert host is not None
-    expected = host.tensor.clone()
+    if direction == "write":
+        device = ctrl.device_allocator.try_alloc(4)
+        assert device is not None
+        passed = Indices(device.tensor.clone(), IndexSpace.DEVICE_FULL)
+        returned = ctrl.write(passed)
+    else:
+        device, host = written(ctrl, 6)
+        passed = Indices(host.tensor.clone(), IndexSpace.HOST_FULL)
+        returned = ctrl.load(passed)
+    assert returned is not None
+    expected = returned.tensor.clone()
     passed.tensor.fill_(2)
-    host.tensor.fill_(2)
+    returned.tensor.fill_(2)
     ctrl.start_writing()
+    ctrl.start_loading()
     assert len(ctrl.poll()) == 1
-    assert torch.equal(host_rows(ctrl.host_pool)[expected], before[device.tensor])
+    rows = host_rows(ctrl.host_pool) if direction == "write" else device_rows(ctrl.device_pool)
+    assert torch.equal(rows[expected], before[device.tensor])
 
 
 def test_write_without_copies_reads_the_callers_tensors() -> None:
@@ -272,21 +281,3 @@ def test_owned_copies_of_page_runs_equal_the_slots(page_size: int) -> None:
             assert copy.space is IndexSpace.HOST_FULL and copy.tensor.dtype is torch.int64
             assert torch.equal(copy.tensor, slots.to(torch.int64))
             assert copy.tensor.data_ptr() != slots.data_ptr()
-
-
-def test_a_loads_caller_tensors_are_not_the_ops() -> None:
-    """The op of one load reads its own copies (made from the runs' bounds): the caller's
-    host slots and the device slots it got back, both refilled before the op is issued,
-    change nothing; the rows land in the returned slots."""
-    ctrl = make_controller(TorchBackend(), page_size=2)
-    before = device_rows(ctrl.device_pool)
-    device, host = written(ctrl, 6)
-    passed = Indices(host.tensor.clone(), IndexSpace.HOST_FULL)
-    loaded = ctrl.load(passed)
-    assert loaded is not None
-    expected = loaded.tensor.clone()
-    passed.tensor.fill_(2)
-    loaded.tensor.fill_(2)
-    ctrl.start_loading()
-    assert len(ctrl.poll()) == 1
-    assert torch.equal(device_rows(ctrl.device_pool)[expected], before[device.tensor])
