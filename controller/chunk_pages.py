@@ -37,11 +37,10 @@ def move_pages(plan: ChunkPlan, group: LayerGroup, buffer: StagingBuffer,
     only its slots can be moved (the caller's paths then)."""
     if plan.page_span is None:
         return False
-    if plan.kernel_pages is not None:
-        launches = _launches(plan, buffer, group, scatter)
-        if launches is not None:
-            launch_pages(launches, plan.kernel_pages)
-            return True
+    launches = kernel_launches(plan, group, buffer, scatter)
+    if launches is not None and plan.kernel_pages is not None:
+        launch_pages(launches, plan.kernel_pages)
+        return True
     direct, index = plan.direct, plan.page_index
     if direct is None or index is None:
         return False
