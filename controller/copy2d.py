@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .cuda_libraries import mapped_libraries
+from .cuda_libraries import cuda_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -260,22 +260,16 @@ def _cudart() -> ctypes.CDLL | None:
     CUDA is unavailable or no runtime library can be opened."""
     if not torch.cuda.is_available():
         return None
-    torch.cuda.init()
-    for name in [*mapped_libraries("libcudart"), "libcudart.so", "libcudart.so.13",
-                 "libcudart.so.12"]:
-        try:
-            library = ctypes.CDLL(name)
-            function = library.cudaMemcpy2DAsync
-        except (OSError, AttributeError):
-            continue
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
-                             ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-        logger.debug("2D copies through %s", name)
-        return library
-    logger.warning("no CUDA runtime library found for 2D copies; strided staged copies go "
-                   "row by row (slower)")
-    return None
+    library = cuda_runtime()
+    if library is None:
+        logger.warning("no CUDA runtime library found for 2D copies; strided staged copies "
+                       "go row by row (slower)")
+        return None
+    function = library.cudaMemcpy2DAsync
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
+                         ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return library
 
 
 def _error_name(library: ctypes.CDLL, status: int) -> str:

@@ -25,6 +25,7 @@ import torch
 
 from .copy2d import Copy2D
 from .events import Event
+from .stream_pool import stream_beside
 
 # A copy of at least this many bytes (0.3 ms on a 55 GB/s link) makes the op's next copy
 # wait until it has finished, so another stream's copy never waits behind more than about
@@ -36,9 +37,7 @@ def copy_streams(side: torch.cuda.Stream | None) -> tuple[torch.cuda.Stream | No
                                                           torch.cuda.Stream | None]:
     """Two new streams on ``side``'s device that take turns for its copies (``None``
     twice on a CPU)."""
-    if side is None:
-        return None, None
-    return torch.cuda.Stream(side.device), torch.cuda.Stream(side.device)
+    return stream_beside(side), stream_beside(side)
 
 
 def takes_turns(previous_bytes: int) -> bool:

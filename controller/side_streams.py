@@ -30,6 +30,7 @@ from .events import CurrentStreams, Event
 from .index_moves import record_on_stream
 from .layer_counters import LayerCounters, counters_enabled
 from .load_groups import local_groups, plan_load_groups
+from .stream_pool import cache_stream
 
 
 class SideStreams:
@@ -45,8 +46,8 @@ class SideStreams:
         self.device = device
         self.producers = list(producer_streams)
         self.on_cuda = device.type == "cuda"
-        self.write_stream = torch.cuda.Stream(device) if self.on_cuda else None
-        self.load_stream = torch.cuda.Stream(device) if self.on_cuda else None
+        self.write_stream = cache_stream(device) if self.on_cuda else None
+        self.load_stream = cache_stream(device) if self.on_cuda else None
         # Without CUDA a move is done when issued: every write shares one completed event
         # (no timing: ``elapsed_s`` is None on a CPU anyway), made once, not twice per op.
         self._done: Event | None = None

@@ -70,6 +70,7 @@ from .events import Event
 from .pool_pairs import PoolPairCache
 from .staged_chunk import StagedMove
 from .staged_views import PoolViews, StagingBuffer
+from .stream_pool import stream_beside
 
 __all__ = ["StagedBackend", "host_runs"]
 
@@ -263,11 +264,8 @@ class StagedBackend(TransferBackend):
         lane = self._lanes.get(key)
         if lane is None or lane.buffers[0].numel() < half:
             flat = torch.empty(2 * half, dtype=geometry.dtype, device=device_pool.device)
-            if lane is not None:
-                aux, copiers = lane.aux, lane.copiers
-            else:
-                aux = torch.cuda.Stream(side.device) if side is not None else None
-                copiers = copy_streams(side)
+            aux, copiers = ((lane.aux, lane.copiers) if lane is not None else
+                            (stream_beside(side), copy_streams(side)))
             lane = _Lane([flat[:half], flat[half:]], aux, copiers, device_pool.device, key)
             self._lanes[key] = lane
         return lane
