@@ -47,9 +47,9 @@ class StreamPool:
         with self._lock:
             streams = self._streams.setdefault(index, [])
             turn = self._turns.get(index, 0)
-            self._turns[index] = (turn + 1) % POOL_SIZE
-            if turn == len(streams):
+            if turn == len(streams):  # a refused creation leaves the turn where it was
                 streams.append(_new_stream(index))
+            self._turns[index] = (turn + 1) % POOL_SIZE
             return streams[turn]
 
 

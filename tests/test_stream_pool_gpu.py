@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_layouts import controller, random_pages
 
+from hicache.controller import stream_pool
 from hicache.controller.staged import StagedBackend
 from hicache.controller.stream_pool import POOL_SIZE, StreamPool, cache_stream
 from hicache.pools import HostLayout
@@ -98,3 +99,38 @@ def test_cpu_device_is_refused() -> None:
     """A CPU device has no streams: a clear error (runs without CUDA)."""
     with pytest.raises(ValueError, match="CUDA device"):
         StreamPool().stream(torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_without_a_runtime_library_torchs_streams_serve_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No CUDA runtime library found (a build that links it statically): the pool falls back
+    to torch's streams and says what that risks."""
+    monkeypatch.setattr(stream_pool, "cuda_runtime", lambda: None)
+    with caplog.at_level("WARNING", logger=stream_pool.__name__):
+        stream = StreamPool().stream(torch.device("cuda"))
+    assert not isinstance(stream, torch.cuda.ExternalStream)
+    assert "torch's stream pool" in caplog.text
+
+
+class _RefusingRuntime:
+    """A runtime whose stream creation fails as an exhausted device's does."""
+
+    def __init__(self) -> None:
+        self.cudaStreamCreateWithFlags = lambda handle, flags: 2  # cudaErrorMemoryAllocation
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_refused_stream_creation_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The error names the call, its status and the device; the pool is as it was, so the
+    next stream, once the runtime makes them again, is its first."""
+    pool = StreamPool()
+    monkeypatch.setattr(stream_pool, "cuda_runtime", _RefusingRuntime)
+    with pytest.raises(RuntimeError, match="cudaStreamCreateWithFlags failed with error 2"):
+        pool.stream(torch.device("cuda"))
+    monkeypatch.undo()
+    first = pool.stream(torch.device("cuda"))
+    assert [pool.stream(torch.device("cuda")) for _ in range(POOL_SIZE - 1)][-1] is not first
+    assert pool.stream(torch.device("cuda")) is first
