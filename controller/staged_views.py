@@ -15,6 +15,8 @@ of one length share those views now."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HostLayout
@@ -45,6 +47,9 @@ class PoolViews:
         self.by_pages = (host_pool.layout is not HostLayout.PAGE_FIRST
                          and self.rows.shape[2] % self.page_size == 0)
         self._groups: dict[tuple[int, ...], LayerGroup] = {}
+        # the first chunk plan of each length and layer shape in one host run, of earlier
+        # ops (staged_chunk.StagedMove.chunks): a later op shifts it rather than plan anew
+        self.plan_fields: dict[tuple[object, ...], dict[str, Any]] = {}
 
     def group(self, layers: tuple[int, ...]) -> LayerGroup:
         """The :class:`LayerGroup` of local ``layers``, made on first use."""

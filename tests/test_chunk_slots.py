@@ -24,7 +24,7 @@ from hicache.controller.slot_segments import (
 )
 from hicache.controller.staged import StagedBackend
 from hicache.controller.staged_chunk import ChunkPlan, StagedMove
-from hicache.controller.staged_views import StagingBuffer
+from hicache.controller.staged_views import PoolViews, StagingBuffer
 from hicache.pools import HostLayout, IndexSpace, Indices
 
 
@@ -192,17 +192,19 @@ def run_move(ctrl: CacheController, first_page: int, num_pages: int,
         not torch.cuda.is_available(), reason="needs a GPU")])])
 def test_chunks_of_one_host_run_equal_plans_made_afresh(
         monkeypatch: pytest.MonkeyPatch, layout: HostLayout, known: bool, device: str) -> None:
-    """An op whose host slots are one run of whole pages: one plan is made per chunk length
-    and layer shape, every other chunk is its length's first shifted (``ChunkPlan.like``),
-    and each equals a plan made afresh from the chunk's slots cut the general way: copies,
-    staging shapes, host pages, page ids, their span and (on a GPU) the address the page
-    kernel reads them at."""
+    """Ops whose host slots are one run of whole pages, between the same pools: one plan is
+    made per chunk length and layer shape over all of them, every other chunk of an op
+    (or of a later op) is that plan shifted (``ChunkPlan.of_run``), and each equals a plan
+    made afresh from the chunk's slots cut the general way: copies, staging shapes, host
+    pages, its own op's page ids, their span and (on a GPU) the address the page kernel
+    reads them at."""
     page_size = 4
     ctrl = make_controller(StagedBackend(4), device=device, page_size=page_size, num_layers=4,
                            layout=layout)
     buffer = StagingBuffer(torch.zeros(8192, dtype=ctrl.device_pool.data.dtype,
                                        device=device))
     templates = StagedBackend(4).templates
+    views = PoolViews(ctrl.host_pool, ctrl.device_pool)  # shared by the ops, as a backend's
     made = []
     init = ChunkPlan.__init__
 
@@ -211,9 +213,10 @@ def test_chunks_of_one_host_run_equal_plans_made_afresh(
         init(self, *args)
 
     monkeypatch.setattr(ChunkPlan, "__init__", counted)
-    for first_page, num_pages in ((3, 11), (40, 7), (1, 1)):
+    planned: set[tuple[int, object]] = set()  # (length, shape) planned in an earlier call
+    for first_page, num_pages in ((3, 11), (40, 7), (1, 1), (20, 11)):
         moved = run_move(ctrl, first_page, num_pages, known)
-        move = StagedMove(moved, None)
+        move = StagedMove(moved, None, views)
         if device == "cuda" and known and layout is not HostLayout.PAGE_FIRST:
             assert move.page_index_ptr is not None  # the page kernel reads the ids
         general = OpSlots(moved)
@@ -222,8 +225,9 @@ def test_chunks_of_one_host_run_equal_plans_made_afresh(
             for shape in (((0, 4),), ((0, 1),), ((0, 1), (1, 2))):
                 made.clear()
                 plans = move.chunks(moved, chunk_tokens, shape, buffer, templates)
-                lengths = {plan.slots.end - plan.slots.start for plan in plans}
-                assert len(made) == len(lengths), (chunk_tokens, shape)
+                lengths = {(plan.slots.end - plan.slots.start, shape) for plan in plans}
+                assert len(made) == len(lengths - planned), (chunk_tokens, shape)
+                planned |= lengths
                 for plan in plans:
                     slots = plan.slots
                     cut = ChunkSlots(moved, slots.start, slots.end, general)
