@@ -354,3 +354,15 @@ def test_hybrid_grouped_load(backend: TransferBackend, layout: HostLayout,
     assert (untouched(after_swa, back.swa.tensor[tail]) == SENTINEL).all()
     assert (host_rows(ctrl.host_swa)[host.swa.tensor[tail]] == swa_rows[swa_before[tail]]).all()
     pool.check_integrity()
+
+
+def test_plans_are_kept_by_their_arguments_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan asked for again is the one made before (one derivation per op size); one
+    asked for after a bound changed is derived for that bound."""
+    first = plan_load_groups(NUM_LAYERS, 64 * 2**20, copy_s=70e-6)
+    assert plan_load_groups(NUM_LAYERS, 64 * 2**20, copy_s=70e-6) is first
+    monkeypatch.setattr(load_groups, "MAX_COPIES", NUM_LAYERS)
+    unbounded = plan_load_groups(NUM_LAYERS, 64 * 2**20, copy_s=70e-6)
+    assert unbounded != first and len(unbounded) > len(first)
+    monkeypatch.undo()
+    assert plan_load_groups(NUM_LAYERS, 64 * 2**20, copy_s=70e-6) == first
