@@ -83,4 +83,4 @@ def cache_stream(device: torch.device) -> torch.cuda.Stream:
 
 def stream_beside(side: torch.cuda.Stream | None) -> torch.cuda.Stream | None:
     """A stream of hicache's own on ``side``'s device (``None`` for no side stream: a CPU)."""
-    return None if side is None else _POOL.stream(side.device)
+    return None if side is None else cache_stream(side.device)

@@ -97,8 +97,10 @@ def test_a_cache_stream_never_waits_for_the_default_stream() -> None:
 
 def test_cpu_device_is_refused() -> None:
     """A CPU device has no streams: a clear error (runs without CUDA)."""
+    pool = StreamPool()
     with pytest.raises(ValueError, match="CUDA device"):
-        StreamPool().stream(torch.device("cpu"))
+        pool.stream(torch.device("cpu"))
+    assert not pool._streams and not pool._turns  # nothing made, no turn taken
 
 
 @pytest.mark.gpu
