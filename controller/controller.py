@@ -6,6 +6,7 @@ Protocol (names in call order)::
     start_writing()                                   merge queued writes, issue on the write stream
     load(host_indices)     -> device indices or None  queue a host-to-device op
     start_loading()        -> event set id or None    issue in layer groups on the load stream
+    start_transfers()      -> event set id or None    both at once: load group 0, writes, the rest
     wait_until(layer)                                 current stream waits for that layer (GPU-side)
     poll()                 -> [Ack]                   pools' bounds errors, then finished ops (FIFO)
     evict_device / evict_host                         free slots that are not in flight

@@ -19,6 +19,7 @@ from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices, PageAll
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import Event, LayerEventRing
 from .index_moves import move_checked
+from .op_issue import OpIssue
 from .op_queue import OpQueue, TransferObserver, TransferPages, acknowledgement, move_op_indices
 from .side_streams import SideStreams
 from .slot_checks import SlotChecks
@@ -27,7 +28,7 @@ from .stats import TransferStats
 logger = logging.getLogger(__name__)
 
 
-class TransferCore:
+class TransferCore(OpIssue):
     """What every controller shares. :class:`CacheController` adds the write and load of
     one full-attention pool pair, ``HybridCacheController`` those of full plus SWA pools
     (their ``write``/``load`` differ, so neither overrides the other's).
@@ -107,35 +108,7 @@ class TransferCore:
         marks = self._streams.mark_caller()
         return marks[0] if marks else None
 
-    # ---- issuing --------------------------------------------------------------------------
-
-    def start_writing(self) -> None:
-        """Merge queued writes into one all-layer op and issue it on the write stream."""
-        op = self._ops.merge(Direction.DEVICE_TO_HOST, self.backend)
-        if op is None:
-            return
-        self._streams.issue_write(op)
-        self._submitted(op)
-
-    def start_loading(self) -> int | None:
-        """Issue queued loads on the load stream in layer groups (:mod:`.load_groups`).
-
-        Returns:
-            the event set id now consumed by :meth:`wait_until`, or ``None`` when nothing
-            was queued (then ``wait_until`` keeps its previous consumer).
-        Raises:
-            RuntimeError: the ring's next event set is still in flight.
-        """
-        if not self._ops.num_queued(Direction.HOST_TO_DEVICE):
-            return None
-        set_id, events = self.layer_events.acquire()
-        op = self._ops.merge(Direction.HOST_TO_DEVICE, self.backend)
-        assert op is not None
-        op.event_set, op.layer_events = set_id, events
-        self._streams.issue_load(op, events)
-        self.layer_events.consumer = set_id
-        self._submitted(op)
-        return set_id
+    # ---- issuing (start_writing, start_loading, start_transfers: :mod:`.op_issue`) --------
 
     def wait_until(self, layer: int) -> None:
         """Make the caller's current stream wait until ``layer`` of the latest load is in

@@ -20,7 +20,7 @@ launches for one pool holding every layer, three for a hybrid model's full and S
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -98,13 +98,16 @@ class SideStreams:
             op.finish_event.record(stream)
         self._finish(op, stream)
 
-    def issue_load(self, op: TransferOp, events: Sequence[Event]) -> None:
+    def issue_load(self, op: TransferOp, events: Sequence[Event],
+                   between: Callable[[], object] | None = None) -> None:
         """Copy ``op`` on the load stream in groups of consecutive model layers
         (:mod:`.load_groups`): one copy per group and pool, then the event of the group's last
         layer recorded and the others' set to follow it (one event per model layer; the
         layers of a group become ready together). A counted load (:meth:`_counters`) is two
         groups, layer 0 and the rest, the second's layers each ready on its own (one
-        launch per pool)."""
+        launch per pool). ``between``: called once the first group is issued, with the
+        caller's stream current again (another op's issue: ``start_transfers``); the other
+        groups are issued after it, also when it raises."""
         executor = _executor(op)
         counters = self._counters(op, len(events))
         if counters is not None:  # layer 0, then the rest counted in one launch per pool
@@ -116,8 +119,27 @@ class SideStreams:
         parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         stream = self.load_stream
         self._begin(op, stream)
+        if between is None:
+            self._issue_groups(op, events, groups, range(len(groups)), parts, counters)
+        else:
+            self._issue_groups(op, events, groups, range(1), parts, counters)
+            try:
+                between()
+            finally:
+                self._issue_groups(op, events, groups, range(1, len(groups)), parts, counters)
+        op.finish_event = events[-1]
+        self._finish(op, stream)
+
+    def _issue_groups(self, op: TransferOp, events: Sequence[Event],
+                      groups: tuple[range, ...], numbers: range,
+                      parts: Sequence[tuple[MovedTransfer, tuple[tuple[int, ...], ...]]],
+                      counters: dict[tuple[int, ...], LayerCounters] | None) -> None:
+        """Issue the layer groups ``numbers`` of ``groups`` of load ``op`` on the load
+        stream (see :meth:`issue_load`)."""
+        executor, stream = _executor(op), self.load_stream
         with _on_stream(stream, self._callers):
-            for number, group in enumerate(groups):
+            for number in numbers:
+                group = groups[number]
                 if counters is not None and number == 1:
                     self._issue_counted(op, events, group, parts, counters, stream)
                     continue
@@ -128,8 +150,6 @@ class SideStreams:
                 last.record(stream)
                 for layer in group[:-1]:
                     events[layer].follow(last)  # ready with the group: one record a group
-        op.finish_event = events[-1]
-        self._finish(op, stream)
 
     def _counters(self, op: TransferOp, num_layers: int
                   ) -> dict[tuple[int, ...], LayerCounters] | None:

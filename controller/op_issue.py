@@ -1,0 +1,92 @@
+"""Issuing a controller's queued calls: writes, layer-wise loads, and both at once.
+
+A staged 32k-token op takes a couple of milliseconds of CPU to issue, and the copy engine
+starts on its first chunk at once. Issued one after the other, a write and a load therefore
+overlap only once the first is issued: the second's copies start that much later, which is
+the share of the two-way ceiling that two separate calls lose. :meth:`OpIssue.start_transfers`
+issues them together: the load's first layer group (layer 0 of a layer-wise load: 1/32 of
+its bytes, a few milliseconds of the link at 32k tokens), then the write, then the load's
+other groups, so each direction's copies start within one small group's issue of the
+call, and the load's first layer is as early as it is alone.
+"""
+
+from __future__ import annotations
+
+from .base import Direction, TransferBackend, TransferOp
+from .events import LayerEventRing
+from .op_queue import OpQueue
+from .side_streams import SideStreams
+
+
+class OpIssue:
+    """The issuing half of :class:`~hicache.controller.core.TransferCore` (which holds
+    what these methods use)."""
+
+    backend: TransferBackend
+    layer_events: LayerEventRing
+    _ops: OpQueue
+    _streams: SideStreams
+
+    def _submitted(self, op: TransferOp) -> None:
+        raise NotImplementedError
+
+    def start_writing(self) -> None:
+        """Merge queued writes into one all-layer op and issue it on the write stream."""
+        op = self._ops.merge(Direction.DEVICE_TO_HOST, self.backend)
+        if op is None:
+            return
+        self._streams.issue_write(op)
+        self._submitted(op)
+
+    def start_loading(self) -> int | None:
+        """Issue queued loads on the load stream in layer groups (:mod:`.load_groups`).
+
+        Returns:
+            the event set id now consumed by :meth:`wait_until`, or ``None`` when nothing
+            was queued (then ``wait_until`` keeps its previous consumer).
+        Raises:
+            RuntimeError: the ring's next event set is still in flight.
+        """
+        if not self._ops.num_queued(Direction.HOST_TO_DEVICE):
+            return None
+        set_id, op = self._merged_load()
+        self._streams.issue_load(op, op.layer_events)
+        self.layer_events.consumer = set_id
+        self._submitted(op)
+        return set_id
+
+    def start_transfers(self) -> int | None:
+        """Issue queued writes and loads together, neither waiting for the other's issue:
+        the load's first layer group, the write, then the load's other groups (the module's
+        docstring says why). With only writes or only loads queued it is
+        :meth:`start_writing` or :meth:`start_loading`. Each op keeps its stream, events
+        and acknowledgement as if issued alone.
+
+        Returns and raises as :meth:`start_loading` (a refused call issues nothing).
+        """
+        if not self._ops.num_queued(Direction.HOST_TO_DEVICE):
+            self.start_writing()
+            return None
+        if not self._ops.num_queued(Direction.DEVICE_TO_HOST):
+            return self.start_loading()
+        set_id, load = self._merged_load()
+        write = self._ops.merge(Direction.DEVICE_TO_HOST, self.backend)
+        assert write is not None
+
+        def issue_write() -> None:
+            self._streams.issue_write(write)
+            self._submitted(write)
+
+        self._streams.issue_load(load, load.layer_events, between=issue_write)
+        self.layer_events.consumer = set_id
+        self._submitted(load)
+        return set_id
+
+    def _merged_load(self) -> tuple[int, TransferOp]:
+        """The next event set (raises while it is in flight) and the queued loads merged
+        into one op that signals it."""
+        set_id, events = self.layer_events.acquire()
+        op = self._ops.merge(Direction.HOST_TO_DEVICE, self.backend)
+        assert op is not None
+        op.event_set, op.layer_events = set_id, events
+        return set_id, op

@@ -1,0 +1,167 @@
+"""``start_transfers``: queued writes and loads issued together, the write between the load's
+first layer group and the rest, each op as if issued alone (CPU, and the GPU backends on
+real streams)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from controller_helpers import (
+    device_rows,
+    fill_unique,
+    host_rows,
+    make_controller,
+    written_and_wiped,
+)
+
+from hicache.controller import (
+    CacheController,
+    Direction,
+    KernelBackend,
+    TorchBackend,
+    TransferBackend,
+)
+from hicache.controller.base import MovedTransfer
+from hicache.controller.direct import DirectBackend
+from hicache.controller.events import Event
+from hicache.controller.kernel import kernel_available
+from hicache.controller.staged import StagedBackend
+from hicache.pools import HostLayout, IndexSpace, Indices
+
+D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
+NUM_LAYERS = 8
+
+
+class CallOrder(TorchBackend):
+    """The torch backend, noting each copy call's direction and layers in issue order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Direction, tuple[int, ...]]] = []
+
+    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
+             keep_alive: list[torch.Tensor]) -> None:
+        self.calls.append((direction, tuple(local_layers)))
+        super().copy(moved, local_layers, direction, keep_alive)
+
+
+def queued_both(ctrl: CacheController, num_tokens: int
+                ) -> tuple[Indices, torch.Tensor, Indices, Indices]:
+    """A load of ``num_tokens`` stored rows and a write of as many other device rows,
+    both queued: (the load's device slots, the rows it must bring, the written device
+    slots, their host slots)."""
+    host, rows = written_and_wiped(ctrl, num_tokens)
+    fill_unique(ctrl.device_pool.data, offset=0.25)
+    written = ctrl.device_allocator.try_alloc(num_tokens)
+    assert written is not None
+    backup = ctrl.write(written)
+    target = ctrl.load(host)
+    assert backup is not None and target is not None
+    return target, rows, written, backup
+
+
+def check_rows(ctrl: CacheController, target: Indices, rows: torch.Tensor, written: Indices,
+               backup: Indices) -> None:
+    assert torch.equal(device_rows(ctrl.device_pool)[target.tensor.cpu()], rows)
+    assert torch.equal(host_rows(ctrl.host_pool)[backup.tensor.cpu()],
+                       device_rows(ctrl.device_pool)[written.tensor.cpu()])
+
+
+def test_write_issued_between_the_loads_first_group_and_the_rest() -> None:
+    backend = CallOrder()
+    ctrl = make_controller(backend, page_size=2, num_layers=NUM_LAYERS)
+    target, rows, written, backup = queued_both(ctrl, 8)
+    backend.calls.clear()
+    set_id = ctrl.start_transfers()
+    assert set_id is not None and ctrl.layer_events.consumer == set_id
+    directions = [direction for direction, _ in backend.calls]
+    assert directions[0] is H2D and directions[1] is D2H
+    assert all(direction is H2D for direction in directions[2:]) and len(directions) > 2
+    assert backend.calls[1][1] == tuple(range(NUM_LAYERS))
+    loaded = [layer for direction, layers in backend.calls if direction is H2D
+              for layer in layers]
+    assert loaded == list(range(NUM_LAYERS))
+    acks = ctrl.poll()
+    assert sorted(ack.direction.value for ack in acks) == sorted([D2H.value, H2D.value])
+    check_rows(ctrl, target, rows, written, backup)
+    assert ctrl.num_in_flight == 0
+
+
+def test_one_direction_queued_is_the_plain_start() -> None:
+    ctrl = make_controller(TorchBackend(), page_size=2, num_layers=NUM_LAYERS)
+    assert ctrl.start_transfers() is None and ctrl.num_in_flight == 0
+    device = ctrl.device_allocator.try_alloc(4)
+    assert device is not None
+    host = ctrl.write(device)
+    assert host is not None
+    consumer = ctrl.layer_events.consumer
+    assert ctrl.start_transfers() is None  # a write alone: no event set taken
+    assert ctrl.layer_events.consumer == consumer
+    assert [ack.direction for ack in ctrl.poll()] == [D2H]
+    assert ctrl.load(host) is not None
+    set_id = ctrl.start_transfers()
+    assert set_id is not None and ctrl.layer_events.consumer == set_id
+    assert [ack.direction for ack in ctrl.poll()] == [H2D]
+
+
+def test_refused_while_the_event_set_is_in_flight_issues_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ctrl = make_controller(TorchBackend(), page_size=2, num_layers=NUM_LAYERS)
+    host = ctrl.host_pool.allocator.try_alloc(8)
+    assert host is not None
+    monkeypatch.setattr(Event, "query", lambda self: False)  # every op stays in flight
+    for i in range(3):
+        assert ctrl.load(Indices(host.tensor[2 * i: 2 * i + 2], IndexSpace.HOST_FULL))
+        assert ctrl.start_loading() == i
+    assert ctrl.load(Indices(host.tensor[6:8], IndexSpace.HOST_FULL)) is not None
+    device = ctrl.device_allocator.try_alloc(2)
+    assert device is not None and ctrl.write(device) is not None
+    with pytest.raises(RuntimeError, match="event set 0 is still in flight"):
+        ctrl.start_transfers()
+    assert ctrl.stats.in_flight_ops == 3  # neither the write nor the load was issued
+    assert ctrl.has_queued_writes and ctrl._ops.num_queued(H2D) == 1
+    monkeypatch.undo()
+    assert len(ctrl.poll()) == 3
+    assert ctrl.start_transfers() == 0
+    assert sorted(ack.direction.value for ack in ctrl.poll()) == [D2H.value, H2D.value]
+
+
+def gpu_backends() -> list[TransferBackend]:
+    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=16),
+                                    DirectBackend()]
+    if kernel_available():
+        found.append(KernelBackend(num_programs=16))
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST_DIRECT],
+                         ids=lambda layout: layout.value)
+def test_together_on_gpu_each_layer_waits_for_its_rows(backend: TransferBackend,
+                                                       layout: HostLayout) -> None:
+    """Issued together on real streams (the load stream held back at first), a forward that
+    waits per layer reads the loaded rows, and the write's host rows are the device's."""
+    ctrl = make_controller(backend, device="cuda", page_size=4, device_pages=64,
+                           host_pages=160, num_layers=NUM_LAYERS, layout=layout,
+                           dtype=torch.bfloat16)
+    target, rows, written, backup = queued_both(ctrl, 64)
+    with torch.cuda.stream(ctrl.load_stream):
+        torch.cuda._sleep(20_000_000)  # the load starts late
+    assert ctrl.start_transfers() is not None
+    index = target.tensor.cuda()
+    forward = torch.cuda.Stream()
+    seen = []
+    with torch.cuda.stream(forward):
+        for layer in range(NUM_LAYERS):
+            ctrl.wait_until(layer)
+            seen.append(ctrl.device_pool.data[:, layer, index].clone())
+    forward.synchronize()
+    for layer, got in enumerate(seen):
+        assert torch.equal(got.permute(1, 0, 2).cpu(), rows[:, :, layer])
+    ctrl.drain()
+    check_rows(ctrl, target, rows, written, backup)
+    assert ctrl.num_in_flight == 0
