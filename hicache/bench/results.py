@@ -26,8 +26,9 @@ class Measurement:
     ``kind``: ``write`` (device to host, all layers in one op), ``load`` (host to device,
     issued in layer groups as the controller does) or ``both`` (a write and a load issued
     together). ``seconds``: median op time from its start event to its finish event (for
-    ``both``: from a common reference event to the later finish). ``pct_of_ceiling``: of the
-    one-way ceiling of the direction, or of the both-ways ceiling for ``both``.
+    ``both``: from a common reference event to the later finish, the two issued together
+    by ``start_transfers``). ``pct_of_ceiling``: of the one-way ceiling of the direction,
+    or of the both-ways ceiling for ``both``.
     ``slowdown_pct``: how much a concurrent bf16 matmul loop slowed while the op ran
     (``None`` when not measured). Loads also carry ``layer0_s`` (start to layer 0 ready) and
     the ratios ``layer0_ratio`` (to one layer's bytes / ceiling) and ``all_ratio`` (all
@@ -37,6 +38,7 @@ class Measurement:
     wait for it. ``engine_copy_s`` (writes and loads of the main size): seconds an
     engine's small copy in the op's direction took when issued right after the op
     (:mod:`hicache.bench.engine_copy`; ``Ceiling.engine_copy_*_s`` is the copy alone).
+    ``separate_s`` (``both``): the same pair issued by two calls, the slower order's median.
     """
 
     backend: str
@@ -57,6 +59,7 @@ class Measurement:
     executed_by: str = ""
     ops: int = 1
     engine_copy_s: float | None = None
+    separate_s: float | None = None
 
 
 @dataclass

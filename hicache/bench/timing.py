@@ -268,33 +268,3 @@ def batch_window(session: Session, load: bool, count: int, num_tokens: int) -> W
     first, last = issued[0].op, issued[-1].op
     assert first.start_event is not None and last.finish_event is not None
     return Window(first.start_event, last.finish_event, lambda: session.finish(issued))
-
-
-def both_ways(session: Session, repeats: int) -> tuple[float, set[str]]:
-    """Wall seconds of a write and a load of the whole transfer issued together (write
-    stream and load stream), from a reference event before both to the later finish, in
-    both orders: the write issued first, and the load issued first. Returns the median of
-    the slower order, and the backends that ran them.
-
-    The controller issues an op entirely on the calling thread, so the second op starts
-    only once the first is issued. Both orders count because an engine issues either: a
-    load-back before the step that issues its backups, or the other way round. A write
-    issued after a load used to start only once the load was done (its index upload
-    queued behind the load's copies on the copy engine; see
-    :mod:`hicache.pools.upload_kernel`), which write-first alone never showed."""
-    times: dict[bool, list[float]] = {False: [], True: []}
-    ran: set[str] = set()
-    for _ in range(repeats):
-        for load_first in (False, True):
-            torch.cuda.synchronize()
-            ref = recorded()
-            if load_first:
-                issued = session.load_ops(1, session.tokens) + session.write_ops(1, session.tokens)
-            else:
-                issued = session.write_ops(1, session.tokens) + session.load_ops(1, session.tokens)
-            session.finish(issued, keep=True)
-            ends = [item.op.finish_event for item in issued]
-            times[load_first].append(max(elapsed(ref, end) for end in ends if end is not None))
-            ran.update(item.op.backend for item in issued)
-            session.finish(issued)
-    return max(statistics.median(found) for found in times.values()), ran

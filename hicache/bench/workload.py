@@ -12,11 +12,17 @@ Runs on a CPU too (synchronous moves, no timings), which is how the tests exerci
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from hicache.controller import CacheController, TransferBackend, TransferOp, TransferStats
+from hicache.controller import (
+    CacheController,
+    Direction,
+    TransferBackend,
+    TransferOp,
+    TransferStats,
+)
 from hicache.pools import (
     AttentionKind,
     DeviceKVPool,
@@ -144,14 +150,17 @@ def make_slots(device_pool: DeviceKVPool, page_size: int, tokens: int,
     return Slots(page_size, allocator, source.contiguous())
 
 
+@dataclass
 class OpRecorder(TransferStats):
-    """Controller stats that also remember the op submitted last (its events are what the
-    benchmark times)."""
+    """Controller stats that also remember the op submitted last, and the last of each
+    direction (their events are what the benchmark times)."""
 
     last: TransferOp | None = None
+    last_by_direction: dict[Direction, TransferOp] = field(default_factory=dict)
 
     def on_submit(self, op: TransferOp) -> None:
         self.last = op
+        self.last_by_direction[op.direction] = op
         super().on_submit(op)
 
 
@@ -214,6 +223,22 @@ class Session:
             self.ctrl.start_loading()
             issued.append(Issued(self._last_op(), device))
         return issued
+
+    def both_ops(self, num_tokens: int) -> list[Issued]:
+        """Queue a write and a load of ``num_tokens`` each (as :meth:`write_ops` and
+        :meth:`load_ops` would) and issue them together (``start_transfers``): the write,
+        then the load."""
+        if self.stored is None:
+            raise BenchmarkError("load before any verified write")
+        host = self.ctrl.write(Indices(self.slots.write_source[:num_tokens],
+                                       IndexSpace.DEVICE_FULL))
+        device = self.ctrl.load(Indices(self.stored.tensor[:num_tokens], IndexSpace.HOST_FULL))
+        if host is None or device is None:
+            raise BenchmarkError(f"pools full: cannot write and load {num_tokens} tokens")
+        self.ctrl.start_transfers()
+        ops = self.recorder.last_by_direction
+        return [Issued(ops[Direction.DEVICE_TO_HOST], host),
+                Issued(ops[Direction.HOST_TO_DEVICE], device)]
 
     def finish(self, issued: list[Issued], keep: bool = False) -> None:
         """Wait for ``issued``, acknowledge them and free the slots they allocated (unless
