@@ -4,18 +4,32 @@ A staged 32k-token op takes a couple of milliseconds of CPU to issue, and the co
 starts on its first chunk at once. Issued one after the other, a write and a load therefore
 overlap only once the first is issued: the second's copies start that much later, which is
 the share of the two-way ceiling that two separate calls lose. :meth:`OpIssue.start_transfers`
-issues them together: the load's first layer group (layer 0 of a layer-wise load: 1/32 of
-its bytes, a few milliseconds of the link at 32k tokens), then the write, then the load's
-other groups, so each direction's copies start within one small group's issue of the
-call, and the load's first layer is as early as it is alone.
+issues them together: the load's first layer groups, as many as the link takes longer to
+move than the write takes to issue (:func:`write_issue_s`; one or two of a 32k-token load,
+whose layer 0 alone is a few milliseconds of the link), then the write, then the load's
+other groups. Each direction's copies then start within a few groups' issue of the call,
+and the load's layers are not late for the write's issue: a forward waits on them, the
+write's rows wait for no one.
 """
 
 from __future__ import annotations
 
 from .base import Direction, TransferBackend, TransferOp
 from .events import LayerEventRing
+from .load_groups import LINK_BYTES_PER_S
 from .op_queue import OpQueue
 from .side_streams import SideStreams
+
+# CPU time to issue a write op, the most a backend takes (``staged``, whose chunks cost
+# 50-80 us each): a fixed part (merge, stream waits, events) and a part per byte (its
+# chunks), measured on H100 and H200 hosts: 0.15-0.3 ms for a small op, 2-3 ms for 4 GiB.
+WRITE_ISSUE_S = 250e-6
+WRITE_ISSUE_S_PER_BYTE = 0.6e-12
+
+
+def write_issue_s(op: TransferOp) -> float:
+    """The CPU seconds issuing write ``op`` may take (an upper estimate: see above)."""
+    return WRITE_ISSUE_S + WRITE_ISSUE_S_PER_BYTE * sum(op.bytes_by_pool.values())
 
 
 class OpIssue:
@@ -57,8 +71,8 @@ class OpIssue:
 
     def start_transfers(self) -> int | None:
         """Issue queued writes and loads together, neither waiting for the other's issue:
-        the load's first layer group, the write, then the load's other groups (the module's
-        docstring says why). With only writes or only loads queued it is
+        the load's first layer groups, the write, then the load's other groups (the
+        module's docstring says how many and why). With only writes or only loads queued it is
         :meth:`start_writing` or :meth:`start_loading`. Each op keeps its stream, events
         and acknowledgement as if issued alone.
 
@@ -77,7 +91,8 @@ class OpIssue:
             self._streams.issue_write(write)
             self._submitted(write)
 
-        self._streams.issue_load(load, load.layer_events, between=issue_write)
+        self._streams.issue_load(load, load.layer_events, between=issue_write,
+                                 cover_bytes=int(write_issue_s(write) * LINK_BYTES_PER_S))
         self.layer_events.consumer = set_id
         self._submitted(load)
         return set_id

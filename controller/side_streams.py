@@ -99,34 +99,40 @@ class SideStreams:
         self._finish(op, stream)
 
     def issue_load(self, op: TransferOp, events: Sequence[Event],
-                   between: Callable[[], object] | None = None) -> None:
+                   between: Callable[[], object] | None = None, cover_bytes: int = 0) -> None:
         """Copy ``op`` on the load stream in groups of consecutive model layers
         (:mod:`.load_groups`): one copy per group and pool, then the event of the group's last
         layer recorded and the others' set to follow it (one event per model layer; the
         layers of a group become ready together). A counted load (:meth:`_counters`) is two
         groups, layer 0 and the rest, the second's layers each ready on its own (one
-        launch per pool). ``between``: called once the first group is issued, with the
-        caller's stream current again (another op's issue: ``start_transfers``); the other
-        groups are issued after it, also when it raises."""
+        launch per pool). ``between``: called once the first groups holding at least
+        ``cover_bytes`` (all of them if none do) are issued, with the caller's stream
+        current again (another op's issue: ``start_transfers``); the other groups are
+        issued after it, also when it raises."""
         executor = _executor(op)
+        layer_bytes = sum(op.bytes_by_pool.values()) // len(events)
         counters = self._counters(op, len(events))
         if counters is not None:  # layer 0, then the rest counted in one launch per pool
             groups: tuple[range, ...] = (range(0, 1), range(1, len(events)))
         else:
-            groups = plan_load_groups(len(events),
-                                      sum(op.bytes_by_pool.values()) // len(events),
-                                      executor.cheap_copies, executor.copy_s)
+            groups = plan_load_groups(len(events), layer_bytes, executor.cheap_copies,
+                                      executor.copy_s)
         parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         stream = self.load_stream
         self._begin(op, stream)
         if between is None:
             self._issue_groups(op, events, groups, range(len(groups)), parts, counters)
         else:
-            self._issue_groups(op, events, groups, range(1), parts, counters)
+            split, covered = 1, len(groups[0]) * layer_bytes
+            while split < len(groups) and covered < cover_bytes:
+                covered += len(groups[split]) * layer_bytes
+                split += 1
+            self._issue_groups(op, events, groups, range(split), parts, counters)
             try:
                 between()
             finally:
-                self._issue_groups(op, events, groups, range(1, len(groups)), parts, counters)
+                self._issue_groups(op, events, groups, range(split, len(groups)), parts,
+                                   counters)
         op.finish_event = events[-1]
         self._finish(op, stream)
 

@@ -22,11 +22,13 @@ from hicache.controller import (
     KernelBackend,
     TorchBackend,
     TransferBackend,
+    op_issue,
 )
 from hicache.controller.base import MovedTransfer
 from hicache.controller.direct import DirectBackend
 from hicache.controller.events import Event
 from hicache.controller.kernel import kernel_available
+from hicache.controller.load_groups import LINK_BYTES_PER_S
 from hicache.controller.staged import StagedBackend
 from hicache.pools import HostLayout, IndexSpace, Indices
 
@@ -69,17 +71,29 @@ def check_rows(ctrl: CacheController, target: Indices, rows: torch.Tensor, writt
                        device_rows(ctrl.device_pool)[written.tensor.cpu()])
 
 
-def test_write_issued_between_the_loads_first_group_and_the_rest() -> None:
+@pytest.mark.parametrize("cover_layers", [0, 1, 2, 5, NUM_LAYERS + 1])
+def test_write_issued_after_the_load_groups_that_cover_its_issue(
+        monkeypatch: pytest.MonkeyPatch, cover_layers: int) -> None:
+    """The write goes after the first load groups whose bytes the link moves in the time the
+    write's issue may take (here set to ``cover_layers`` layers' worth): after group 0 at
+    least, after the whole load when its bytes do not cover it."""
     backend = CallOrder()
     ctrl = make_controller(backend, page_size=2, num_layers=NUM_LAYERS)
     target, rows, written, backup = queued_both(ctrl, 8)
+    layer_bytes = 8 * ctrl.host_pool.geometry.token_bytes(1)
+    monkeypatch.setattr(op_issue, "WRITE_ISSUE_S_PER_BYTE", 0.0)
+    monkeypatch.setattr(op_issue, "WRITE_ISSUE_S",
+                        cover_layers * layer_bytes / LINK_BYTES_PER_S)
     backend.calls.clear()
     set_id = ctrl.start_transfers()
     assert set_id is not None and ctrl.layer_events.consumer == set_id
     directions = [direction for direction, _ in backend.calls]
-    assert directions[0] is H2D and directions[1] is D2H
-    assert all(direction is H2D for direction in directions[2:]) and len(directions) > 2
-    assert backend.calls[1][1] == tuple(range(NUM_LAYERS))
+    at = directions.index(D2H)
+    assert directions.count(D2H) == 1 and backend.calls[at][1] == tuple(range(NUM_LAYERS))
+    before = [layer for _, layers in backend.calls[:at] for layer in layers]
+    groups_before = [len(layers) for _, layers in backend.calls[:at]]
+    assert at >= 1 and len(before) >= min(max(cover_layers, 1), NUM_LAYERS)
+    assert len(before) - groups_before[-1] < max(cover_layers, 1)  # no group more than needed
     loaded = [layer for direction, layers in backend.calls if direction is H2D
               for layer in layers]
     assert loaded == list(range(NUM_LAYERS))
