@@ -76,7 +76,9 @@ class OpIssue:
         :meth:`start_writing` or :meth:`start_loading`. Each op keeps its stream, events
         and acknowledgement as if issued alone.
 
-        Returns and raises as :meth:`start_loading` (a refused call issues nothing).
+        Returns and raises as :meth:`start_loading` (a refused call issues nothing). An
+        error of the write's issue is raised once the load is issued and submitted (the
+        write is then as after a failed :meth:`start_writing`).
         """
         if not self._ops.num_queued(Direction.HOST_TO_DEVICE):
             self.start_writing()
@@ -87,14 +89,21 @@ class OpIssue:
         write = self._ops.merge(Direction.DEVICE_TO_HOST, self.backend)
         assert write is not None
 
+        failed: list[Exception] = []
+
         def issue_write() -> None:
-            self._streams.issue_write(write)
-            self._submitted(write)
+            try:
+                self._streams.issue_write(write)
+                self._submitted(write)
+            except Exception as error:  # raised once the load is issued and submitted
+                failed.append(error)
 
         self._streams.issue_load(load, load.layer_events, between=issue_write,
                                  cover_bytes=int(write_issue_s(write) * LINK_BYTES_PER_S))
         self.layer_events.consumer = set_id
         self._submitted(load)
+        if failed:
+            raise failed[0]
         return set_id
 
     def _merged_load(self) -> tuple[int, TransferOp]:

@@ -142,6 +142,29 @@ def test_refused_while_the_event_set_is_in_flight_issues_nothing(
     assert sorted(ack.direction.value for ack in ctrl.poll()) == [D2H.value, H2D.value]
 
 
+class RefusesWrites(TorchBackend):
+    """The torch backend, refusing every device-to-host copy (a write whose issue fails)."""
+
+    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
+             keep_alive: list[torch.Tensor]) -> None:
+        if direction is D2H:
+            raise RuntimeError("write refused")
+        super().copy(moved, local_layers, direction, keep_alive)
+
+
+def test_a_failed_write_leaves_the_load_issued_and_tracked() -> None:
+    ctrl = make_controller(RefusesWrites(), page_size=2, num_layers=NUM_LAYERS)
+    host = ctrl.host_pool.allocator.try_alloc(8)
+    assert host is not None
+    target = ctrl.load(host)
+    device = ctrl.device_allocator.try_alloc(8)
+    assert target is not None and device is not None and ctrl.write(device) is not None
+    with pytest.raises(RuntimeError, match="write refused"):
+        ctrl.start_transfers()
+    assert ctrl.layer_events.consumer == 0
+    assert [ack.direction for ack in ctrl.poll()] == [H2D]  # the load was submitted
+
+
 def gpu_backends() -> list[TransferBackend]:
     found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=16),
                                     DirectBackend()]
