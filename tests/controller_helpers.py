@@ -11,8 +11,13 @@ from hicache.controller import (
     CacheController,
     HybridCacheController,
     HybridSlots,
+    KernelBackend,
+    TorchBackend,
     TransferBackend,
 )
+from hicache.controller.direct import DirectBackend
+from hicache.controller.kernel import kernel_available
+from hicache.controller.staged import StagedBackend
 from hicache.pools import (
     AttentionKind,
     DeviceKVPool,
@@ -27,6 +32,32 @@ from hicache.pools import (
 )
 
 SENTINEL = -7.0
+
+
+def gpu_backends() -> list[TransferBackend]:
+    """Every backend a GPU test runs (``kernel`` where Triton is there); staged chunks of 16
+    tokens, so small moves take several."""
+    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=16),
+                                    DirectBackend()]
+    if kernel_available():
+        found.append(KernelBackend(num_programs=16))
+    return found
+
+
+def check_layer_by_layer(ctrl: CacheController, target: Indices, rows: torch.Tensor,
+                         forward: torch.cuda.Stream) -> None:
+    """On ``forward``, wait for each layer of the latest load (``wait_until``) and read
+    ``target``'s rows of it: every layer must equal ``rows`` (``[n, components, layers,
+    row]``), never a stale value."""
+    index = target.tensor.cuda()
+    seen = []
+    with torch.cuda.stream(forward):
+        for layer in range(ctrl.num_layers):
+            ctrl.wait_until(layer)
+            seen.append(ctrl.device_pool.data[:, layer, index].clone())
+    forward.synchronize()
+    for layer, got in enumerate(seen):
+        assert torch.equal(got.permute(1, 0, 2).cpu(), rows[:, :, layer]), layer
 
 
 def geometry(kind: AttentionKind = AttentionKind.MHA, dtype: torch.dtype = torch.float32

@@ -6,7 +6,9 @@ import pytest
 import torch
 from controller_helpers import (
     SENTINEL,
+    check_layer_by_layer,
     device_rows,
+    gpu_backends,
     host_rows,
     make_controller,
     make_hybrid,
@@ -16,13 +18,8 @@ from controller_helpers import (
 from hicache.controller import (
     CacheController,
     HybridSlots,
-    KernelBackend,
-    TorchBackend,
     TransferBackend,
 )
-from hicache.controller.direct import DirectBackend
-from hicache.controller.kernel import kernel_available
-from hicache.controller.staged import StagedBackend
 from hicache.pools import HostLayout, IndexSpace, Indices
 
 pytestmark = [
@@ -31,14 +28,6 @@ pytestmark = [
 ]
 
 SLEEP_CYCLES = 20_000_000  # ~10 ms on a current GPU: keeps a side stream busy
-
-
-def gpu_backends() -> list[TransferBackend]:
-    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=16),
-                                    DirectBackend()]
-    if kernel_available():
-        found.append(KernelBackend(num_programs=16))
-    return found
 
 
 def churn_allocator(rounds: int = 8) -> None:
@@ -201,15 +190,7 @@ def test_layer_wise_wait_until(backend: TransferBackend, layout: HostLayout) -> 
     target = ctrl.load(host)
     assert target is not None
     ctrl.start_loading()
-    index = target.tensor.cuda()
-    seen = []
-    with torch.cuda.stream(forward):
-        for layer in range(ctrl.num_layers):
-            ctrl.wait_until(layer)
-            seen.append(ctrl.device_pool.data[:, layer, index].clone())
-    forward.synchronize()
-    for layer, got in enumerate(seen):
-        assert torch.equal(got.permute(1, 0, 2).cpu(), rows[:, :, layer])
+    check_layer_by_layer(ctrl, target, rows, forward)
     ctrl.drain()
 
 

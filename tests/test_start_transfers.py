@@ -9,8 +9,10 @@ from collections.abc import Sequence
 import pytest
 import torch
 from controller_helpers import (
+    check_layer_by_layer,
     device_rows,
     fill_unique,
+    gpu_backends,
     host_rows,
     make_controller,
     written_and_wiped,
@@ -19,17 +21,13 @@ from controller_helpers import (
 from hicache.controller import (
     CacheController,
     Direction,
-    KernelBackend,
     TorchBackend,
     TransferBackend,
     op_issue,
 )
 from hicache.controller.base import MovedTransfer
-from hicache.controller.direct import DirectBackend
 from hicache.controller.events import Event
-from hicache.controller.kernel import kernel_available
 from hicache.controller.load_groups import LINK_BYTES_PER_S
-from hicache.controller.staged import StagedBackend
 from hicache.pools import HostLayout, IndexSpace, Indices
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
@@ -165,14 +163,6 @@ def test_a_failed_write_leaves_the_load_issued_and_tracked() -> None:
     assert [ack.direction for ack in ctrl.poll()] == [H2D]  # the load was submitted
 
 
-def gpu_backends() -> list[TransferBackend]:
-    found: list[TransferBackend] = [TorchBackend(), StagedBackend(staging_tokens=16),
-                                    DirectBackend()]
-    if kernel_available():
-        found.append(KernelBackend(num_programs=16))
-    return found
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
@@ -189,16 +179,7 @@ def test_together_on_gpu_each_layer_waits_for_its_rows(backend: TransferBackend,
     with torch.cuda.stream(ctrl.load_stream):
         torch.cuda._sleep(20_000_000)  # the load starts late
     assert ctrl.start_transfers() is not None
-    index = target.tensor.cuda()
-    forward = torch.cuda.Stream()
-    seen = []
-    with torch.cuda.stream(forward):
-        for layer in range(NUM_LAYERS):
-            ctrl.wait_until(layer)
-            seen.append(ctrl.device_pool.data[:, layer, index].clone())
-    forward.synchronize()
-    for layer, got in enumerate(seen):
-        assert torch.equal(got.permute(1, 0, 2).cpu(), rows[:, :, layer])
+    check_layer_by_layer(ctrl, target, rows, torch.cuda.Stream())
     ctrl.drain()
     check_rows(ctrl, target, rows, written, backup)
     assert ctrl.num_in_flight == 0
