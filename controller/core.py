@@ -8,7 +8,6 @@ Thread ownership: one thread (the engine's scheduler) calls everything here, exc
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -24,8 +23,6 @@ from .op_queue import OpQueue, TransferObserver, TransferPages, acknowledgement,
 from .side_streams import SideStreams
 from .slot_checks import SlotChecks
 from .stats import TransferStats
-
-logger = logging.getLogger(__name__)
 
 
 class TransferCore(OpIssue):
@@ -257,13 +254,6 @@ class TransferCore(OpIssue):
                host_ascending: bool = False) -> None:
         after = self._streams.mark_caller(marks) if direction is Direction.DEVICE_TO_HOST else ()
         self._ops.queue(direction, transfers, tag, pages, owned, after, cancel, host_ascending)
-
-    def _submitted(self, op: TransferOp) -> None:
-        self._ops.issued(op)
-        self.stats.on_submit(op)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("issued %s op %d: %d tokens, %d pools, backend %s", op.direction.value,
-                         op.op_id, op.num_tokens, len(op.transfers), op.backend)
 
     def _acknowledge(self, op: TransferOp) -> Ack:
         if op.event_set is not None:

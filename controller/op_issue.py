@@ -14,11 +14,16 @@ write's rows wait for no one.
 
 from __future__ import annotations
 
+import logging
+
 from .base import Direction, TransferBackend, TransferOp
 from .events import LayerEventRing
 from .load_groups import LINK_BYTES_PER_S
 from .op_queue import OpQueue
 from .side_streams import SideStreams
+from .stats import TransferStats
+
+logger = logging.getLogger(__name__)
 
 # CPU time to issue a write op, the most a backend takes (``staged``, whose chunks cost
 # 50-80 us each): a fixed part (merge, stream waits, events) and a part per byte (its
@@ -38,11 +43,17 @@ class OpIssue:
 
     backend: TransferBackend
     layer_events: LayerEventRing
+    stats: TransferStats
     _ops: OpQueue
     _streams: SideStreams
 
     def _submitted(self, op: TransferOp) -> None:
-        raise NotImplementedError
+        """Count ``op`` as issued: in flight until acknowledged, in the stats."""
+        self._ops.issued(op)
+        self.stats.on_submit(op)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("issued %s op %d: %d tokens, %d pools, backend %s", op.direction.value,
+                         op.op_id, op.num_tokens, len(op.transfers), op.backend)
 
     def start_writing(self) -> None:
         """Merge queued writes into one all-layer op and issue it on the write stream."""
