@@ -52,7 +52,7 @@ class Event:
         self._counter: tuple[int, int] | None = None
         # records so far: a wait on this event is one on its latest record only
         self.generation = 0
-        # the generation a query found fired (counted events skip their waits after it)
+        # the generation a query found fired (waits on a finished load are skipped after it)
         self.fired_generation = -1
 
     def record(self, stream: torch.cuda.Stream | None = None) -> None:
@@ -144,6 +144,7 @@ class LayerEventRing:
         self._next = 0
         self.consumer: int | None = None
         self._waits = StreamWaits(device)
+        self._asked: tuple[int, int, int] | None = None  # (set, its record, layer) queried
 
     def acquire(self) -> tuple[int, list[Event]]:
         """Take the next set for a new load; raises if its previous load has not finished."""
@@ -163,14 +164,31 @@ class LayerEventRing:
 
     def wait_until(self, layer: int) -> None:
         """Make the current stream wait for ``layer`` of the consumer set (GPU-side); the
-        layer is checked whether or not a load exists."""
+        layer is checked whether or not a load exists.
+
+        Nothing is waited on once the set's load has finished: its last event (recorded
+        after every layer's copies) fired, as a query found (:meth:`StreamWaits.load_done`,
+        one query per layer asked while the load runs). A forward catches up with a small
+        load within a few layers, and the pool's accessors ask three times a layer: each
+        ask after that is two attribute reads, not a stream lookup and a wait."""
         if type(layer) is not int:
             layer = check_int(layer, "layer", "wait_until")
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"wait_until: layer {layer} out of range (0..{self.num_layers - 1})")
-        if self.consumer is None:
+        consumer = self.consumer
+        if consumer is None:
             return
-        self._waits.wait(self._sets[self.consumer][layer])
+        events = self._sets[consumer]
+        last = events[-1]
+        generation = last.generation  # read before the query: a later record fires later
+        if last.fired_generation == generation:
+            return
+        asked = (consumer, generation, layer)
+        if asked != self._asked:  # the first ask of this layer: a query may find it done
+            self._asked = asked
+            if self._waits.load_done(last):
+                return
+        self._waits.wait(events[layer])
 
 
 class StreamWaits:
@@ -207,24 +225,23 @@ class StreamWaits:
             return
         if counter is None:
             cuda.wait(self._current.stream(raw))
-        elif not self._counted_done(event) and not wait_value(raw, *counter):
+        elif not self.load_done(event._leader) and not wait_value(raw, *counter):
             leader = event._leader  # the driver refused: wait for the whole load
             assert leader is not None and leader._cuda is not None
             leader._cuda.wait(self._current.stream(raw))
         self._waited[raw] = (source, generation)
 
     @staticmethod
-    def _counted_done(event: Event) -> bool:
-        """True when the load of counted ``event`` has finished: its leader (the load's last
-        event) fired, as a query found once per record. A forward usually catches up with a
-        small load after a few layers; its later layers then skip the driver's wait (about
-        3 us a call on an H200 host) for a query, then for an attribute read."""
-        leader = event._leader
-        assert leader is not None and leader._cuda is not None
-        generation = leader.generation  # read before the query: a later record fires later
-        if leader.fired_generation == generation:
+    def load_done(last: Event | None) -> bool:
+        """True when a load's ``last`` event (recorded, not following another) has fired:
+        a query finds it once per record, an attribute read after. Waits on a finished load
+        are skipped: a counted layer's driver wait (about 3 us a call on an H200 host), and
+        from :meth:`LayerEventRing.wait_until` every wait."""
+        assert last is not None, "a counted event has its load's last event as leader"
+        generation = last.generation  # read before the query: a later record fires later
+        if last.fired_generation == generation:
             return True
-        if leader._cuda.query():
-            leader.fired_generation = generation
+        if last.query():
+            last.fired_generation = generation
             return True
         return False

@@ -135,7 +135,7 @@ def test_a_refused_wait_waits_for_the_whole_load(monkeypatch: pytest.MonkeyPatch
     host, rows = written_and_wiped(ctrl, NUM_TOKENS)
     loaded = start_held_load(ctrl, host)
     assert _counted(ctrl)[1]
-    monkeypatch.setattr(StreamWaits, "_counted_done", staticmethod(lambda event: False))
+    monkeypatch.setattr(StreamWaits, "load_done", staticmethod(lambda last: False))
     monkeypatch.setattr(layer_counters, "_wait_value", lambda *args: 1)
     seen = _read(ctrl, loaded)
     assert not layer_counters.counters_enabled()
@@ -160,7 +160,7 @@ def test_waits_skip_the_driver_once_the_load_has_fired(in_flight: bool,
 
     monkeypatch.setattr(layer_counters, "_wait_value", counting)
     if in_flight:
-        monkeypatch.setattr(StreamWaits, "_counted_done", staticmethod(lambda event: False))
+        monkeypatch.setattr(StreamWaits, "load_done", staticmethod(lambda last: False))
     ctrl = _controller(HostLayout.LAYER_FIRST)
     host, rows = written_and_wiped(ctrl, NUM_TOKENS)
     loaded = _load_and_read(ctrl, host, rows)
