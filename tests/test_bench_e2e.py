@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from hicache.bench.e2e import measure
 from hicache.bench.e2e.bare import pool_sources
 from hicache.bench.e2e.cli import main
+from hicache.bench.e2e.host_hit import HostHit
 from hicache.bench.e2e.measure import E2EOptions, run_e2e
 from hicache.bench.e2e.model import TINY, Decoder, DecoderSpec, attend
 from hicache.bench.e2e.report import COLUMNS
@@ -66,7 +67,32 @@ def test_host_hit_equals_resident_and_recompute_on_cpu() -> None:
         assert row.recompute_rel_diff < 1e-5
         assert row.gathered_layers == 0
         assert min(row.recompute_prefix_ms, row.recompute_ms, row.copy_ms, row.resident_ms,
-                   row.bare_ms, row.hit_ms) > 0
+                   row.bare_ms, row.hit_ms, row.device_hit_ms) > 0
+
+
+def test_the_device_hit_loads_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device-hit path finds the whole prefix on the device and issues no load; its
+    output is checked against the resident forward's like the host hit's."""
+    loads: list[int] = []
+    run_device = HostHit.run_device
+
+    def counted(hit: HostHit) -> torch.Tensor:
+        submitted = hit.service.controller.stats.ops_submitted
+        before = submitted["host_to_device"]
+        out = run_device(hit)
+        loads.append(hit.service.controller.stats.ops_submitted["host_to_device"] - before)
+        return out
+
+    monkeypatch.setattr(HostHit, "run_device", counted)
+    (row,) = run_e2e(tiny_options(cached_tokens=(32,)))
+    assert loads and set(loads) == {0} and row.device_hit_ms > 0
+
+
+def test_a_device_hit_without_the_prefix_on_the_device_fails_the_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(HostHit, "make_resident", HostHit.reset)  # the prefix stays on the host
+    with pytest.raises(BenchmarkError, match="the device hit found 0 of 32 cached tokens"):
+        run_e2e(tiny_options(cached_tokens=(32,)))
 
 
 def test_page_first_direct_host_layout_loads_the_same_rows() -> None:
@@ -136,9 +162,12 @@ def test_command_prints_every_column_and_writes_json(
     saved = json.loads(out.read_text(encoding="utf-8"))
     assert saved["meta"]["new_tokens"] == 3 and saved["meta"]["layers"] == 2
     (row,) = saved["rows"]
-    for key in ("recompute_ms", "copy_ms", "resident_ms", "bare_ms", "hit_ms", "ideal_x",
-                "hit_x", "of_ideal_pct", "over_bare_pct", "anchor_x", "outputs_equal"):
+    for key in ("recompute_ms", "copy_ms", "resident_ms", "bare_ms", "hit_ms", "device_hit_ms",
+                "ideal_x", "hit_x", "of_ideal_pct", "over_bare_pct", "over_device_hit_pct",
+                "anchor_x", "outputs_equal"):
         assert key in row
+    assert row["over_device_hit_pct"] == pytest.approx(
+        100 * (row["hit_ms"] / row["device_hit_ms"] - 1))
     assert row["ideal_x"] == pytest.approx(
         row["recompute_ms"] / max(row["copy_ms"], row["resident_ms"]))
 

@@ -18,7 +18,8 @@ class HostHit:
     """The host hit through the service, as an engine serves it: match, lock, load-back,
     pages for the new tokens, ``start_loading``, the forward (each layer waits for its load
     in the pool's accessors). :meth:`reset` (untimed) gives back what a run held and evicts
-    the prefix's device copy again, so that every run starts from a host-only prefix."""
+    the prefix's device copy again, so that every run starts from a host-only prefix.
+    :meth:`run_device` is the same request as a device hit (after :meth:`make_resident`)."""
 
     def __init__(self, service: HiCacheService, model: Decoder, tokens: list[int],
                  new: torch.Tensor, capacity_tokens: int) -> None:
@@ -49,6 +50,40 @@ class HostHit:
         out = self.model.forward(self.new, self.num_cached, kv)
         self.gathered = kv.gathered
         return out
+
+    def run_device(self) -> torch.Tensor:
+        """The same request when the prefix is on the device (:meth:`make_resident` before):
+        a device hit through the same pool (match, lock, pages for the new tokens, the
+        forward through the pool's accessors), no load. A host hit that costs what this does
+        hides its load entirely."""
+        service, num_new = self.service, self.new.shape[0]
+        match = service.match(self.key)
+        if match.device_hit_tokens != self.num_cached:
+            raise BenchmarkError(f"the device hit found {match.device_hit_tokens} of "
+                                 f"{self.num_cached} cached tokens on the device")
+        service.lock(match.last_device_node)
+        slots = service.alloc_device(num_new)
+        if slots is None:
+            raise BenchmarkError(f"no device pages for the device hit's {num_new} new tokens")
+        cached = match.device_indices.tensor
+        kv = PoolKV(device_pool(service), cached, slots.tensor[:num_new])
+        self.held = (match.last_device_node, slots.tensor, cached)
+        return self.model.forward(self.new, self.num_cached, kv)
+
+    def make_resident(self) -> None:
+        """:meth:`reset`, then the prefix loaded back to the device and settled (untimed),
+        for :meth:`run_device`."""
+        self.reset()
+        service = self.service
+        match = service.match(self.key)
+        service.lock(match.last_host_node)
+        loaded = service.load_back(match, self.capacity_tokens)
+        if not loaded.queued:
+            raise BenchmarkError(f"the prefix of {self.num_cached} tokens was not loaded back "
+                                 f"for the device hit (refused: {loaded.refused})")
+        service.start_loading()
+        settle(service)
+        service.release(match.last_host_node)
 
     def reset(self) -> None:
         settle(self.service)
