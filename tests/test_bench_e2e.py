@@ -18,10 +18,11 @@ from hicache.bench.e2e import measure
 from hicache.bench.e2e.bare import pool_sources
 from hicache.bench.e2e.cli import main
 from hicache.bench.e2e.host_hit import HostHit
+from hicache.bench.e2e.kv import PoolKV
 from hicache.bench.e2e.measure import E2EOptions, run_e2e
 from hicache.bench.e2e.model import TINY, Decoder, DecoderSpec, attend
 from hicache.bench.e2e.report import COLUMNS
-from hicache.bench.e2e.setup import Buffers, put_prefix, service_config
+from hicache.bench.e2e.setup import Buffers, device_pool, put_prefix, service_config
 from hicache.bench.workload import BenchmarkError
 from hicache.cli import main as cli_main
 from hicache.factory import build_service
@@ -93,6 +94,26 @@ def test_a_device_hit_without_the_prefix_on_the_device_fails_the_run(
     monkeypatch.setattr(HostHit, "make_resident", HostHit.reset)  # the prefix stays on the host
     with pytest.raises(BenchmarkError, match="the device hit found 0 of 32 cached tokens"):
         run_e2e(tiny_options(cached_tokens=(32,)))
+
+
+def test_pool_kv_reads_a_run_of_slots_as_a_view_and_gathers_other_slots() -> None:
+    spec = TINY
+    config = service_config(spec, torch.device("cpu"), 64, 16, "torch", "layer_first")
+    with build_service(config) as service:
+        pool = device_pool(service)
+        pool.data.copy_(torch.randn(pool.data.shape, generator=torch.Generator().manual_seed(0)))
+        rows = torch.randn(16, spec.num_kv_heads, spec.head_dim).to(pool.geometry.dtype)
+        run = PoolKV(pool, torch.arange(16, 48), torch.arange(48, 64))
+        assert run.span == (16, 64) and run.gather is None
+        keys, _ = run.extend(0, rows, rows)
+        assert keys.data_ptr() == pool.key_buffer(0)[16:64].data_ptr()  # a view, no copy
+        order = torch.cat([torch.arange(32, 48), torch.arange(16, 32)])  # not one run
+        split = PoolKV(pool, order, torch.arange(48, 64))
+        assert split.span is None and split.gather is not None
+        keys, values = split.extend(1, rows, rows)
+        every = torch.cat([order, torch.arange(48, 64)])
+        assert torch.equal(keys, pool.key_buffer(1).index_select(0, every))
+        assert torch.equal(values[-16:], rows) and split.gathered == 1
 
 
 def test_page_first_direct_host_layout_loads_the_same_rows() -> None:

@@ -11,9 +11,11 @@ so the same kernels see the same bytes and the outputs agree bit for bit.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, IndexSpace, Indices
+from hicache.pools.page_ids import is_run
 
 
 class DenseKV:
@@ -65,15 +67,17 @@ class PoolKV:
         # given on the CPU, as the service allocated them: checked there once, and one run of
         # slots is written by slice copies (hicache.pools.forward_locs)
         self.locs = pool.forward_locs(Indices(new_slots, IndexSpace.DEVICE_FULL))
-        slots = torch.cat([cached_slots, new_slots])
-        first = int(slots[0]) if len(slots) else 0
-        run = torch.arange(first, first + len(slots), dtype=slots.dtype)
+        # numpy, not torch: a torch CPU op on 32k slots or more runs on torch's intra-op
+        # threads, and waking them took 3-6 ms an op on an H200 host in this process (a
+        # 32k-token device hit's forward, measured), against microseconds single-threaded
+        slots = np.concatenate([cached_slots.numpy(), new_slots.numpy()])
         self.span: tuple[int, int] | None = None
         self.gather: torch.Tensor | None = None
-        if torch.equal(slots, run):
-            self.span = (first, first + len(slots))
+        if is_run(slots):
+            first = int(slots[0]) if slots.size else 0
+            self.span = (first, first + int(slots.size))
         else:
-            self.gather = slots.to(pool.device)
+            self.gather = torch.from_numpy(slots).to(pool.device)
         self.gathered = 0
 
     def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor
