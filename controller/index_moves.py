@@ -13,6 +13,7 @@ import torch
 from hicache.pools import DeviceKVPool, HostKVPool, Indices
 from hicache.pools.nonzero_count import count_nonzero
 from hicache.pools.pinned_uploads import UPLOADS
+from hicache.pools.serial_copies import int64_copy, joined
 
 from .base import MovedTransfer, PoolTransfer, SlotPages, TransferBackend, TransferOp
 
@@ -31,11 +32,9 @@ def owned_copy(transfer: PoolTransfer) -> PoolTransfer:
 
 
 def owned_indices(indices: Indices) -> Indices:
-    """An int64 copy of CPU ``indices`` (clone() is half the cost of to(copy=True); another
-    dtype's to() copies anyway)."""
-    tensor = indices.tensor
-    copy = tensor.clone() if tensor.dtype is torch.int64 else tensor.to(torch.int64)
-    return Indices(copy, indices.space)
+    """An int64 copy of CPU ``indices`` (on the calling thread: :mod:`~hicache.pools.
+    serial_copies`)."""
+    return Indices(int64_copy(indices.tensor), indices.space)
 
 
 def owned_pages_copy(indices: Indices, pages: np.ndarray, page_size: int,
@@ -60,7 +59,7 @@ def cat_parts(parts: list[Indices]) -> Indices:
     """One :class:`Indices` of the parts (all of one space); a single part as it is."""
     if len(parts) == 1:
         return parts[0]
-    return Indices(torch.cat([p.tensor for p in parts]), parts[0].space)
+    return Indices(joined([p.tensor for p in parts]), parts[0].space)
 
 
 def move_checked(

@@ -3,9 +3,8 @@
 A node's KV rows sit on the device (``DEVICE_FULL`` slots), on the host (``HOST_FULL``), or
 both; hybrid models add aligned SWA slots. Device-resident nodes form an ancestor-closed
 set and every other node has a complete host copy, so a match is a device prefix followed
-by a host-only run that :meth:`HiRadixCache.load_back` can bring back
-(:mod:`hicache.radix.load_back`). Policies (write and eviction) live in
-:mod:`hicache.radix.tiers`, the tree's shape in :mod:`hicache.radix.tree`.
+by a host-only run that :meth:`HiRadixCache.load_back` brings back (:mod:`.load_back`);
+policies (write and eviction) live in :mod:`.tiers`, the tree's shape in :mod:`.tree`.
 
 Slot ownership (the contract with the engine):
 
@@ -41,6 +40,7 @@ import torch
 from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import Ack, Direction, TransferCore
 from hicache.pools import IndexSpace, Indices
+from hicache.pools.serial_copies import joined
 
 from .integrity import check_tree
 from .key import TOKEN_BYTES, TokenIds, TokenKey
@@ -289,12 +289,12 @@ class HiRadixCache(TieredRadixTree):
             "a node below the device prefix has no complete host copy"
         host_tokens = sum(len(n.key) for n in host_only) // TOKEN_BYTES if host_only else 0
         # a new tensor, never a node's: an engine reusing it would rename the node's pages
-        device = (cat_indices([], IndexSpace.DEVICE_FULL) if not parts else Indices(
-            parts[0].clone() if on_device == 1 else torch.cat(parts), IndexSpace.DEVICE_FULL))
+        device = (Indices(joined(parts), IndexSpace.DEVICE_FULL) if parts  # a copy, even of one
+                  else cat_indices([], IndexSpace.DEVICE_FULL))
         return MatchResult(device, path[on_device - 1] if on_device else self.root,
                            path[-1] if path else self.root, host_tokens)
 
 
 def _copy(slots: np.ndarray, begin: int, end: int) -> Indices:
-    """Slots ``[begin, end)`` of int64 ``slots``: a node's own tensor (torch's clone)."""
-    return Indices(torch.from_numpy(slots[begin:end]).clone(), IndexSpace.DEVICE_FULL)
+    """Slots ``[begin, end)`` of int64 ``slots``: a node's own tensor (numpy's copy)."""
+    return Indices(torch.from_numpy(slots[begin:end].copy()), IndexSpace.DEVICE_FULL)

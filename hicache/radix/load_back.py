@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from hicache.controller import Direction
 from hicache.pools import IndexSpace, Indices
+from hicache.pools.serial_copies import int64_copy
 
 from .node import LoadBack, PendingOp, Refusal, TreeNode, cat_indices, empty_indices, slice_indices
 from .node_io import SlotPair
@@ -68,7 +69,7 @@ def load_back(tree: HiRadixCache, node: TreeNode, device_quota_tokens: int) -> L
     restore.assign(tree, op)
     tree.stats.loaded_back_tokens += num_tokens
     # the engine's own copy: the op (and a node of a one-node span) read the loaded tensor
-    device = Indices(loaded[0].tensor.clone(), IndexSpace.DEVICE_FULL)
+    device = Indices(int64_copy(loaded[0].tensor), IndexSpace.DEVICE_FULL)
     return LoadBack(device, None, num_tokens, restore.num_tokens)
 
 

@@ -24,6 +24,7 @@ import torch
 
 from hicache.controller import Direction, Event
 from hicache.pools import IndexSpace, Indices
+from hicache.pools.serial_copies import int64_copy, joined
 
 from .key import TOKEN_BYTES, key_tokens
 
@@ -239,9 +240,9 @@ def cat_indices(parts: list[Indices], space: IndexSpace) -> Indices:
         return empty_indices(space)
     if len(parts) == 1:
         return parts[0]
-    return Indices(torch.cat([part.tensor for part in parts]), space)
+    return Indices(joined([part.tensor for part in parts]), space)
 
 
 def slice_indices(indices: Indices, begin: int, end: int) -> Indices:
     """Tokens ``[begin, end)`` of ``indices`` as a copy (a node never shares a tensor)."""
-    return Indices(indices.tensor[begin:end].clone(), indices.space)
+    return Indices(int64_copy(indices.tensor[begin:end]), indices.space)
