@@ -85,3 +85,14 @@ def test_a_long_match_returns_slots_of_its_own() -> None:
         service.check_integrity()
     finally:
         service.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_tensor_is_copied_on_its_device() -> None:
+    big = torch.arange(GRAIN + 16, dtype=torch.int32, device="cuda")
+    copy = int64_copy(big)
+    assert copy.device == big.device and copy.dtype is torch.int64
+    assert torch.equal(copy, big.to(torch.int64)) and copy.data_ptr() != big.data_ptr()
+    both = joined([big, big])
+    assert both.device == big.device and both.numel() == 2 * big.numel()

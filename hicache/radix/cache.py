@@ -40,7 +40,7 @@ import torch
 from hicache.config import EvictionPolicy, WritePolicy
 from hicache.controller import Ack, Direction, TransferCore
 from hicache.pools import IndexSpace, Indices
-from hicache.pools.serial_copies import joined
+from hicache.pools.serial_copies import int64_copy, joined
 
 from .integrity import check_tree
 from .key import TOKEN_BYTES, TokenIds, TokenKey
@@ -296,5 +296,5 @@ class HiRadixCache(TieredRadixTree):
 
 
 def _copy(slots: np.ndarray, begin: int, end: int) -> Indices:
-    """Slots ``[begin, end)`` of int64 ``slots``: a node's own tensor (numpy's copy)."""
-    return Indices(torch.from_numpy(slots[begin:end].copy()), IndexSpace.DEVICE_FULL)
+    """Slots ``[begin, end)`` of int64 ``slots``: a node's own tensor."""
+    return Indices(int64_copy(torch.from_numpy(slots[begin:end])), IndexSpace.DEVICE_FULL)
