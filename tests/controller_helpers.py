@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import pytest
 import torch
 
 from hicache.controller import (
     CacheController,
+    Direction,
     HybridCacheController,
     HybridSlots,
     KernelBackend,
     TorchBackend,
     TransferBackend,
+    op_issue,
 )
+from hicache.controller.core import TransferCore
 from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
 from hicache.controller.staged import StagedBackend
@@ -58,6 +62,34 @@ def check_layer_by_layer(ctrl: CacheController, target: Indices, rows: torch.Ten
     forward.synchronize()
     for layer, got in enumerate(seen):
         assert torch.equal(got.permute(1, 0, 2).cpu(), rows[:, :, layer]), layer
+
+
+def on_each_gpu_backend_and_layout(test: Callable[..., None]) -> Callable[..., None]:
+    """Mark ``test`` for the GPU (skipped without CUDA) and run it for every backend of
+    :func:`gpu_backends` (``backend``) on the ``layer_first`` and ``page_first_direct``
+    host layouts (``layout``)."""
+    marks = [pytest.mark.gpu,
+             pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+             pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name),
+             pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST,
+                                                HostLayout.PAGE_FIRST_DIRECT],
+                                     ids=lambda layout: layout.value)]
+    for mark in reversed(marks):
+        test = mark(test)
+    return test
+
+
+def start_together(ctrl: TransferCore, calls: list[tuple[Direction, tuple[int, ...]]],
+                   monkeypatch: pytest.MonkeyPatch, write_issue_s: float) -> int:
+    """``start_transfers()`` with ``calls`` (a recording backend's copy calls) cleared and
+    the write's issue taken to last ``write_issue_s``: it starts both and consumes the load's
+    event set. Returns the position of the write's first copy call in ``calls``."""
+    monkeypatch.setattr(op_issue, "WRITE_ISSUE_S_PER_BYTE", 0.0)
+    monkeypatch.setattr(op_issue, "WRITE_ISSUE_S", write_issue_s)
+    calls.clear()
+    set_id = ctrl.start_transfers()
+    assert set_id is not None and ctrl.layer_events.consumer == set_id
+    return [direction for direction, _ in calls].index(Direction.DEVICE_TO_HOST)
 
 
 def geometry(kind: AttentionKind = AttentionKind.MHA, dtype: torch.dtype = torch.float32

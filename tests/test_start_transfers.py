@@ -12,9 +12,10 @@ from controller_helpers import (
     check_layer_by_layer,
     device_rows,
     fill_unique,
-    gpu_backends,
     host_rows,
     make_controller,
+    on_each_gpu_backend_and_layout,
+    start_together,
     written_and_wiped,
 )
 
@@ -23,7 +24,6 @@ from hicache.controller import (
     Direction,
     TorchBackend,
     TransferBackend,
-    op_issue,
 )
 from hicache.controller.base import MovedTransfer
 from hicache.controller.events import Event
@@ -79,14 +79,9 @@ def test_write_issued_after_the_load_groups_that_cover_its_issue(
     ctrl = make_controller(backend, page_size=2, num_layers=NUM_LAYERS)
     target, rows, written, backup = queued_both(ctrl, 8)
     layer_bytes = 8 * ctrl.host_pool.geometry.token_bytes(1)
-    monkeypatch.setattr(op_issue, "WRITE_ISSUE_S_PER_BYTE", 0.0)
-    monkeypatch.setattr(op_issue, "WRITE_ISSUE_S",
+    at = start_together(ctrl, backend.calls, monkeypatch,
                         cover_layers * layer_bytes / LINK_BYTES_PER_S)
-    backend.calls.clear()
-    set_id = ctrl.start_transfers()
-    assert set_id is not None and ctrl.layer_events.consumer == set_id
     directions = [direction for direction, _ in backend.calls]
-    at = directions.index(D2H)
     assert directions.count(D2H) == 1 and backend.calls[at][1] == tuple(range(NUM_LAYERS))
     before = [layer for _, layers in backend.calls[:at] for layer in layers]
     groups_before = [len(layers) for _, layers in backend.calls[:at]]
@@ -163,11 +158,7 @@ def test_a_failed_write_leaves_the_load_issued_and_tracked() -> None:
     assert [ack.direction for ack in ctrl.poll()] == [H2D]  # the load was submitted
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
-@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST_DIRECT],
-                         ids=lambda layout: layout.value)
+@on_each_gpu_backend_and_layout
 def test_together_on_gpu_each_layer_waits_for_its_rows(backend: TransferBackend,
                                                        layout: HostLayout) -> None:
     """Issued together on real streams (the load stream held back at first), a forward that

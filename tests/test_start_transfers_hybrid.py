@@ -15,9 +15,10 @@ from controller_helpers import (
     back_up_and_evict,
     device_rows,
     fill_unique,
-    gpu_backends,
     host_rows,
     make_hybrid,
+    on_each_gpu_backend_and_layout,
+    start_together,
 )
 
 from hicache.controller import (
@@ -26,7 +27,6 @@ from hicache.controller import (
     HybridSlots,
     TorchBackend,
     TransferBackend,
-    op_issue,
     side_streams,
 )
 from hicache.controller.base import MovedTransfer
@@ -112,14 +112,9 @@ def test_hybrid_write_goes_between_the_load_groups_of_both_pools(
     layer_bytes = (8 + TAIL) * token_bytes // NUM_LAYERS  # the load's, as its issue counts
     monkeypatch.setattr(side_streams, "plan_load_groups",
                         lambda num_layers, *_: tuple(range(n, n + 1) for n in range(num_layers)))
-    monkeypatch.setattr(op_issue, "WRITE_ISSUE_S_PER_BYTE", 0.0)
-    monkeypatch.setattr(op_issue, "WRITE_ISSUE_S",
+    at = start_together(ctrl, backend.calls, monkeypatch,
                         cover_layers * layer_bytes / LINK_BYTES_PER_S)
-    backend.calls.clear()
-    set_id = ctrl.start_transfers()
-    assert set_id is not None and ctrl.layer_events.consumer == set_id
     directions = [direction for direction, _ in backend.calls]
-    at = directions.index(D2H)
     writes = backend.calls[at:at + 2]
     assert directions.count(D2H) == 2 and [d for d, _ in writes] == [D2H, D2H]
     assert sorted(layer for _, layers in writes for layer in layers) == list(range(NUM_LAYERS))
@@ -139,11 +134,7 @@ def test_hybrid_write_goes_between_the_load_groups_of_both_pools(
     assert ctrl.num_in_flight == 0
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
-@pytest.mark.parametrize("layout", [HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST_DIRECT],
-                         ids=lambda layout: layout.value)
+@on_each_gpu_backend_and_layout
 def test_hybrid_together_on_gpu_each_layer_waits_for_its_rows(backend: TransferBackend,
                                                               layout: HostLayout) -> None:
     """Issued together on real streams (the load stream held back at first), a forward
