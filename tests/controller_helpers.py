@@ -18,6 +18,7 @@ from hicache.controller import (
     TransferBackend,
     op_issue,
 )
+from hicache.controller.base import MovedTransfer
 from hicache.controller.core import TransferCore
 from hicache.controller.direct import DirectBackend
 from hicache.controller.kernel import kernel_available
@@ -62,6 +63,21 @@ def check_layer_by_layer(ctrl: CacheController, target: Indices, rows: torch.Ten
     forward.synchronize()
     for layer, got in enumerate(seen):
         assert torch.equal(got.permute(1, 0, 2).cpu(), rows[:, :, layer]), layer
+
+
+class CallOrder(TorchBackend):
+    """The torch backend, noting each copy call's direction and model layers in issue order
+    (a hybrid op's copies each cover one pool's layers; a plain pool's are its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[Direction, tuple[int, ...]]] = []
+
+    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
+             keep_alive: list[torch.Tensor]) -> None:
+        layers = moved.source.layers
+        self.calls.append((direction, tuple(layers[local] for local in local_layers)))
+        super().copy(moved, local_layers, direction, keep_alive)
 
 
 def on_each_gpu_backend_and_layout(test: Callable[..., None]) -> Callable[..., None]:

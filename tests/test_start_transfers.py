@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 from controller_helpers import (
+    CallOrder,
     check_layer_by_layer,
     device_rows,
     fill_unique,
@@ -32,19 +33,6 @@ from hicache.pools import HostLayout, IndexSpace, Indices
 
 D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
 NUM_LAYERS = 8
-
-
-class CallOrder(TorchBackend):
-    """The torch backend, noting each copy call's direction and layers in issue order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[Direction, tuple[int, ...]]] = []
-
-    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
-             keep_alive: list[torch.Tensor]) -> None:
-        self.calls.append((direction, tuple(local_layers)))
-        super().copy(moved, local_layers, direction, keep_alive)
 
 
 def queued_both(ctrl: CacheController, num_tokens: int

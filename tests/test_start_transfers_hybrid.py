@@ -4,7 +4,6 @@ backends on real streams)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from controller_helpers import (
     SENTINEL,
     BackedUp,
+    CallOrder,
     back_up_and_evict,
     device_rows,
     fill_unique,
@@ -25,11 +25,9 @@ from hicache.controller import (
     Direction,
     HybridCacheController,
     HybridSlots,
-    TorchBackend,
     TransferBackend,
     side_streams,
 )
-from hicache.controller.base import MovedTransfer
 from hicache.controller.load_groups import LINK_BYTES_PER_S
 from hicache.pools import HostLayout, Indices
 
@@ -37,21 +35,6 @@ D2H, H2D = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
 NUM_LAYERS = 8
 SWA_LAYERS = (1, 3, 5, 7)
 TAIL = 4  # tokens of the loaded sequence with SWA rows (its window)
-
-
-class ModelLayerCalls(TorchBackend):
-    """The torch backend, noting each copy call's direction and model layers in issue
-    order (a hybrid op's copies each cover one pool's layers)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[Direction, tuple[int, ...]]] = []
-
-    def copy(self, moved: MovedTransfer, local_layers: Sequence[int], direction: Direction,
-             keep_alive: list[torch.Tensor]) -> None:
-        layers = moved.source.layers
-        self.calls.append((direction, tuple(layers[local] for local in local_layers)))
-        super().copy(moved, local_layers, direction, keep_alive)
 
 
 class Queued(NamedTuple):
@@ -103,7 +86,7 @@ def test_hybrid_write_goes_between_the_load_groups_of_both_pools(
     (``cover_layers`` layers' worth; groups of one layer here): after group 0 at least,
     after the whole load when its bytes do not cover it, never a group more than needed;
     every model layer is loaded once, from its pool."""
-    backend = ModelLayerCalls()
+    backend = CallOrder()
     ctrl = make_hybrid(backend, num_layers=NUM_LAYERS, swa_layers=SWA_LAYERS, full_pages=32,
                        swa_pages=24, host_pages=64)
     queued = queue_both(ctrl, 8)
