@@ -24,7 +24,7 @@ moves at about a third of the link's rate. A run of whole ``page_first_direct`` 
 2D copy per component and layer (each of its rows a page's ``page_size`` rows of that layer,
 a host page apart), which alone reaches the link's rate, but the layer-wise host hits of
 ``hicache bench e2e`` came out slower through it than through the table's choice at 2k and
-32k tokens (see the README), so that layout follows the table.
+32k tokens (see ``docs/performance-log.md``), so that layout follows the table.
 
 Copies of a block of layers of at least ``copy_turns.TURN_BYTES`` go in batches on two copy
 streams that take turns (:mod:`.copy_turns`), so a big op never holds the copy engine

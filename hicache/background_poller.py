@@ -213,7 +213,7 @@ class BackgroundPoller:
         idle check may be due (a queued transfer wakes the thread earlier).
 
         Each wake takes the GIL, and one that comes while the scheduler thread is busy
-        slows its calls for up to a millisecond or two (see the README). So a pass that
+        slows its calls for up to a millisecond or two (``docs/performance-log.md``). So a pass that
         found the scheduler busy doubles the next sleep (``backoff`` times the base: the
         poll interval while it polls, the check interval while it makes calls with nothing
         in flight), up to :data:`BUSY_WAKE_S`. A pass that found it quiet starts again
