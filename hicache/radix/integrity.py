@@ -168,15 +168,13 @@ def _check_node(tree: TieredRadixTree, node: TreeNode) -> None:
 
 
 def _check_swa(tree: TieredRadixTree, node: TreeNode) -> None:
-    """SWA fields: absent without SWA; device SWA slots match the pool's map."""
+    """SWA fields: device SWA slots match the pool's map. (SWA slots in a model without SWA
+    pools were refused when the walk read their pages, "no pool of space"; a node with SWA
+    host slots and no full rows anywhere is on neither tier, refused before this.)"""
     if not tree.io.is_hybrid:
-        if node.device_swa is not None or node.host_swa is not None:
-            raise RuntimeError(f"{node!r} holds SWA slots but the model has no SWA layers")
         return
     if node.host is not None and node.host_swa is None:
         raise RuntimeError(f"{node!r}: a host copy of the full rows without SWA host slots")
-    if node.device is None and node.host is None and node.host_swa is not None:
-        raise RuntimeError(f"{node!r}: SWA host slots on a node with no full rows anywhere")
     if node.device is None:
         if node.device_swa is not None:
             raise RuntimeError(f"{node!r} holds device SWA slots but no device slots")
@@ -260,5 +258,6 @@ def _check_space(
     swa = space in (IndexSpace.DEVICE_SWA, IndexSpace.HOST_SWA)
     stray = np.setdiff1d(busy, held if swa else pages)
     if stray.size:
-        raise RuntimeError(f"{name} page {int(stray[0])} is in flight but owned by no node "
-                           f"and not held by the engine")
+        owner = "owned by no node and not held by the engine" if swa else (
+            "owned by no node (only the tree's nodes move these pages)")
+        raise RuntimeError(f"{name} page {int(stray[0])} is in flight but {owner}")
