@@ -43,6 +43,15 @@ def assert_reported(check: Callable[[], None], message: str) -> None:
         check()
 
 
+def assert_break_reported(rig: Rig | HybridRig, node: TreeNode, message: str,
+                          **fields: object) -> None:
+    """The full check reports ``message`` with ``fields`` of ``node`` set, and passes once
+    they are restored."""
+    with broken(node, **fields):
+        assert_reported(rig.tree.check_integrity, message)
+    rig.tree.check_integrity()
+
+
 def split_tree(policy: WritePolicy = WT) -> tuple[Rig, TreeNode, TreeNode]:
     """A tree holding ``A`` split after 4 tokens, every write acknowledged: (rig, parent,
     child), both on the device (and on the host with write-through)."""
@@ -57,59 +66,46 @@ def split_tree(policy: WritePolicy = WT) -> tuple[Rig, TreeNode, TreeNode]:
 
 def test_a_node_left_out_of_its_parent_is_reported() -> None:
     rig, _, child = split_tree()
-    with broken(child, is_detached=True):
-        assert_reported(rig.tree.check_integrity, "is not linked to its parent")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, child, "is not linked to its parent", is_detached=True)
 
 
 def test_a_key_of_part_of_a_page_is_reported() -> None:
     rig, _, child = split_tree()
-    with broken(child, key=child.key[:-TOKEN_BYTES]):
-        assert_reported(rig.tree.check_integrity, "is not whole pages")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, child, "is not whole pages", key=child.key[:-TOKEN_BYTES])
 
 
 @pytest.mark.parametrize("field", ["device", "host"])
 def test_slots_of_another_length_than_the_key_are_reported(field: str) -> None:
     rig, _, child = split_tree()
     slots: Indices = getattr(child, field)
-    with broken(child, **{field: Indices(slots.tensor[:-rig.page_size], slots.space)}):
-        assert_reported(rig.tree.check_integrity, f"{field} slots for its tokens")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, child, f"{field} slots for its tokens",
+                          **{field: Indices(slots.tensor[:-rig.page_size], slots.space)})
 
 
 def test_a_parent_counting_fewer_locks_than_its_child_is_reported() -> None:
     rig, parent, child = split_tree()
     rig.tree.lock(child)
-    with broken(parent, lock_count=parent.lock_count - 1):  # no engine lock in the count
-        assert_reported(rig.tree.check_integrity, r"lock count 0 < children's 1$")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, parent, r"lock count 0 < children's 1$",
+                          lock_count=parent.lock_count - 1)
     rig.tree.unlock(child)
     rig.tree.check_integrity()
 
 
 def test_engine_locks_beyond_the_lock_count_are_reported() -> None:
     rig, _, child = split_tree()
-    with broken(child, caller_locks=child.lock_count + 1):
-        assert_reported(rig.tree.check_integrity, "the engine's")
-    with broken(child, caller_locks=-1):
-        assert_reported(rig.tree.check_integrity, "the engine's")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, child, "the engine's", caller_locks=child.lock_count + 1)
+    assert_break_reported(rig, child, "the engine's", caller_locks=-1)
 
 
 def test_a_device_node_under_a_parent_off_the_device_is_reported() -> None:
     rig, parent, _ = split_tree()
-    with broken(parent, device=None):  # its pages now look leaked too: the node check first
-        assert_reported(rig.tree.check_integrity, "is on the device but its parent")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, parent, "is on the device but its parent", device=None)
 
 
 def test_a_node_on_neither_tier_is_reported() -> None:
     rig, _, child = split_tree(WB)  # write-back: no host copy
     assert child.host is None
-    with broken(child, device=None):
-        assert_reported(rig.tree.check_integrity, "on neither tier")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, child, "on neither tier", device=None)
 
 
 def test_a_queued_backup_with_host_slots_is_reported() -> None:
@@ -118,11 +114,9 @@ def test_a_queued_backup_with_host_slots_is_reported() -> None:
     rig.put(A)
     node = find(rig.tree, A)
     assert node.write_op is not None and node.write_op.queued and node.host is None
-    with broken(node, host=Indices(node.device.tensor.clone(), IndexSpace.HOST_FULL)):
-        assert_reported(rig.tree.check_integrity, "a queued backup needs")
-    with broken(node, lock_count=0):
-        assert_reported(rig.tree.check_integrity, "a queued backup needs")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, node, "a queued backup needs",
+                          host=Indices(node.device.tensor.clone(), IndexSpace.HOST_FULL))
+    assert_break_reported(rig, node, "a queued backup needs", lock_count=0)
     rig.tree.issue_queued_backups()
     rig.ack()
     rig.tree.check_integrity()
@@ -134,18 +128,14 @@ def test_a_backup_in_flight_without_host_slots_is_reported() -> None:
     rig.tree.issue_queued_backups()
     node = find(rig.tree, A)
     assert node.write_op is not None and not node.write_op.queued and node.host is not None
-    with broken(node, host=None):
-        assert_reported(rig.tree.check_integrity, "backup in flight but no host slots")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, node, "backup in flight but no host slots", host=None)
     rig.ack()
     rig.tree.check_integrity()
 
 
 def test_an_eviction_waiting_for_no_write_is_reported() -> None:
     rig, _, child = split_tree()
-    with broken(child, evict_on_ack=True):
-        assert_reported(rig.tree.check_integrity, "waits to be evicted after a write")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, child, "waits to be evicted after a write", evict_on_ack=True)
 
 
 def test_a_node_missing_from_its_op_is_reported() -> None:
@@ -163,9 +153,8 @@ def test_a_node_missing_from_its_op_is_reported() -> None:
 
 def test_a_store_of_a_node_without_a_host_copy_is_reported() -> None:
     rig, _, child = split_tree(WB)
-    with broken(child, store_op=PendingStore([child])):
-        assert_reported(rig.tree.check_integrity, "is being stored but has no complete host")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, child, "is being stored but has no complete host",
+                          store_op=PendingStore([child]))
 
 
 def test_a_host_page_in_flight_for_a_node_without_an_op_is_reported() -> None:
@@ -177,9 +166,8 @@ def test_a_host_page_in_flight_for_a_node_without_an_op_is_reported() -> None:
     node = find(rig.tree, A)
     op, locks = node.write_op, node.lock_count
     assert op is not None
-    with broken(node, write_op=None, lock_count=locks - len(op.locks)):
-        assert_reported(rig.tree.check_integrity, "has no op in flight")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, node, "has no op in flight",
+                          write_op=None, lock_count=locks - len(op.locks))
     rig.ack()
     rig.tree.check_integrity()
 
@@ -208,9 +196,8 @@ def test_swa_slots_in_a_model_without_swa_layers_are_reported(field: str,
                                                               space: IndexSpace) -> None:
     rig, _, child = split_tree()
     assert child.device is not None
-    with broken(child, **{field: Indices(child.device.tensor.clone(), space)}):
-        assert_reported(rig.tree.check_integrity, f"no pool of space {space.name}")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, child, f"no pool of space {space.name}",
+                          **{field: Indices(child.device.tensor.clone(), space)})
 
 
 
@@ -229,9 +216,7 @@ def hybrid_node() -> tuple[HybridRig, TreeNode]:
 
 def test_a_full_host_copy_without_swa_host_slots_is_reported() -> None:
     rig, node = hybrid_node()
-    with broken(node, host_swa=None):
-        assert_reported(rig.tree.check_integrity, "without SWA host slots")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, node, "without SWA host slots", host_swa=None)
 
 
 def test_device_swa_slots_that_differ_from_the_pools_map_are_reported() -> None:
@@ -240,23 +225,18 @@ def test_device_swa_slots_that_differ_from_the_pools_map_are_reported() -> None:
     moved = node.device_swa.tensor.clone()
     moved[moved != 0] = 0  # the tail's SWA slots forgotten: not what the pool maps
     assert not bool((moved == node.device_swa.tensor).all())
-    with broken(node, device_swa=Indices(moved, IndexSpace.DEVICE_SWA)):
-        assert_reported(rig.tree.check_integrity, "differ from the pool's map")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, node, "differ from the pool's map",
+                          device_swa=Indices(moved, IndexSpace.DEVICE_SWA))
 
 
 def test_device_swa_slots_on_a_node_off_the_device_are_reported() -> None:
     rig, node = hybrid_node()
-    with broken(node, device=None):
-        assert_reported(rig.tree.check_integrity, "device SWA slots but no device slots")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, node, "device SWA slots but no device slots", device=None)
 
 
 def test_swa_host_slots_of_a_node_with_no_full_rows_are_reported() -> None:
     rig, node = hybrid_node()
-    with broken(node, device=None, device_swa=None, host=None):
-        assert_reported(rig.tree.check_integrity, "on neither tier")
-    rig.tree.check_integrity()
+    assert_break_reported(rig, node, "on neither tier", device=None, device_swa=None, host=None)
 
 def test_device_pages_in_flight_that_no_node_owns_are_reported() -> None:
     """Only the tree's nodes move full-attention pages: an op on pages the engine holds
