@@ -206,6 +206,7 @@ TestSteppedWriteThrough = SteppedWriteThrough.TestCase
 TestSteppedWriteThroughSelective = SteppedWriteThroughSelective.TestCase
 TestSteppedHybridWriteThrough = SteppedHybridWriteThrough.TestCase
 for case in (TestWriteThrough, TestWriteThroughSelectiveLFU, TestWriteBack,
-             TestHybridWriteThrough, TestSteppedWriteThrough, TestSteppedWriteThroughSelective):
+             TestHybridWriteThrough, TestSteppedWriteThrough, TestSteppedWriteThroughSelective,
+             TestSteppedHybridWriteThrough):
     case.settings = SETTINGS
 del case
