@@ -1,7 +1,7 @@
 """The benchmark's printed report: header, main table, target check and auto table.
 
 Pure formatting of a :class:`~hicache.bench.results.BenchResult`; runs without a GPU (for
-``--from-json``). The targets are the H100 goals of the transfer engine (DESIGN section 5).
+``--from-json``). The targets are issue 14's goals for the transfer engine (H100).
 """
 
 from __future__ import annotations
@@ -15,10 +15,15 @@ from .results import BOTH, LOAD, WRITE, BenchResult, Measurement
 
 TARGET_BACKENDS = ("staged", "auto")
 BACKEND_ORDER = ("torch", "kernel", "staged", "direct", "auto")
-ONE_WAY_PCT_LARGE_PAGES = 95.0  # page size >= 16
+# issue 14's goals: at pages of 16 and more, writes >= 97% and layer-wise loads >= 95% of
+# the one-way ceiling (page_first_direct; layer_first reaches them too), the concurrent
+# matmul slowed <= 3% on page_first_direct and every row auto picks; both directions at
+# once >= 90% of the two-stream ceiling on every layout auto serves
+WRITE_PCT_LARGE_PAGES = 97.0  # page size >= 16
+LOAD_PCT_LARGE_PAGES = 95.0
 ONE_WAY_PCT_SMALL_PAGES = 90.0
-BOTH_PCT = 90.0  # issue 14: both directions at once on every layout auto serves
-SLOWDOWN_PCT = 5.0
+BOTH_PCT = 90.0
+SLOWDOWN_PCT = 3.0
 ALL_READY_RATIO = 1.15
 LAYER0_RATIO = 3.0
 LARGE_PAGE = 16
@@ -198,8 +203,10 @@ def targets(result: BenchResult) -> list[Target]:
                       if m.backend in TARGET_BACKENDS},
                      key=lambda c: (TARGET_BACKENDS.index(c[0]), -c[1], c[2]))
     for backend, page, layout in configs:
-        one_way = ONE_WAY_PCT_LARGE_PAGES if page >= LARGE_PAGE else ONE_WAY_PCT_SMALL_PAGES
-        bounds = [(one_way, True), (one_way, True), (BOTH_PCT, True), (SLOWDOWN_PCT, False),
+        large = page >= LARGE_PAGE
+        write = WRITE_PCT_LARGE_PAGES if large else ONE_WAY_PCT_SMALL_PAGES
+        load = LOAD_PCT_LARGE_PAGES if large else ONE_WAY_PCT_SMALL_PAGES
+        bounds = [(write, True), (load, True), (BOTH_PCT, True), (SLOWDOWN_PCT, False),
                   (SLOWDOWN_PCT, False), (ALL_READY_RATIO, False), (LAYER0_RATIO, False)]
         for (name, kind, value_of), (bound, at_least) in zip(TARGET_COLUMNS, bounds,
                                                              strict=True):
@@ -214,8 +221,9 @@ def target_table(result: BenchResult) -> list[str]:
     checks = targets(result)
     width = layout_width([t.layout for t in checks])
     lines = [
-        f"targets (staged, auto): write/load >= {ONE_WAY_PCT_LARGE_PAGES:g}% of the one-way "
-        f"ceiling at page >= {LARGE_PAGE}, >= {ONE_WAY_PCT_SMALL_PAGES:g}% at page 1; both >= "
+        f"targets (staged, auto): write >= {WRITE_PCT_LARGE_PAGES:g}% and load >= "
+        f"{LOAD_PCT_LARGE_PAGES:g}% of the one-way ceiling at page >= {LARGE_PAGE}, >= "
+        f"{ONE_WAY_PCT_SMALL_PAGES:g}% at page 1; both >= "
         f"{BOTH_PCT:g}% of bidir; mm% <= {SLOWDOWN_PCT:g}; all/B <= {ALL_READY_RATIO:g}; "
         f"L0/1L <= {LAYER0_RATIO:g}",
         f"{'backend':<8}{'page':>4} {'layout':<{width}}"
