@@ -1,8 +1,8 @@
-"""Refusals that no test reached before: each one disabled (its ``raise`` skipped) left the
-whole suite passing, or never ran in it (found by disabling every ``raise`` of the API-edge
-modules in turn and running the tests that name its message, then checking the coverage of
-those left). Each is now called with the bad input it names, and the state it guards is
-checked unchanged.
+"""Audit of bad input, second part: refusals that no test reached before. Each one's
+``raise`` was skipped without any test failing, or never ran in the suite (found by
+disabling every ``raise`` of the API-edge modules in turn and running the tests that name
+its message, then checking the coverage of those left). Each is called here with the bad
+input it names, and the state it guards is checked unchanged.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from radix_helpers import HybridRig, Rig, ids
+from radix_helpers import GEOMETRY, HybridRig, Rig, ids
 from test_api_input_audit import MODEL, _store_config, make_config
 from test_service_refusals import put, refused
 
@@ -95,7 +95,7 @@ def test_set_kv_refuses_forward_slots_of_another_pool(service: HiCacheService) -
 
 def test_a_page_first_direct_host_pool_has_no_layer_records() -> None:
     host = HostKVPool(name="full", space=IndexSpace.HOST_FULL, num_layers=2, num_pages=4,
-                      page_size=2, geometry=Rig().host.geometry,
+                      page_size=2, geometry=GEOMETRY,
                       layout=HostLayout.PAGE_FIRST_DIRECT, pin=False)
     with pytest.raises(ValueError, match=r"^layer_records: host pool 'full' is "
                                          r"page_first_direct.*use read_layer_rows"):
