@@ -87,11 +87,16 @@ def _model_steps(num_pages: int, page_size: int, data: st.DataObject) -> None:
     for _ in range(data.draw(st.integers(0, 40), label="steps")):
         if not used or data.draw(st.booleans(), label="alloc"):
             want = data.draw(st.integers(0, num_pages + 1), label="num_pages")
-            got = allocator.try_alloc(want * page_size)
+            with_pages = data.draw(st.booleans(), label="try_alloc_pages")
+            got_pages = allocator.try_alloc_pages(want * page_size) if with_pages else None
+            got = got_pages[0] if got_pages is not None else (
+                None if with_pages else allocator.try_alloc(want * page_size))
             expected = model.alloc(want)
             assert (got is None) == (expected is None)
             if got is not None and expected is not None:
                 assert got.tensor.tolist() == _slots(expected, page_size)
+                if got_pages is not None:  # the page ids handed over are the slots' pages
+                    assert got_pages[1].tolist() == expected
                 used += expected
         else:
             chosen = data.draw(st.lists(st.sampled_from(used), min_size=1, unique=True),

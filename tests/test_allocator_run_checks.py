@@ -91,3 +91,45 @@ def test_free_pages_of_a_run_given_its_start_checks_every_page() -> None:
     with pytest.raises(ValueError, match=r"slot 4 \(page 1\) is not allocated"):
         allocator.free_pages(pages, run_start=start)
     allocator.check_integrity()
+
+
+def test_free_of_scattered_pages_with_free_ones_names_the_first_in_their_order() -> None:
+    """Pages in no run order (the gather path) name the first of them, in the order given,
+    that is free; nothing is freed."""
+    allocator = _allocator()
+    got = allocator.try_alloc(5 * PAGE_SIZE)
+    assert got is not None
+    allocator.free_pages(np.array([2]))
+    allocator.free_pages(np.array([4]))
+    with pytest.raises(ValueError, match=r"slot 16 \(page 4\) is not allocated"):
+        allocator.free_pages(np.array([5, 4, 1, 2]))
+    assert allocator.used_pages().tolist() == [1, 3, 5]
+    allocator.check_integrity()
+
+
+def test_first_unallocated_gives_the_first_slot_of_the_first_free_page() -> None:
+    """``first_unallocated``: ``None`` while every page is allocated, else the first slot of
+    the first page (in the indices' order) that is free."""
+    allocator = _allocator()
+    got = allocator.try_alloc(3 * PAGE_SIZE)
+    assert got is not None
+    assert allocator.first_unallocated(got, op="test") is None
+    allocator.free_pages(np.array([3]))
+    assert allocator.first_unallocated(got, op="test") == 3 * PAGE_SIZE
+    one = Indices(torch.arange(2 * PAGE_SIZE, 3 * PAGE_SIZE), IndexSpace.DEVICE_FULL)
+    assert allocator.first_unallocated(one, op="test") is None
+    other = Indices(torch.arange(3 * PAGE_SIZE, 4 * PAGE_SIZE), IndexSpace.DEVICE_FULL)
+    assert allocator.first_unallocated(other, op="test") == 3 * PAGE_SIZE
+
+
+def test_check_allocated_refuses_a_free_page_and_passes_allocated_ones() -> None:
+    """``check_allocated`` raises the double-free message for the first free page and is
+    silent when every page is allocated; it changes nothing."""
+    allocator = _allocator()
+    assert allocator.try_alloc(3 * PAGE_SIZE) is not None
+    allocator.check_allocated(np.array([3, 1]))
+    allocator.free_pages(np.array([2]))
+    with pytest.raises(ValueError, match=r"slot 8 \(page 2\) is not allocated"):
+        allocator.check_allocated(np.array([3, 2, 1]))
+    assert allocator.used_pages().tolist() == [1, 3]
+    allocator.check_integrity()
