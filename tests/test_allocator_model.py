@@ -87,10 +87,11 @@ def _model_steps(num_pages: int, page_size: int, data: st.DataObject) -> None:
     for _ in range(data.draw(st.integers(0, 40), label="steps")):
         if not used or data.draw(st.booleans(), label="alloc"):
             want = data.draw(st.integers(0, num_pages + 1), label="num_pages")
-            with_pages = data.draw(st.booleans(), label="try_alloc_pages")
-            got_pages = allocator.try_alloc_pages(want * page_size) if with_pages else None
-            got = got_pages[0] if got_pages is not None else (
-                None if with_pages else allocator.try_alloc(want * page_size))
+            if data.draw(st.booleans(), label="try_alloc_pages"):
+                got_pages = allocator.try_alloc_pages(want * page_size)
+                got = None if got_pages is None else got_pages[0]
+            else:
+                got_pages, got = None, allocator.try_alloc(want * page_size)
             expected = model.alloc(want)
             assert (got is None) == (expected is None)
             if got is not None and expected is not None:
