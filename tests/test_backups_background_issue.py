@@ -1,7 +1,8 @@
 """Issuing queued backups: the background thread's way (``evict=False``) never evicts, so no
 node an engine just matched leaves the tree before its lock, and writes backups that fit the
 host as it is, exactly to its last page; the scheduler's way evicts host leaves for them,
-down to a single token of room (CPU pools)."""
+down to a single token of room; a Ctrl-C while they are issued puts back on the queue only
+what was neither written nor refused (CPU pools)."""
 
 from __future__ import annotations
 
