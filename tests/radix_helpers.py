@@ -166,7 +166,8 @@ class Rig(_RigBase):
 
 
 class HybridRig(_RigBase):
-    """A hybrid tree: 3 layers (layer 1 sliding-window), window of 3 tokens, pages of 2."""
+    """A hybrid tree: 3 layers (layer 1 sliding-window), window of 3 tokens, pages of 2;
+    the SWA host pool has ``swa_host_pages`` pages (default: ``host_pages``)."""
 
     WINDOW = 3
 
@@ -178,6 +179,7 @@ class HybridRig(_RigBase):
         swa_pages: int = 8,
         host_pages: int = 32,
         keep_swa_history: bool = True,
+        swa_host_pages: int | None = None,
     ) -> None:
         self.page_size = 2
         self.num_full_layers = 2
@@ -188,12 +190,13 @@ class HybridRig(_RigBase):
         self.full_pool = self.pool.full
         self.pool.full.data.fill_(SENTINEL)
         self.pool.swa.data.fill_(SENTINEL)
+        swa_host = host_pages if swa_host_pages is None else swa_host_pages
         hosts = [
-            HostKVPool(name=name, space=space, num_layers=layers, num_pages=host_pages,
+            HostKVPool(name=name, space=space, num_layers=layers, num_pages=pages,
                        page_size=self.page_size, geometry=GEOMETRY,
                        layout=HostLayout.PAGE_FIRST, pin=False)
-            for name, space, layers in (("full", IndexSpace.HOST_FULL, 2),
-                                        ("swa", IndexSpace.HOST_SWA, 1))
+            for name, space, layers, pages in (("full", IndexSpace.HOST_FULL, 2, host_pages),
+                                               ("swa", IndexSpace.HOST_SWA, 1, swa_host))
         ]
         self.controller = HybridCacheController(
             hybrid_pool=self.pool, host_full=hosts[0], host_swa=hosts[1], backend=TorchBackend(),
