@@ -6,54 +6,29 @@ temporary directory, its puts held at a gate)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
+from gated_store import gated_service
 from test_l3_tier import MODEL, make_config, put
 
 from hicache.config import WritePolicy
-from hicache.factory import build_service
 from hicache.radix.node import TreeNode
 from hicache.service import HiCacheService
-from hicache.storage import FileStore, PageBuffers, StorageBackend, StorageResult
-
-
-class GatedFileStore(FileStore):
-    """A file store whose puts wait until ``gate`` is set."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.gate = threading.Event()
-
-    def put(self, page_hashes: Sequence[bytes], pages: Sequence[PageBuffers],
-            timeout_s: float | None = None) -> StorageResult:
-        assert self.gate.wait(10.0), "the test never opened the gate"
-        return super().put(page_hashes, pages, timeout_s)
 
 
 @pytest.fixture
 def gated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """A service whose host holds one page (of 2 tokens), backing up after one hit, over a
     gated file store; yields (service, store)."""
-    made: list[GatedFileStore] = []
-
-    def open_gated(config: Any, ns: Any) -> StorageBackend:
-        made.append(GatedFileStore(config.storage.path, ns, timeout_s=config.storage.timeout_s))
-        return made[-1]
-
-    monkeypatch.setattr("hicache.factory.open_configured_store", open_gated)
     config = make_config(tmp_path / "l3")
     config = dataclasses.replace(
         config, host=dataclasses.replace(config.host, ratio=1 / 16),
         controller=dataclasses.replace(config.controller,
                                        write_policy=WritePolicy.WRITE_THROUGH_SELECTIVE,
                                        write_through_hits=1))
-    service = build_service(config, **MODEL)
-    (store,) = made
+    service, store = gated_service(monkeypatch, config, MODEL)
     yield service, store
     store.gate.set()
     service.stop()
