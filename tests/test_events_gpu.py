@@ -3,7 +3,8 @@ wait waits for the layer asked (not for an earlier one that already arrived), a 
 whose load still runs is not handed out again, a write waits for every registered producer
 stream, for the stream it was queued on and for the stream it was issued from, and an ack
 carries its op's transfer time. Each test was checked to fail, on an H200, with the code it
-covers broken (the wait taken out, the wrong layer's event asked, no duration). Run under compute-sanitizer by ``scripts/gpu_check.sh``."""
+covers broken (the wait taken out, the wrong layer's event asked, no duration). Run under
+compute-sanitizer by ``scripts/gpu_check.sh``."""
 
 from __future__ import annotations
 
