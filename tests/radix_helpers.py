@@ -218,6 +218,14 @@ class HybridRig(_RigBase):
         write_rows(self.pool.swa, swa[has], rows)
 
 
+def host_only(rig: Rig, tokens: list[int]) -> None:
+    """Cache ``tokens``, back them up and evict them from the device: a host hit."""
+    rig.put(tokens)
+    rig.ack()
+    rig.tree.evict(len(tokens))
+    assert rig.tree.match_prefix(tokens).host_hit_tokens == len(tokens)
+
+
 def find(tree: HiRadixCache, tokens: Sequence[int]) -> TreeNode:
     """The node whose key ends exactly after ``tokens`` (no split, no side effect)."""
     node, pos = tree.root, 0

@@ -5,18 +5,11 @@ pool full evicts SWA rows for the window it restores (CPU pools)."""
 from __future__ import annotations
 
 import torch
-from radix_helpers import SENTINEL, HybridRig, Rig, expected_rows, find, read_rows
+from radix_helpers import SENTINEL, HybridRig, Rig, expected_rows, find, host_only, read_rows
 
 from hicache.radix import Refusal
 
 A = [1, 1, 2, 2]
-
-
-def host_only(rig: Rig, tokens: list[int]) -> None:
-    rig.put(tokens)
-    rig.ack()
-    rig.tree.evict(len(tokens))
-    assert rig.tree.match_prefix(tokens).host_hit_tokens == len(tokens)
 
 
 def test_a_host_run_as_long_as_the_threshold_is_loaded() -> None:

@@ -16,6 +16,7 @@ from radix_helpers import (
     expected_rows,
     find,
     full_indices,
+    host_only,
     ids,
     read_rows,
 )
@@ -302,16 +303,9 @@ def test_dropping_a_node_drops_the_host_copies_below_it() -> None:
 # ---- load-back ----------------------------------------------------------------------------
 
 
-def _host_only(rig: Rig, tokens: list[int]) -> None:
-    rig.put(tokens)
-    rig.ack()
-    rig.tree.evict(len(tokens))
-    assert rig.tree.match_prefix(tokens).host_hit_tokens == len(tokens)
-
-
 def test_load_back_below_threshold_is_refused() -> None:
     rig = Rig(threshold=6)
-    _host_only(rig, A[:4])
+    host_only(rig, A[:4])
     refused = rig.tree.load_back(find(rig.tree, A[:4]), 100)
     assert refused.refused is Refusal.BELOW_THRESHOLD and refused.num_tokens == 4
     assert len(refused.device_indices) == 0 and not refused.queued
@@ -320,7 +314,7 @@ def test_load_back_below_threshold_is_refused() -> None:
 
 def test_load_back_over_quota_is_refused() -> None:
     rig = Rig()
-    _host_only(rig, A[:4])
+    host_only(rig, A[:4])
     assert rig.tree.load_back(find(rig.tree, A[:4]), 2).refused is Refusal.OVER_QUOTA
     assert rig.tree.stats.refused_load_backs["over_quota"] == 4
 
@@ -328,7 +322,7 @@ def test_load_back_over_quota_is_refused() -> None:
 def test_load_back_is_all_or_nothing() -> None:
     """With room for 2 of 4 tokens and nothing evictable, nothing is allocated."""
     rig = Rig(device_pages=4)
-    _host_only(rig, A[:4])
+    host_only(rig, A[:4])
     rig.put([5, 5, 6, 6, 7, 7])
     match = rig.tree.match_prefix([5, 5, 6, 6, 7, 7])
     rig.tree.lock(match.last_device_node)
@@ -342,7 +336,7 @@ def test_load_back_is_all_or_nothing() -> None:
 def test_load_back_evicts_and_retries() -> None:
     """A full device is evicted once, then the load goes through."""
     rig = Rig(device_pages=4)
-    _host_only(rig, A[:4])
+    host_only(rig, A[:4])
     rig.put([5, 5, 6, 6, 7, 7])
     rig.ack()
     loaded = rig.tree.load_back(find(rig.tree, A[:4]), 100)
@@ -382,7 +376,7 @@ def test_load_back_reads_the_nodes_own_slots() -> None:
     tensor in place); the engine gets a copy of its own, whose change reaches neither; the
     rows come back."""
     rig = Rig()
-    _host_only(rig, A[:4])
+    host_only(rig, A[:4])
     node = find(rig.tree, A[:4])
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     rig.controller.add_observer(lambda _d, transfers, _t: seen.append(
