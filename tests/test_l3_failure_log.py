@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from storage_helpers import needs_redis
-from test_l3_faults import TOKENS, redis_config
+from test_l3_faults import TOKENS, redis_config, services_on
 from test_l3_tier import MODEL, fetch, put, settle
 
 from hicache.bench.redis_local import RedisServer
@@ -25,14 +26,20 @@ def store_lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
             and "prefetch reads" in r.getMessage()]
 
 
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A Redis server on a loopback port, resumed and stopped at the end."""
+    started = RedisServer(tmp_path / "redis").start()
+    yield started
+    started.resume()
+    started.stop()
+
+
 @needs_redis
 def test_a_paused_store_is_logged_once_and_its_recovery_too(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger=LOGGER)
-    server = RedisServer(tmp_path / "redis").start()
-    url = "redis://{}:{}".format(*server.address)
-    a = build_service(redis_config(url), **MODEL)
-    b = build_service(redis_config(url), **MODEL)
+    a, b = services_on(server)
     try:
         put(a, TOKENS)
         settle(a)
@@ -55,18 +62,16 @@ def test_a_paused_store_is_logged_once_and_its_recovery_too(
         assert store_lines(caplog, logging.INFO) == ["shared store: prefetch reads succeed again"]
         assert len(store_lines(caplog, logging.WARNING)) == 1
     finally:
-        server.resume()
         a.stop()
         b.stop()
-        server.stop()
 
 
 @needs_redis
-def test_the_timeout_policy_gives_up_on_a_silent_store_at_its_deadline(tmp_path: Path) -> None:
+def test_the_timeout_policy_gives_up_on_a_silent_store_at_its_deadline(server: RedisServer
+                                                                        ) -> None:
     """``prefetch_policy: timeout`` (1 s here): not ready while the store is silent and the
     deadline has not passed, ready once it has, though the store's own call (5 s) still
     waits; finished then, nothing is attached and the pages count as timed out."""
-    server = RedisServer(tmp_path / "redis").start()
     url = "redis://{}:{}".format(*server.address)
     reader = build_service(redis_config(url, prefetch_policy="timeout", prefetch_timeout_s=1.0,
                                         timeout_s=5.0), **MODEL)
@@ -85,6 +90,5 @@ def test_the_timeout_policy_gives_up_on_a_silent_store_at_its_deadline(tmp_path:
         assert reader.storage.stats.prefetch_tokens["timeout"] == len(TOKENS)
         reader.check_integrity()
     finally:
-        server.resume()
+        server.resume()  # the worker's call returns, and stop does not wait for its timeout
         reader.stop()
-        server.stop()

@@ -132,12 +132,16 @@ def test_the_file_store_at_its_cap_keeps_serving(tmp_path: Path) -> None:
         b.stop()
 
 
+def services_on(server: RedisServer) -> tuple[HiCacheService, HiCacheService]:
+    """Two services (two engine processes) sharing ``server`` as their store."""
+    url = "redis://{}:{}".format(*server.address)
+    return build_service(redis_config(url), **MODEL), build_service(redis_config(url), **MODEL)
+
+
 @needs_redis
 def test_redis_killed_restarted_and_paused(tmp_path: Path) -> None:
     server = RedisServer(tmp_path / "redis").start()
-    url = "redis://{}:{}".format(*server.address)
-    a = build_service(redis_config(url), **MODEL)
-    b = build_service(redis_config(url), **MODEL)
+    a, b = services_on(server)
     try:
         put(a, TOKENS)
         settle(a)
