@@ -1,0 +1,42 @@
+"""``HiCacheService.insert`` at pages of one token, over a tree whose first node is one token
+long: an insert of cached tokens whose first slot is fresh and whose second is the tree's
+own gives the fresh slots back, the first one included (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from test_service_refusals import make_config
+
+from hicache.factory import build_service
+from hicache.pools import IndexSpace, Indices
+
+
+def test_a_fresh_first_slot_over_a_one_token_node_is_given_back() -> None:
+    service = build_service(dataclasses.replace(make_config(), page_size_tokens=1))
+    try:
+        device = service.tree.io.allocators()[IndexSpace.DEVICE_FULL]
+        short = service.alloc_device(1)
+        assert short is not None
+        service.insert([5], short)  # the first node: one token
+        longer = service.alloc_device(3)
+        assert longer is not None
+        service.insert([5, 6, 7], Indices(torch.cat([short.tensor, longer.tensor[1:]]),
+                                          IndexSpace.DEVICE_FULL))
+        service.free_device(Indices(longer.tensor[:1], IndexSpace.DEVICE_FULL))
+        service.step()
+        assert sorted(n.num_tokens for n in service.tree.nodes()) == [1, 2]
+        free = device.num_free_tokens
+        fresh = service.alloc_device(3)
+        assert fresh is not None
+        own = service.tree.device_prefix([5, 6, 7]).tensor
+        mixed = torch.stack([fresh.tensor[0], own[1], fresh.tensor[2]])
+        service.insert([5, 6, 7], Indices(mixed, IndexSpace.DEVICE_FULL))
+        service.free_device(Indices(fresh.tensor[1:2], IndexSpace.DEVICE_FULL))
+        service.step()
+        assert device.num_free_tokens == free, "every fresh slot given back"
+        assert service.engine_held_tokens == 0
+        service.check_integrity()
+    finally:
+        service.stop()
