@@ -15,6 +15,7 @@ import pytest
 from gated_store import GatedFileStore, gated_service
 from test_l3_tier import MODEL, make_config, put
 
+from hicache.radix.node import TreeNode
 from hicache.service import HiCacheService
 
 X, Y, Z = list(range(100, 104)), list(range(200, 204)), list(range(300, 304))
@@ -42,7 +43,8 @@ def puts_done(service: HiCacheService, stored_pages: int) -> None:
         service.step()
 
 
-def node_of(service: HiCacheService, tokens: list[int]):
+def node_of(service: HiCacheService, tokens: list[int]) -> TreeNode:
+    """The one node whose own tokens are ``tokens``."""
     (node,) = [n for n in service.tree.nodes() if n.tokens == tuple(tokens)]
     return node
 
