@@ -1,9 +1,11 @@
-"""A file store whose puts wait at a gate, for tests that need a put to the shared store
-held in flight: the real store, the real worker threads, only the timing chosen."""
+"""A file store whose calls wait at a gate, for tests that need a call to the shared store
+held in flight (a put, a prefetch's query or read): the real store, the real worker threads,
+only the timing chosen."""
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,30 +18,52 @@ from hicache.storage import FileStore, PageBuffers, StorageBackend, StorageResul
 
 
 class GatedFileStore(FileStore):
-    """A file store whose puts wait until ``gate`` is set; ``entered`` is set once a put
-    waits there, ``puts`` counts the put calls."""
+    """A file store whose calls named in ``gated`` (``put`` by default; also ``exists`` and
+    ``get``) wait until ``gate`` is set; ``entered`` is set once such a call waits there,
+    ``calls`` counts the calls by name (``puts``: the put calls)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gated: Sequence[str] = ("put",), **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.gated = frozenset(gated)
         self.gate = threading.Event()
         self.entered = threading.Event()
-        self.puts = 0
+        self.calls: Counter[str] = Counter()  # exists, get: the prefetch worker; put: backups
+
+    @property
+    def puts(self) -> int:
+        return self.calls["put"]
+
+    def _pass(self, name: str) -> None:
+        self.calls[name] += 1
+        if name in self.gated:
+            self.entered.set()
+            assert self.gate.wait(10.0), "the test never opened the gate"
+
+    def exists(self, page_hashes: Sequence[bytes], timeout_s: float | None = None
+               ) -> StorageResult:
+        self._pass("exists")
+        return super().exists(page_hashes, timeout_s)
+
+    def get(self, page_hashes: Sequence[bytes], pages: Sequence[PageBuffers],
+            timeout_s: float | None = None) -> StorageResult:
+        self._pass("get")
+        return super().get(page_hashes, pages, timeout_s)
 
     def put(self, page_hashes: Sequence[bytes], pages: Sequence[PageBuffers],
             timeout_s: float | None = None) -> StorageResult:
-        self.puts += 1  # the backup worker is the only caller
-        self.entered.set()
-        assert self.gate.wait(10.0), "the test never opened the gate"
+        self._pass("put")
         return super().put(page_hashes, pages, timeout_s)
 
 
-def gated_service(monkeypatch: pytest.MonkeyPatch, config: HiCacheConfig, model: dict[str, str]
-                  ) -> tuple[HiCacheService, GatedFileStore]:
-    """A service built from ``config`` (a file store) over a :class:`GatedFileStore`."""
+def gated_service(monkeypatch: pytest.MonkeyPatch, config: HiCacheConfig, model: dict[str, str],
+                  gated: Sequence[str] = ("put",)) -> tuple[HiCacheService, GatedFileStore]:
+    """A service built from ``config`` (a file store) over a :class:`GatedFileStore` that
+    holds the calls named in ``gated``."""
     made: list[GatedFileStore] = []
 
     def open_gated(config: Any, ns: Any) -> StorageBackend:
-        made.append(GatedFileStore(config.storage.path, ns, timeout_s=config.storage.timeout_s))
+        made.append(GatedFileStore(config.storage.path, ns, timeout_s=config.storage.timeout_s,
+                                   gated=gated))
         return made[-1]
 
     monkeypatch.setattr("hicache.factory.open_configured_store", open_gated)
