@@ -157,7 +157,7 @@ def test_a_window_backup_short_of_swa_host_room_evicts_a_host_only_leaf_first(
 
 def test_a_second_release_of_the_same_pages_evicts_nothing(service: HiCacheService) -> None:
     """Pages whose SWA slots are already given back need no SWA host room: a full SWA host
-    pool evicts nothing for them."""
+    pool evicts nothing for them, and nothing is queued or counted."""
     old = list(range(1, 13))
     serve(service, old)
     service.step()
@@ -165,14 +165,21 @@ def test_a_second_release_of_the_same_pages_evicts_nothing(service: HiCacheServi
     a = service.alloc_device(8)
     assert a is not None
     write_swa(service, a, 30)
+    stats = service.tree.stats
+    backed = stats.window_backup_tokens
     service.release_window(first(a, 4))
     service.step()
+    assert stats.window_backup_tokens == backed + 4
+    queued = len(service.tree.window_backups)
     squatter = fill_host_swa(service)
     service.release_window(first(a, 4))
-    stats = service.tree.stats
     assert stats.evicted_host_tokens == 0 and stats.evicted_host_swa_tokens == 0
+    assert len(service.tree.window_backups) == queued, "nothing to copy: nothing queued"
+    assert stats.window_backup_tokens == backed + 4
     assert service.match([*old, 99]).host_hit_tokens == 12
     service.controller.host_swa.allocator.free(squatter)
+    service.release_window(first(a, 8))  # copies the 4 tokens not given back before
+    assert stats.window_backup_tokens == backed + 8
     service.free_device(a)
     service.check_integrity()
 
