@@ -135,6 +135,22 @@ def test_plans_survive_replaced_staging_buffers() -> None:
     assert torch.equal(narrow.device_pool.data, reference.device_pool.data)
 
 
+def test_a_lane_is_allocated_once_for_every_op_it_fits() -> None:
+    """Ops of the same pool in both directions, and of a pool of narrower rows, reuse the
+    staging buffers the first op allocated; only a wider one replaces them."""
+    backend = StagedBackend(4)
+    narrow_row = RowGeometry(AttentionKind.MHA, 4, 2, 0, torch.float32)
+    ctrl = make_controller(backend, page_size=4, num_layers=LAYERS)
+    narrow = make_controller(backend, page_size=4, num_layers=LAYERS, row=narrow_row)
+    backend.copy(scattered_move(ctrl), range(LAYERS), Direction.DEVICE_TO_HOST, [])
+    (lane,) = backend._lanes.values()
+    first = [buffer.data_ptr() for buffer in lane.buffers]
+    backend.copy(scattered_move(ctrl, seed=1), [0], Direction.HOST_TO_DEVICE, [])
+    backend.copy(scattered_move(narrow), range(LAYERS), Direction.DEVICE_TO_HOST, [])
+    (same,) = backend._lanes.values()
+    assert same is lane and [buffer.data_ptr() for buffer in lane.buffers] == first
+
+
 def test_staged_move_holds_no_reference_cycle() -> None:
     """A moved transfer with its plans is freed when its op lets go of it, without waiting
     for the cycle collector (its indices and staging temporaries go with it)."""
