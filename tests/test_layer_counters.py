@@ -138,11 +138,17 @@ def test_a_refused_wait_turns_counting_off(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_a_thread_without_a_context_binds_one_and_retries(monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
-    results, bound = [201, 0], []
-    monkeypatch.setattr(layer_counters, "_wait_value", lambda *args: results.pop(0))
+    results, bound, calls = [201, 0], [], []
+
+    def call(*args: int) -> int:
+        calls.append(args)
+        return results.pop(0)
+
+    monkeypatch.setattr(layer_counters, "_wait_value", call)
     monkeypatch.setattr(layer_counters, "_bind_context", lambda: bound.append(True))
-    assert layer_counters.wait_value(1, 2, 3)
+    assert layer_counters.wait_value(1, 2, 2**32 + 3)  # the retry waits for the same value
     assert bound == [True] and results == []
+    assert calls == [(1, 2, 3, 0), (1, 2, 3, 0)]
     assert layer_counters.counters_enabled()
 
 
