@@ -64,12 +64,13 @@ def test_worth_direct_needs_long_runs() -> None:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.value)
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_round_trip_of_runs(layout: HostLayout, page_size: int) -> None:
-    """A fresh allocation written and loaded back (one run each way) moves exactly; every
-    other row keeps the sentinel."""
+@pytest.mark.parametrize("num_pages", [1, 10])
+def test_round_trip_of_runs(layout: HostLayout, page_size: int, num_pages: int) -> None:
+    """A fresh allocation written and loaded back (one run each way, down to a single
+    token) moves exactly; every other row keeps the sentinel."""
     ctrl = make_controller(DirectBackend(), page_size=page_size, layout=layout)
     ctrl.device_allocator.try_alloc(3 * page_size)  # device and host slot ids differ
-    device = ctrl.device_allocator.try_alloc(10 * page_size)
+    device = ctrl.device_allocator.try_alloc(num_pages * page_size)
     assert device is not None
     round_trip(ctrl, device)
 
