@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from controller_helpers import device_rows, make_controller
+from controller_helpers import make_controller, written_and_wiped
 from test_load_groups_gpu import NUM_LAYERS, NUM_TOKENS, gpu_backends, start_held_load
 
 from hicache.controller import CacheController, TransferBackend, load_groups
@@ -29,15 +29,8 @@ def test_a_reader_waiting_for_one_layer_first_sees_that_layers_rows(
     ctrl: CacheController = make_controller(
         backend, device="cuda", page_size=4, device_pages=NUM_TOKENS // 4 + 8,
         host_pages=NUM_TOKENS // 4 + 8, num_layers=NUM_LAYERS, dtype=torch.bfloat16)
+    host, rows = written_and_wiped(ctrl, NUM_TOKENS)
     pool = ctrl.device_pool
-    pool.data.copy_(torch.randn(pool.data.shape, device="cuda").to(torch.bfloat16))
-    device = ctrl.device_allocator.try_alloc(NUM_TOKENS)
-    assert device is not None
-    rows = device_rows(pool)[device.tensor]  # [n, components, layers, row]
-    host = ctrl.write(device)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(device)
     for layer in range(NUM_LAYERS):
         loaded = start_held_load(ctrl, host)
         index = loaded.tensor.cuda()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from controller_helpers import device_rows, gpu_backends, make_controller
+from controller_helpers import device_rows, gpu_backends, make_controller, written_and_wiped
 
-from hicache.controller import CacheController, TransferBackend, copy_turns, load_groups
-from hicache.pools import HostLayout, Indices
+from hicache.controller import TransferBackend, copy_turns, load_groups
+from hicache.pools import HostLayout
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,24 +21,6 @@ pytestmark = [
 
 SLEEP_CYCLES = 20_000_000  # ~10 ms on a current GPU
 STALE = 9.0
-
-
-def backed_up(backend: TransferBackend, layout: HostLayout) -> tuple[CacheController, Indices,
-                                                                     torch.Tensor]:
-    """A controller with 64 tokens of random rows backed up and evicted; (controller, their
-    host slots, their rows)."""
-    ctrl = make_controller(backend, device="cuda", page_size=4, device_pages=40, host_pages=80,
-                           num_layers=4, layout=layout, dtype=torch.bfloat16)
-    pool = ctrl.device_pool
-    pool.data.copy_(torch.randn(pool.data.shape, device="cuda").to(torch.bfloat16))
-    device = ctrl.device_allocator.try_alloc(64)
-    assert device is not None
-    rows = device_rows(pool)[device.tensor]
-    host = ctrl.write(device)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(device)
-    return ctrl, host, rows
 
 
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
@@ -55,7 +37,9 @@ def test_a_load_lands_after_the_streams_it_waits_for(
         monkeypatch.setattr(load_groups, "LINK_BYTES_PER_S", 1.0)
         monkeypatch.setattr(load_groups, "GROUP_BYTES", 1)
         monkeypatch.setattr(load_groups, "MAX_COPIES", 64)
-    ctrl, host, rows = backed_up(backend, layout)
+    ctrl = make_controller(backend, device="cuda", page_size=4, device_pages=40, host_pages=80,
+                           num_layers=4, layout=layout, dtype=torch.bfloat16)
+    host, rows = written_and_wiped(ctrl, 64)
     loaded = ctrl.load(host)
     assert loaded is not None
     index = loaded.tensor.cuda()

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import torch
 from test_service import make_config
+from test_step_backups_hybrid import hybrid_pool
 from test_swa_history import serve, swa_rows
 
 from hicache.config import config_from_dict
 from hicache.controller import HybridCacheController
 from hicache.factory import build_service
-from hicache.pools import HybridSWAPool, IndexSpace, Indices
+from hicache.pools import IndexSpace, Indices
 from hicache.radix.node import Refusal, TreeNode
 from hicache.radix.window_tail import evict_host_swa
 from hicache.service import HiCacheService
@@ -31,12 +32,6 @@ def service() -> Iterator[HiCacheService]:
     svc = build_service(make_config(hybrid=True))  # window 3 in pages of 2: a 4-token tail
     yield svc
     svc.stop()
-
-
-def hybrid_pool(service: HiCacheService) -> HybridSWAPool:
-    pool = service.device_pool
-    assert isinstance(pool, HybridSWAPool)
-    return pool
 
 
 def test_a_host_span_as_long_as_the_window_restores_nothing(service: HiCacheService) -> None:
