@@ -166,8 +166,8 @@ def test_a_host_page_in_flight_for_a_node_without_an_op_is_reported() -> None:
     node = find(rig.tree, A)
     op, locks = node.write_op, node.lock_count
     assert op is not None
-    assert_break_reported(rig, node, "has no op in flight",
-                          write_op=None, lock_count=locks - len(op.locks))
+    assert_break_reported(rig, node, "HOST_FULL page [0-9]+ is in flight but its node has no "
+                          "op in flight", write_op=None, lock_count=locks - len(op.locks))
     rig.ack()
     rig.tree.check_integrity()
 
