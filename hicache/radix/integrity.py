@@ -75,7 +75,6 @@ class TreeCheck:
         self.allocators = tree.io.allocators()
         self.owned: dict[IndexSpace, _Owned] = defaultdict(list)
         self.in_flight: dict[IndexSpace, list[np.ndarray]] = defaultdict(list)
-        self.num_nodes = 0
         self._nodes = tree.nodes()
 
     def walk(self, deadline: float | None) -> bool:
@@ -91,7 +90,6 @@ class TreeCheck:
                     if node.is_in_flight:
                         self.in_flight[value.space].append(pages)
             _check_node(self.tree, node)
-            self.num_nodes += 1
             if deadline is not None and time.perf_counter() > deadline:
                 return False
         return True
