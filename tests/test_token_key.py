@@ -191,3 +191,46 @@ def test_an_array_of_bad_ids_is_refused_by_name(tokens: str, error: type, messag
         assert service.tree.num_nodes == 0
     finally:
         service.stop()
+
+
+def _zero_forms() -> list[object]:
+    import numpy as np
+
+    ids = [0, 5, 0, 7]
+    return [ids, tuple(ids), [np.int64(0), 5, np.int32(0), 7], np.array(ids),
+            np.array(ids, dtype=np.uint8), torch.tensor(ids)]
+
+
+@pytest.mark.parametrize("tokens", _zero_forms(), ids=lambda t: type(t).__name__)
+def test_a_key_built_by_hand_takes_token_0_and_pages_of_one_token(tokens: object) -> None:
+    """Built by hand (``TokenKey(tokens, page_size)``, the checked path of every form),
+    a key takes token id 0, and pages of one token; it is the key ``service.key`` makes."""
+    key = TokenKey(tokens, 1)  # type: ignore[arg-type]
+    assert key.tokens == key.pages == (0, 5, 0, 7)
+    service = make_service(capacity_tokens=256, page_size=1)
+    try:
+        assert service.key(tokens).data == key.data  # type: ignore[arg-type]
+    finally:
+        service.stop()
+    with pytest.raises(ValueError, match=r"page_size must be an int >= 1 \(the tree's "):
+        TokenKey(tokens, 0)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("form", ["list", "mixed list", "array", "tensor"])
+def test_a_negative_id_after_zeros_is_named_by_its_own_position(form: str) -> None:
+    """The error names the first negative id, not a 0 before it, in every form and on
+    both paths (``service.key`` and a key built by hand)."""
+    import numpy as np
+
+    ids = [0, 5, 0, -3, 2]
+    tokens = {"list": ids, "mixed list": [np.int64(0), *ids[1:]], "array": np.array(ids),
+              "tensor": torch.tensor(ids)}[form]
+    service = make_service(capacity_tokens=256, page_size=1)
+    try:
+        for make in (service.key, lambda t: TokenKey(t, 1)):
+            with pytest.raises(ValueError, match=r"token ids must be >= 0, got tokens\[3\] = "
+                                                 r"-3$"):
+                make(tokens)  # type: ignore[operator]
+        assert service.tree.num_nodes == 0
+    finally:
+        service.stop()
