@@ -42,10 +42,11 @@ class FileLRU:
         return name in self._sizes or name in self._pinned
 
     def load(self, entries: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
-        """Seed from a directory scan, oldest first; returns what exceeds the cap (to unlink)."""
+        """Seed from a directory scan, oldest first; returns what exceeds the cap (to unlink).
+        A name a call has pinned is already counted (its ``release`` indexes it)."""
         with self._lock:
             for name, size in entries:
-                if name not in self._sizes:
+                if name not in self._sizes and name not in self._pinned:
                     self._sizes[name] = size
                     self._used += size
             return self._evict_for(0)
