@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -101,3 +102,38 @@ def test_namespace_refuses_bad_fields() -> None:
         Namespace(**{**good.__dict__, "model_revision": ""})
     with pytest.raises(ValueError, match="tp_rank"):
         Namespace(**{**good.__dict__, "tp_rank": 2, "tp_size": 2})
+
+
+def test_the_edges_of_the_token_range_and_pages_of_one_token_are_hashed() -> None:
+    """Token ids 0 and 2**32 - 1 are valid; pages of one token hash each token."""
+    edges = [0, 2**32 - 1, 0, 7]
+    assert len(chain_page_hashes(edges, 2)) == 2
+    ones = chain_page_hashes(edges, 1)
+    assert len(ones) == 4 and len(set(ones)) == 4
+    assert chain_page_hashes(edges[:2], 1) == ones[:2]
+
+
+def test_a_bool_extra_key_is_refused() -> None:
+    with pytest.raises(TypeError, match="extra_keys items must be str, int or bytes, got True"):
+        chain_page_hashes(TOKENS, 4, extra_keys=(True,))
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("num_layers", True), ("page_size", 0), ("segment_bytes", ()), ("segment_bytes", (0,)),
+    ("segment_bytes", (16, -1)), ("dtype", "")])
+def test_namespace_refuses_each_bad_field_by_name(field: str, value: object) -> None:
+    good = Namespace.for_host_pool(make_pool(), model_id="m", model_revision="r")
+    with pytest.raises(ValueError, match=f"Namespace.{field} must be"):
+        Namespace(**{**good.__dict__, field: value})
+
+
+def test_a_namespace_is_one_shard_by_default_takes_one_byte_segments_and_is_frozen() -> None:
+    good = Namespace.for_host_pool(make_pool(), model_id="m", model_revision="r")
+    fields = {**good.__dict__, "segment_bytes": (1,)}
+    del fields["tp_rank"], fields["tp_size"]
+    namespace = Namespace(**fields)
+    assert (namespace.tp_rank, namespace.tp_size, namespace.page_bytes) == (0, 1, 1)
+    with pytest.raises(AttributeError):
+        namespace.salt = "other"  # type: ignore[misc]
+    with pytest.raises(TypeError):  # every field by name, none by position
+        Namespace(*[getattr(good, f.name) for f in dataclasses.fields(Namespace)])  # type: ignore[misc]
