@@ -104,3 +104,46 @@ def test_bad_buffers_are_refused_with_what_to_do() -> None:
         check_batch("exists", ns, [b"x"], None, writable=False)
     assert check_batch("put", ns, keys[:1], [[byte_view(torch.zeros(ns.page_bytes,
                                               dtype=torch.uint8))]], writable=False)
+
+
+def test_a_header_holds_its_fields_where_the_format_puts_them() -> None:
+    """Two segments (a hybrid page: full rows, then SWA rows): the fixed fields, the
+    payload checksum (XXH3-64 of the segments in order) and each segment's length, padded
+    to the alignment; the page verifies."""
+    import dataclasses
+    import struct
+
+    import xxhash
+
+    pool = make_pool()
+    single = namespace(pool)
+    two = dataclasses.replace(single, segment_bytes=(single.page_bytes - 64, 64))
+    fmt = PageFormat(two, align=16)
+    page, key = views(pool, 1, 1)[0], hashes(1)[0]
+    header = fmt.header(key, page)
+    fixed = struct.Struct("<4sHHHHQ16s16sQ")
+    assert fmt.header_len == len(header) == -(-(fixed.size + 16) // 16) * 16
+    magic, version, header_len, flags, segments, payload, digest, prefix, checksum = \
+        fixed.unpack_from(header)
+    assert (magic, version, header_len, flags, segments) == (b"HCKV", 1, fmt.header_len, 1, 2)
+    assert (payload, digest, prefix) == (two.page_bytes, two.digest, key[:16])
+    assert checksum == xxhash.xxh3_64_intdigest(b"".join(bytes(s) for s in page))
+    assert struct.unpack_from("<2Q", header, fixed.size) == two.segment_bytes
+    assert not any(header[fixed.size + 16:])
+    assert fmt.verify(header, key, page)
+
+
+@pytest.mark.parametrize("align", [4, 12, 0])
+def test_an_alignment_that_is_not_a_power_of_two_of_8_or_more_is_refused(align: int) -> None:
+    with pytest.raises(ValueError, match=f"align must be a power of two >= 8, got {align}"):
+        PageFormat(namespace(make_pool()), align=align)
+
+
+def test_a_header_longer_than_its_u16_length_is_refused() -> None:
+    import dataclasses
+
+    fits = dataclasses.replace(namespace(make_pool()), segment_bytes=(1,) * 8183)
+    assert PageFormat(fits).header_len == 65528
+    too_many = dataclasses.replace(fits, segment_bytes=(1,) * 8184)  # 65536 bytes
+    with pytest.raises(ValueError, match="header of 65536 bytes does not fit its u16 length"):
+        PageFormat(too_many)
