@@ -2,7 +2,9 @@
 reads: a prefetch refused at its query leaves no lock and counts its tail ``queue_full``; a
 load refused after the store answered gives back its host slots and counts the found pages
 ``queue_full``; a prefetch finished while its pages are being read stops the worker after
-the batch it is on (CPU, the real file store behind a gate that holds the chosen calls)."""
+the batch it is on; an integrity check while a hybrid prefetch's read waits counts the full
+and SWA host slots it holds (CPU, the real file store behind a gate that holds the chosen
+calls)."""
 
 from __future__ import annotations
 
@@ -139,6 +141,40 @@ def test_a_prefetch_finished_during_its_reads_stops_the_worker_after_that_batch(
         assert not tier.prefetches.held_slots()
         assert reader.controller.host_pool.allocator.num_free_tokens == free
         assert tier.stats.prefetch_tokens["used"] == 0
+        reader.check_integrity()
+    finally:
+        store.gate.set()
+        reader.stop()
+
+
+def test_an_integrity_check_counts_what_a_hybrid_prefetch_holds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a hybrid prefetch's read waits at the gate, its full and SWA host slots are
+    held outside the tree; the check counts both as held (no leak) and so does it after."""
+    writer = build_service(make_config(tmp_path / "l3", hybrid=True), **MODEL)
+    try:
+        put(writer, X)
+        settle(writer)
+    finally:
+        writer.stop()
+    config = make_config(tmp_path / "l3", hybrid=True)
+    reader, store = gated_service(monkeypatch, config, MODEL, gated=("get",))
+    try:
+        tier = reader.storage
+        assert tier is not None
+        prefetch = reader.prefetch(reader.key(X), reader.match(reader.key(X)))
+        assert prefetch is not None
+        deadline = time.monotonic() + 10.0
+        while not store.entered.is_set():  # the answer applied: the read holds its slots
+            assert time.monotonic() < deadline, "the read never started"
+            reader.prefetch_ready(prefetch)
+            time.sleep(0.001)
+        held = tier.held_host_swa_slots()
+        assert held is not None and len(held) == len(X)
+        reader.check_integrity()
+        store.gate.set()
+        assert reader.wait_prefetch(prefetch, timeout_s=10.0)
+        assert reader.finish_prefetch(prefetch) == len(X)
         reader.check_integrity()
     finally:
         store.gate.set()
