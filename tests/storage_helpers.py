@@ -3,6 +3,7 @@ real Redis servers (skipped when ``redis-server`` is not installed)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import torch
 
 from hicache.bench.redis_local import RedisCluster, RedisServer, have_redis
 from hicache.pools import AttentionKind, HostKVPool, HostLayout, IndexSpace, Indices, RowGeometry
-from hicache.storage import Namespace, chain_page_hashes, host_page_views
+from hicache.storage import Namespace, StorageBackend, chain_page_hashes, host_page_views
 
 PAGE_SIZE = 4
 needs_redis = pytest.mark.skipif(not have_redis(), reason="redis-server/redis-cli not "
@@ -89,3 +90,20 @@ def own_server(tmp_path: Path) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
+
+
+def check_each_call_timed(store: StorageBackend, pool: HostKVPool, keys: list[bytes]) -> None:
+    """A put, an exists and a get of ``keys`` (pages 1.. of ``pool``, read back into pages
+    5..) on a fresh ``store``: each is counted once, with a time above 0 and at most the
+    call's own wall time."""
+    calls = [("put", lambda: store.put(keys, views(pool, 1, len(keys)))),
+             ("exists", lambda: store.exists(keys)),
+             ("get", lambda: store.get(keys, views(pool, 5, len(keys))))]
+    for name, call in calls:
+        before = getattr(store.stats(), f"{name}_seconds")
+        began = time.perf_counter()
+        call()
+        wall = time.perf_counter() - began
+        stats = store.stats()
+        assert getattr(stats, f"{name}_calls") == 1, name
+        assert 0 < getattr(stats, f"{name}_seconds") - before <= wall, name

@@ -5,12 +5,11 @@ them, a get refuses them as destinations) and each call's count and time in its 
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from storage_helpers import hashes, make_pool, namespace, rows, views
+from storage_helpers import check_each_call_timed, hashes, make_pool, namespace, rows, views
 
 from hicache.storage import FileStore, PageStatus
 
@@ -55,17 +54,7 @@ def test_each_call_is_counted_once_with_its_own_time(tmp_path: Path) -> None:
     pool = make_pool()
     keys = hashes(3)
     with FileStore(tmp_path, namespace(pool)) as store:
-        calls = [("put", lambda: store.put(keys, views(pool, 1, 3))),
-                 ("exists", lambda: store.exists(keys)),
-                 ("get", lambda: store.get(keys, views(pool, 5, 3)))]
-        for name, call in calls:
-            before = getattr(store.stats(), f"{name}_seconds")
-            began = time.perf_counter()
-            call()
-            wall = time.perf_counter() - began
-            stats = store.stats()
-            assert getattr(stats, f"{name}_calls") == 1, name
-            assert 0 < getattr(stats, f"{name}_seconds") - before <= wall, name
+        check_each_call_timed(store, pool, keys)
         assert store.delete(keys[:2] + hashes(1, seed=9)).statuses == (OK, OK,
                                                                         PageStatus.MISS)
         assert store.stats().delete_calls == 1 and store.stats().pages_deleted == 2

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import redis
 import torch
-from storage_helpers import fill, hashes, make_pool, namespace, needs_redis, rows, views
+from storage_helpers import (
+    check_each_call_timed,
+    fill,
+    hashes,
+    make_pool,
+    namespace,
+    needs_redis,
+    rows,
+    views,
+)
 
 from hicache.bench.redis_local import RedisCluster, RedisServer
 from hicache.pools import HostLayout
@@ -121,3 +130,23 @@ def test_cluster_round_trip_is_bit_exact(redis_cluster: RedisCluster) -> None:
         assert store.get(keys, views(pool, 11, 8)).statuses == (OK,) * 8
         assert torch.equal(rows(pool, 11, 8), rows(pool, 1, 8))
         store.clear()
+
+
+def test_each_call_is_counted_once_with_its_own_time(redis_server: RedisServer) -> None:
+    with standalone(redis_server) as store:
+        check_each_call_timed(store, make_pool(), hashes(3, seed=7))
+        store.clear()
+
+
+def test_a_pipeline_of_one_page_is_taken_and_none_is_refused(redis_server: RedisServer
+                                                             ) -> None:
+    pool = make_pool()
+    keys = hashes(3, seed=8)
+    ns = namespace(pool)
+    with RedisStore([("127.0.0.1", redis_server.port)], ns, pipeline_pages=1) as store:
+        assert store.put(keys, views(pool, 1, 3)).statuses == (OK,) * 3
+        assert store.get(keys, views(pool, 5, 3)).statuses == (OK,) * 3
+        assert torch.equal(rows(pool, 5, 3), rows(pool, 1, 3))
+        store.clear()
+    with pytest.raises(ValueError, match="pipeline_pages must be >= 1, got 0"):
+        RedisStore([("127.0.0.1", redis_server.port)], ns, pipeline_pages=0)
