@@ -150,3 +150,19 @@ def test_a_pipeline_of_one_page_is_taken_and_none_is_refused(redis_server: Redis
         store.clear()
     with pytest.raises(ValueError, match="pipeline_pages must be >= 1, got 0"):
         RedisStore([("127.0.0.1", redis_server.port)], ns, pipeline_pages=0)
+
+
+def test_reads_count_their_bytes_deletes_their_pages_and_a_get_refuses_read_only(
+        redis_server: RedisServer) -> None:
+    pool = make_pool()
+    keys = hashes(3, seed=9)
+    with standalone(redis_server) as store:
+        assert store.put(keys, views(pool, 1, 3)).statuses == (OK,) * 3
+        read_only = [[segment.toreadonly() for segment in page] for page in views(pool, 5, 3)]
+        with pytest.raises(ValueError, match="read-only"):
+            store.get(keys, read_only)
+        assert store.get(keys, views(pool, 5, 3)).statuses == (OK,) * 3
+        assert store.stats().bytes_read == 3 * store.format.payload_len
+        assert store.delete(keys[:2] + hashes(1, seed=10)).statuses == (OK, OK, MISS)
+        assert store.stats().delete_calls == 1 and store.stats().pages_deleted == 2
+        store.clear()
