@@ -107,6 +107,8 @@ def test_pending_record_is_not_read() -> None:
     guard.raise_if_tripped()
     guard._records[0] = (0, -1)  # one word landed, the other not yet
     guard.raise_if_tripped()
+    guard._records[0] = (1, written[1])  # the other order
+    guard.raise_if_tripped()
     assert guard.num_unread == 1
     guard._records[0] = written
     with pytest.raises(BoundsError, match=r"^late: slot 9"):
@@ -135,6 +137,24 @@ def test_full_ring_reads_before_reusing_a_row() -> None:
         guard.check(torch.tensor([1]), bound=8, op="clean")
     with pytest.raises(BoundsError, match=r"^oldest: slot -1"):
         guard.check(torch.tensor([1]), bound=8, op="clean")
+
+
+@pytest.mark.ring_only
+def test_a_check_reads_the_ring_only_when_it_is_full() -> None:
+    """Checks read back as they go never fill the ring, however many were made: a later
+    check with room in the ring neither waits nor raises an earlier check's error (on CUDA
+    that wait is a synchronisation); the poll does."""
+    guard = _deferred()
+    for _ in range(RING_ROWS // 2 + 1):
+        guard.check(torch.tensor([1]), bound=8, op="clean")
+    guard.raise_if_tripped()
+    guard.check(torch.tensor([8]), bound=8, op="bad")
+    guard.check(torch.tensor([1]), bound=8, op="clean")
+    assert guard.num_unread == 2
+    with pytest.raises(BoundsError, match=r"^bad: slot 8"):
+        guard.raise_if_tripped()
+    guard.raise_if_tripped()
+    assert guard.num_unread == 0
 
 
 def test_empty_input_is_a_no_op() -> None:
