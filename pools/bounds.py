@@ -57,9 +57,15 @@ class BoundsGuard:
         self._pinned: torch.Tensor | None = None  # the pinned rows themselves
         self._device_rows: torch.Tensor | None = None  # [RING_ROWS, 2] int64 on the device
         self._record_low = self._record_high = torch.empty(0)
-        self._captured: torch.Tensor | None = None  # [2] sticky record of graph replays
+        # [2] sticky record of graph replays, made here, outside any capture: made inside
+        # one, its zero fill was part of the graph and every replay cleared what the replays
+        # before it had found
+        self._captured: torch.Tensor | None = None
         self._captured_pinned = torch.empty(0, dtype=torch.int64)
-        self._captured_ops: list[str] = []
+        if device.type == "cuda":
+            self._captured = torch.zeros(2, dtype=torch.int64, device=device)
+            self._captured_pinned = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        self._captured_ops: list[str] = []  # what was captured (none: nothing to read)
         self._what: list[tuple[str, str, int]] = [("", "", 0)] * RING_ROWS
         self._next = 0  # sequence number of the next check
         self._read = 0  # checks before this one have been read
@@ -90,7 +96,7 @@ class BoundsGuard:
         """Raise :class:`BoundsError` for the oldest finished CUDA check that found an
         offending value (each such check is reported once). Reads pinned host memory only:
         checks the GPU has not run yet are left for a later call."""
-        if self._records is None and self._captured is None:
+        if self._records is None and not self._captured_ops:
             return  # no deferred check was ever made (every CPU pool): nothing to read
         self._raise_if_captured_tripped()
         if self._records is None or self._read == self._next:
@@ -147,9 +153,10 @@ class BoundsGuard:
         """A check recorded into a CUDA graph: every replay folds its excess into one sticky
         device record, copied to pinned memory after each replay's check (a ring row would
         be overwritten by replays long after the CPU read it)."""
-        if self._captured is None:
-            self._captured = torch.zeros(2, dtype=torch.int64, device=tensor.device)
-            self._captured_pinned = torch.zeros(2, dtype=torch.int64, pin_memory=True)
+        if self._captured is None or tensor.device != self._captured.device:
+            raise ValueError(
+                f"{op}: a bounds check of pool '{self.pool_name}' ({self.device}) captured "
+                f"in a CUDA graph on {tensor.device}: capture on the pool's device")
         safe, excess = _clean(tensor, bound)
         low, high = torch.aminmax(excess)
         torch.minimum(self._captured[0], low, out=self._captured[0])
@@ -159,7 +166,7 @@ class BoundsGuard:
         return safe
 
     def _raise_if_captured_tripped(self) -> None:
-        if self._captured is None:
+        if self._captured is None or not self._captured_ops:
             return
         low, high = (int(v) for v in self._captured_pinned.numpy())
         if low == 0 and high == 0:

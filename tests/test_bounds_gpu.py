@@ -170,13 +170,53 @@ def test_captured_check_reports_a_bad_replay(pool: HybridSWAPool) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(pool.swa.data, before)
-    with pytest.raises(BoundsError, match=r"captured in a CUDA graph found a value -1"):
+    with pytest.raises(BoundsError,
+                       match=r"captured in a CUDA graph found a value -1 in pool 'full'"):
         pool.raise_if_tripped()
     torch.cuda.synchronize()
     static.fill_(PAGE)
     graph.replay()
     torch.cuda.synchronize()
     pool.raise_if_tripped()
+
+
+@pytest.mark.skipif(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1",
+                    reason="CUDA graph capture needs the caching allocator")
+@pytest.mark.parametrize(("replayed", "found"), [
+    ((-3, -1), "a value -3 in pool"),  # the lowest of the replays before the read
+    ((-1, -3), "a value -3 in pool"),
+    ((FULL_SLOTS + 5, FULL_SLOTS), "a value 6 past its bound in pool"),  # the farthest
+    ((FULL_SLOTS, FULL_SLOTS + 5), "a value 6 past its bound in pool"),
+    ((-1, PAGE), "a value -1 in pool"),  # a clean replay after it clears nothing
+    ((FULL_SLOTS + 5, PAGE), "a value 6 past its bound in pool"),
+])
+def test_captured_checks_report_the_worst_replay(pool: HybridSWAPool, replayed: tuple[int, int],
+                                                 found: str) -> None:
+    """Two replays of a captured set_kv before a read, one or both bad: one error, naming
+    the lowest value below the range or the farthest past its end. (The record was once
+    made inside the capture, so every replay cleared it: a clean replay after a bad one
+    hid the error.)"""
+    static = torch.tensor([PAGE], dtype=torch.int64, device="cuda")
+    k = torch.ones(1, 2, 8, device="cuda", dtype=torch.bfloat16)
+    locs = Indices(static, IndexSpace.DEVICE_FULL)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        pool.set_kv(0, locs, k, k)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pool.set_kv(0, locs, k, k)
+    before = pool.full.data.clone()
+    for value in replayed:
+        static.fill_(value)
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(pool.full.data, before)
+    with pytest.raises(BoundsError, match=f"captured in a CUDA graph found {found} 'full'"):
+        pool.raise_if_tripped()
+    pool.raise_if_tripped()  # reported once
 
 
 def test_service_step_raises_the_cuda_error() -> None:
