@@ -15,6 +15,7 @@ from hicache.pools.page_ids import (
     is_run,
     owned_page_ids,
     page_ids,
+    single_page,
     valid_pages,
 )
 
@@ -105,6 +106,10 @@ def test_pages_are_a_copy() -> None:
         ([0, 1, 2, 3], "reserved for padding"),
         ([PAGE + 1, PAGE, PAGE + 2, PAGE + 3], "whole, ordered pages"),
         ([PAGE * 13, PAGE * 13 + 1, PAGE * 13 + 2, PAGE * 13 + 3], "out of range"),
+        # a slot twice in pages whose first and last slots span them, as a run's would
+        ([PAGE, PAGE, *range(PAGE + 2, 3 * PAGE)], "whole, ordered pages"),
+        # ascending pages that are not one run, the last one past the pool
+        ([p * PAGE + o for p in (1, 3, PAGES + 1) for o in range(PAGE)], "out of range"),
     ],
 )
 def test_errors_name_what_is_wrong(slots: list[int], message: str) -> None:
@@ -117,6 +122,30 @@ def test_errors_name_what_is_wrong(slots: list[int], message: str) -> None:
             num_pages=PAGES,
             op="test",
         )
+
+
+def test_single_page_names_only_one_whole_page_of_cpu_integer_slots() -> None:
+    """The one-page free's shortcut: the page of one whole valid page; ``None`` (the
+    checked path then names what is wrong) for anything else, even with a page's values."""
+    page = torch.arange(PAGE, 2 * PAGE)
+    full = IndexSpace.DEVICE_FULL
+    assert single_page(Indices(page, full), full, PAGE, PAGES) == 1
+    assert single_page(Indices(page.to(torch.int32), full), full, PAGE, PAGES) == 1
+    last = torch.arange(PAGES * PAGE, (PAGES + 1) * PAGE)
+    assert single_page(Indices(last, full), full, PAGE, PAGES) == PAGES
+    for other in (page.view(1, PAGE), page.to(torch.float32), page + PAGES * PAGE,
+                  page - PAGE, page.flip(0), page[:-1]):
+        assert single_page(Indices(other, full), full, PAGE, PAGES) is None
+    assert single_page(Indices(page, IndexSpace.HOST_FULL), full, PAGE, PAGES) is None
+    assert single_page(page, full, PAGE, PAGES) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_single_page_is_none_for_cuda_slots() -> None:
+    page = torch.arange(PAGE, 2 * PAGE, device="cuda")
+    full = IndexSpace.DEVICE_FULL
+    assert single_page(Indices(page, full), full, PAGE, PAGES) is None
 
 
 @pytest.mark.parametrize("values,expected", [
