@@ -221,3 +221,25 @@ def test_load_keeps_its_own_slots_when_the_caller_changes_its_tensors(tail: int)
                        swa_rows[start:])
     ctrl.evict_device(Indices(returned_full, IndexSpace.DEVICE_FULL))  # no longer in flight
     ctrl.hybrid_pool.check_integrity()
+
+
+def test_host_runs_of_each_pool_are_counted_from_its_own_host_pages() -> None:
+    """A hybrid write's host-run figures read each pool's host pages: the SWA rows of two
+    device pages apart land in one run of fresh host pages, counted as one run."""
+    ctrl = make_hybrid(TorchBackend())  # pages of 2 slots
+    pool = ctrl.hybrid_pool
+    assert pool.try_alloc(4) is not None
+    first, gap, last = pool.try_alloc(4), pool.try_alloc(4), pool.try_alloc(4)
+    assert first is not None and gap is not None and last is not None
+    pool.free_swa(gap)  # the SWA pages of ``first`` and ``last`` are apart
+    full = Indices(torch.cat([first.tensor, last.tensor]), IndexSpace.DEVICE_FULL)
+    device_swa_pages = pool.swa_slots_of(full).tensor[::2] // 2
+    assert (device_swa_pages.diff() != 1).any()
+    host = ctrl.write(full)
+    assert host is not None
+    assert (host.swa.tensor[::2] // 2).diff().eq(1).all()
+    ctrl.drain()
+    stats = ctrl.stats
+    for name in ("full", "swa"):
+        key = ("device_to_host", name)
+        assert (stats.host_runs[key], stats.host_run_tokens[key]) == (1, 8)
