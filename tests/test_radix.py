@@ -309,6 +309,7 @@ def test_load_back_below_threshold_is_refused() -> None:
     refused = rig.tree.load_back(find(rig.tree, A[:4]), 100)
     assert refused.refused is Refusal.BELOW_THRESHOLD and refused.num_tokens == 4
     assert len(refused.device_indices) == 0 and not refused.queued
+    assert refused.restored_swa_tokens == 0
     assert rig.tree.stats.refused_load_backs["below_threshold"] == 4
 
 
