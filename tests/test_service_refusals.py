@@ -147,6 +147,27 @@ def test_alloc_device_accepts_a_numpy_int(service: HiCacheService) -> None:
     slots = service.alloc_device(np.int64(3))
     assert slots is not None and len(slots) == 4 and service.engine_held_tokens == 4
     service.free_device(slots)
+    before = snapshot(service)
+    none = service.alloc_device(np.int32(0))
+    assert none is not None and len(none) == 0
+    assert snapshot(service) == before
+    refused(service, ValueError, r"^alloc_device: num_tokens must be >= 0, got -2$",
+            service.alloc_device, np.int64(-2))
+
+
+def test_alloc_device_above_equal_full_and_swa_capacities_names_the_device_pool() -> None:
+    """SWA pool as large as the full one: the bound is named by the full pool's key."""
+    config = make_config(hybrid=True)
+    config = dataclasses.replace(config, device_pool=dataclasses.replace(
+        config.device_pool, swa_num_tokens=32))
+    hybrid = build_service(config)
+    try:
+        refused(hybrid, ValueError,
+                r"^alloc_device: 33 tokens exceed the device pool's capacity of 32 tokens; "
+                r"allocate at most 32 tokens per call, or raise device_pool\.num_tokens$",
+                hybrid.alloc_device, 33)
+    finally:
+        hybrid.stop()
 
 
 # ---- lock and release ---------------------------------------------------------------------
