@@ -294,6 +294,13 @@ def test_translate_page_table(shifted: HybridSWAPool, dtype: torch.dtype) -> Non
     assert out.tensor.tolist() == [[1, 2, 0], [0, 0, 0], [2, 1, 0]]
 
 
+@pytest.mark.parametrize("page", [4, 3, 1, 0])
+def test_translate_page_table_of_one_page(shifted: HybridSWAPool, page: int) -> None:
+    """A one-entry table (a one-page request's) is translated like a longer one."""
+    out = shifted.translate_page_table(_table([[page]]))
+    assert out.tensor.tolist() == [[{4: 2, 3: 1}.get(page, 0)]]
+
+
 def test_translating_twice_is_refused(shifted: HybridSWAPool) -> None:
     """An SWA-space table (seed 003: a table translated already) is refused, not
     translated again into another request's pages."""
@@ -392,6 +399,13 @@ def test_fill_decode_buffer_refuses_int64_buffer(pool: HybridSWAPool) -> None:
     with pytest.raises(ValueError, match=r"buffer must be 1-D int32 on cpu, got torch\.int64 "
                                          r"\(4,\) on cpu"):
         pool.fill_decode_buffer(buffer, _full(2))
+
+
+def test_fill_decode_buffer_of_exactly_its_length(shifted: HybridSWAPool) -> None:
+    """As many locations as the buffer has rows fit it."""
+    buffer = torch.full((3,), 5, dtype=torch.int32)
+    shifted.fill_decode_buffer(buffer, _full(7, 6, 9))
+    assert buffer.tolist() == [3, 2, 5]
 
 
 def test_fill_decode_buffer_refuses_too_many_locations(shifted: HybridSWAPool) -> None:
