@@ -48,6 +48,10 @@ def test_a_killed_server_gives_misses_then_recovers_after_a_restart(
         assert store.stats().circuit_opens == 1 and store.stats().open_circuits == 1
         result, elapsed = timed(lambda: store.exists(keys))
         assert result.statuses == (ERROR,) * 4 and elapsed < 0.1  # circuit open: no I/O
+        assert result.error is not None and "circuit open" in result.error
+        result = store.get(keys, views(pool, 11, 4))  # the striped reads say so too
+        assert result.statuses == (ERROR,) * 4
+        assert result.error is not None and "circuit open" in result.error
         own_server.start()
         time.sleep(2 * BACKOFF_S)
         assert store.exists(keys).statuses == (MISS,) * 4  # no persistence: data is gone
