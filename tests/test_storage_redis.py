@@ -63,10 +63,11 @@ def test_exists_put_skip_and_delete(redis_server: RedisServer) -> None:
         store.clear()
 
 
-@pytest.mark.parametrize("damage", ["bit flip", "truncated", "header"])
+@pytest.mark.parametrize("damage", ["bit flip", "truncated", "header", "empty"])
 def test_a_damaged_value_is_corrupt_never_loaded_and_deleted(redis_server: RedisServer,
                                                              damage: str) -> None:
-    """A bit flip, a truncated value or a foreign header is CORRUPT and the key removed."""
+    """A bit flip, a truncated or empty value or a foreign header is CORRUPT and the key
+    removed."""
     pool = make_pool()
     keys = hashes(3, seed=3)
     client = redis.Redis(port=redis_server.port)
@@ -78,6 +79,8 @@ def test_a_damaged_value_is_corrupt_never_loaded_and_deleted(redis_server: Redis
             value[-10] ^= 0x04
         elif damage == "truncated":
             value = value[:-100]
+        elif damage == "empty":
+            value = bytearray()
         else:
             value[:4] = b"XXXX"
         client.set(key, bytes(value))
