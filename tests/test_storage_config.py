@@ -34,6 +34,7 @@ from hicache.storage import (
     host_page_views,
     parse_location,
 )
+from hicache.storage.store_url import parse_address
 
 MODEL = {"model_id": "test/model", "model_revision": "r1"}
 
@@ -301,3 +302,29 @@ def test_open_store_refuses_url_parts_it_would_ignore(location: str, part: str) 
     with pytest.raises(ValueError, match=re.escape(f"{location!r}: {part} is not supported")):
         parse_location(location)
     assert parse_location("redis://:pw@h:6379").password == "pw"
+
+
+@pytest.mark.parametrize(("location", "message"), [
+    ("", "storage location must be a path or URL, got ''"),
+    (None, "storage location must be a path or URL, got None"),
+    (5, "storage location must be a path or URL, got 5"),
+    ("redis://127.0.0.1:0", "'redis://127.0.0.1:0': '127.0.0.1:0' is not host:port"),
+    ("redis://127.0.0.1:65536", "'redis://127.0.0.1:65536': '127.0.0.1:65536' is not "
+                                "host:port"),
+    ("redis+cluster://h:1,h:x", "'redis+cluster://h:1,h:x': 'h:x' is not host:port"),
+    ("file://otherhost/pages", "'file://otherhost/pages': write file URLs as "
+                               "file:///absolute/path"),
+    ("file://", "'file://': write file URLs as file:///absolute/path"),
+])
+def test_bad_locations_are_refused_by_name(location: object, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        parse_location(location)  # type: ignore[arg-type]
+
+
+def test_ports_run_from_1_to_65535_and_file_urls_are_local() -> None:
+    assert parse_location("redis://127.0.0.1:1").seeds == (("127.0.0.1", 1),)
+    assert parse_location("redis://127.0.0.1:65535").seeds == (("127.0.0.1", 65535),)
+    assert parse_address("[::1]:7000") == ("::1", 7000)
+    assert parse_location("file://localhost/srv/pages").path == "/srv/pages"
+    with pytest.raises(ValueError, match=r"^'h' is not host:port \(e\.g\. 127\.0\.0\.1:6379\)$"):
+        parse_address("h")
