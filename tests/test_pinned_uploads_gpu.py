@@ -61,6 +61,21 @@ def test_a_done_buffer_is_reused_and_a_large_upload_gets_a_larger_one() -> None:
     assert uploads.pinned_bytes() == (MIN_ELEMS + 4 * MIN_ELEMS) * 8
 
 
+def test_buffers_are_pinned_powers_of_two_and_an_exact_fit_is_reused() -> None:
+    """A buffer of exactly the upload's size is reused; a new one is the smallest power of
+    two that holds the upload (one element past a power of two doubles it); every buffer
+    is page-locked (a pageable one would make the copy wait for the stream)."""
+    uploads = PinnedUploads()
+    for count, kept in [(MIN_ELEMS, MIN_ELEMS), (MIN_ELEMS, MIN_ELEMS),
+                        (2 * MIN_ELEMS, 3 * MIN_ELEMS), (2 * MIN_ELEMS + 1, 7 * MIN_ELEMS)]:
+        values = np.arange(count, dtype=np.int64) * 5 + count
+        got = uploads.upload((values,), CUDA)
+        torch.cuda.synchronize()
+        assert np.array_equal(got.cpu().numpy(), values)
+        assert uploads.pinned_bytes() == kept * 8
+    assert all(buffer.tensor.is_pinned() for buffer in uploads._buffers)
+
+
 def test_a_buffer_whose_copy_has_not_run_is_not_written() -> None:
     """The stream sleeps before the first copy, so its buffer is busy when the second
     upload comes: the second takes a new buffer, and the first copy still reads its own
