@@ -141,6 +141,12 @@ ERRORS = [
     ("model.num_layers", MISSING, r"model\.num_layers: missing required key; add it \(an int"),
     ("page_size_tokens", MISSING, r"page_size_tokens: missing required key"),
     ("host", MISSING, r"host: missing required key; add it \(a section of keys\)"),
+    ("model.dtype", MISSING,
+     r"model\.dtype: missing required key; add it \(one of: bfloat16, float16, float32\)"),
+    # a key of another section: where it belongs
+    ("controller.page_size_tokens", 16,
+     r"controller\.page_size_tokens: unknown key in this section; it belongs in "
+     r"page_size_tokens \(top level\): move it there"),
     ("model.num_kv_heads", MISSING, r"model\.num_kv_heads: missing, required for attention mha"),
     ("device_pool.swa_num_tokens", MISSING,
      r"device_pool\.swa_num_tokens: missing; the model has sliding-window layers \[1, 3\], "
@@ -179,6 +185,11 @@ ERRORS = [
     ("service.metrics_port", 70000, r"service\.metrics_port = 70000: not a TCP port; use 0"),
     ("service.integrity_check_interval_s", -0.5, r"integrity_check_interval_s = -0\.5: must"),
     ("host.ram_reserve_gib", -1, r"host\.ram_reserve_gib = -1\.0: must be >= 0"),
+    ("host.ram_reserve_gib", 2.0**33 + 1024,
+     r"host\.ram_reserve_gib = 8589935616\.0: more than 2\*\*63 bytes, the most a byte "
+     r"count can hold; give the size in GiB \(at most 8589934592\), e\.g\. 64"),
+    ("model.num_layers", 4097, r"model\.num_layers = 4097: must be <= 4096 \(no model"),
+    ("controller.event_ring_size", 65, r"controller\.event_ring_size = 65: must be <= 64"),
     ("host.ratio", 0, r"host\.ratio = 0\.0: must be > 0"),
     ("device_pool.device", "gpu", r"device_pool\.device = 'gpu': not a device; use cpu, cuda"),
     # page multiples suggest the rounded values
@@ -227,6 +238,13 @@ def test_invalid_setting_names_key_value_and_fix(key: str, value: object, messag
     """Each invalid setting raises ConfigError with the key, the value and the fix."""
     with pytest.raises(ConfigError, match=message):
         config_from_dict(edited(hybrid(), key, value), check_ram=False)
+
+
+@pytest.mark.parametrize(("key", "value"), [("model.num_layers", 4096),
+                                          ("controller.event_ring_size", 64),
+                                          ("host.ram_reserve_gib", 2.0**33)])
+def test_each_bound_itself_is_accepted(key: str, value: float) -> None:
+    config_from_dict(edited(hybrid(), key, value), check_ram=False)
 
 
 def test_error_carries_the_key() -> None:
