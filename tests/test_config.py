@@ -108,6 +108,13 @@ def test_default_sections_and_enums() -> None:
     assert config.host.ram_reserve_gib == 2.0
     assert config.device_pool.device == "cpu"
     assert not config.is_hybrid
+    # the README's documented defaults of the controller's tuning keys
+    assert (config.controller.kernel_programs, config.controller.event_ring_size,
+            config.controller.staging_tokens) == (16, 3, 1024)
+    for section in (config.model, config.device_pool, config.host, config.controller,
+                    config.service):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            section.__setattr__(dataclasses.fields(section)[0].name, None)
 
 
 def test_int_accepted_for_float() -> None:
@@ -183,6 +190,9 @@ ERRORS = [
     ("controller.kernel_programs", 0, r"controller\.kernel_programs = 0: must be >= 1"),
     ("controller.load_back_threshold_tokens", -1, r"load_back_threshold_tokens = -1: must be"),
     ("service.metrics_port", 70000, r"service\.metrics_port = 70000: not a TCP port; use 0"),
+    ("service.metrics_port", 65536, r"service\.metrics_port = 65536: not a TCP port; use 0"),
+    ("host.ratio", 2.0**63 * 1.5, r"host\.ratio = 1\.38\d+e\+19: more host tokens per "
+     r"device token than a slot index can count \(2\*\*63\)"),
     ("service.integrity_check_interval_s", -0.5, r"integrity_check_interval_s = -0\.5: must"),
     ("host.ram_reserve_gib", -1, r"host\.ram_reserve_gib = -1\.0: must be >= 0"),
     ("host.ram_reserve_gib", 2.0**33 + 1024,
@@ -240,11 +250,26 @@ def test_invalid_setting_names_key_value_and_fix(key: str, value: object, messag
         config_from_dict(edited(hybrid(), key, value), check_ram=False)
 
 
-@pytest.mark.parametrize(("key", "value"), [("model.num_layers", 4096),
-                                          ("controller.event_ring_size", 64),
-                                          ("host.ram_reserve_gib", 2.0**33)])
+BOUNDS = [("model.num_layers", 4096), ("controller.event_ring_size", 64),
+          ("host.ram_reserve_gib", 2.0**33), ("host.ratio", 2.0**63),
+          ("service.integrity_check_interval_s", 0), ("controller.staging_tokens", 1),
+          ("controller.write_through_hits", 1), ("controller.load_back_threshold_tokens", 0),
+          ("service.metrics_port", 0), ("service.metrics_port", 65535),
+          ("model.num_kv_heads", 1), ("model.head_dim", 1)]
+
+
+@pytest.mark.parametrize(("key", "value"), BOUNDS, ids=[f"{k}={v!r}" for k, v in BOUNDS])
 def test_each_bound_itself_is_accepted(key: str, value: float) -> None:
-    config_from_dict(edited(hybrid(), key, value), check_ram=False)
+    config = config_from_dict(edited(hybrid(), key, value), check_ram=False)
+    section, _, name = key.rpartition(".")
+    assert getattr(getattr(config, section) if section else config, name) == value
+
+
+def test_an_mla_latent_row_of_one_is_accepted() -> None:
+    config = config_from_dict(edited(edited(edited(edited(
+        dense(), "model.attention", "mla"), "model.num_kv_heads", MISSING),
+        "model.head_dim", MISSING), "model.latent_dim", 1))
+    assert config.model.latent_dim == 1
 
 
 def test_error_carries_the_key() -> None:
