@@ -30,7 +30,16 @@ from hicache.config import (
     load_config,
     loading,
 )
-from hicache.config.sizing import PoolSize, host_num_pages, pool_layers, pool_sizes
+from hicache.config.sizing import (
+    PoolSize,
+    device_num_pages,
+    host_num_pages,
+    pool_layers,
+    pool_names,
+    pool_sizes,
+    staging_bytes,
+    token_bytes,
+)
 from hicache.pools import AttentionKind, HostLayout
 
 MISSING = object()
@@ -533,3 +542,31 @@ def test_a_window_tails_variant_of_a_store_config_can_still_be_made() -> None:
     with pytest.raises(ConfigError, match=r"^host\.swa_history = 'window_tails': .*"
                                           r"set host\.swa_history: all"):
         config_from_dict(edited(data, "host.swa_history", "window_tails"), check_ram=False)
+
+
+@pytest.mark.parametrize(("backend", "device", "staged"), [
+    ("staged", "cuda", True), ("auto", "cuda", True), ("auto", "cpu", False),
+    ("torch", "cuda", False), ("kernel", "cuda", False)])
+def test_staging_bytes_are_two_chunks_per_side_stream_where_staged_copies_run(
+        backend: str, device: str, staged: bool) -> None:
+    """Two buffers of staging_tokens plus a page of the widest pool's tokens, for each of
+    the write and load streams; none where no staged move runs."""
+    config = config_from_dict(edited(edited(edited(
+        hybrid(), "controller.io_backend", backend), "device_pool.device", device),
+        "controller.staging_tokens", 100), check_ram=False)
+    widest = max(token_bytes(config, name) for name in pool_names(config))
+    assert staging_bytes(config) == (2 * 2 * (100 + config.page_size_tokens) * widest
+                                     if staged else 0)
+
+
+def test_a_host_of_exactly_one_page_is_accepted() -> None:
+    """The smallest host: one usable page, by ratio or by size (which also pays for the
+    reserved padding page)."""
+    config = config_from_dict(dense(), check_ram=False)
+    pages = device_num_pages(config, "full")
+    by_ratio = config_from_dict(edited(dense(), "host.ratio", 1 / pages), check_ram=False)
+    assert host_num_pages(by_ratio, "full") == 1
+    page_bytes = config.page_size_tokens * token_bytes(config, "full")
+    by_size = config_from_dict(edited(edited(dense(), "host.ratio", MISSING), "host.size_gib",
+                                      2 * page_bytes / 2**30), check_ram=False)
+    assert host_num_pages(by_size, "full") == 1
