@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -362,9 +363,44 @@ def test_unknown_ram_is_not_checked(
 
 
 def test_available_ram_is_read() -> None:
-    """This machine reports a positive amount of available RAM."""
+    """This machine reports a positive amount of available RAM, and its total RAM as the
+    kernel counts it (MemTotal is the physical pages sysconf counts, in bytes)."""
     available = loading.available_ram_bytes()
     assert available is not None and available > 0
+    total = loading.total_ram_bytes()
+    assert total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert available <= total
+
+
+def test_every_loader_checks_ram_unless_told_not_to(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path, repo_root: Path) -> None:
+    monkeypatch.setattr(loading, "available_ram_bytes", lambda: 2 * GIB + 1024)
+    text = (repo_root / "config.yaml").read_text(encoding="utf-8")
+    (tmp_path / "config.yaml").write_text(text, encoding="utf-8")
+    for load in (lambda **kw: loading.load_default_config(**kw),
+                 lambda **kw: loading.load_config(tmp_path / "config.yaml", **kw),
+                 lambda **kw: loading.config_from_yaml(text, "config.yaml", **kw)):
+        with pytest.raises(ConfigError, match="of RAM is available"):
+            load()
+        load(check_ram=False)
+
+
+def test_pools_that_fill_the_budget_exactly_fit_and_a_cpu_device_pool_counts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host and CPU device pools are both in RAM: their sum against available RAM minus the
+    reserve, an exact fit accepted, one byte less refused."""
+    data = edited(edited(edited(dense(), "host.ratio", MISSING), "host.size_gib", 0.01),
+                  "device_pool.num_tokens", 4096 * 8)
+    sizes = pool_sizes(config_from_dict(data, check_ram=False))
+    host = sum(size.size_bytes for size in sizes if size.tier == "host")
+    device = sum(size.size_bytes for size in sizes if size.tier == "device")
+    assert device > host // 8  # a device pool that matters
+    reserve = 2 * GIB
+    monkeypatch.setattr(loading, "available_ram_bytes", lambda: reserve + host + device)
+    config_from_dict(data)
+    monkeypatch.setattr(loading, "available_ram_bytes", lambda: reserve + host + device - 1)
+    with pytest.raises(ConfigError, match="host and CPU device pools need"):
+        config_from_dict(data)
 
 
 # ---- files ------------------------------------------------------------------------------------
