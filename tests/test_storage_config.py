@@ -109,6 +109,11 @@ def test_every_choice_and_number_is_kept() -> None:
                            "prefetch_timeout_s": 1, "prefetch_timeout_max_s": 1}).storage
     assert storage.timeout_s == 1.0 and isinstance(storage.timeout_s, float)
     assert not storage.checksum and storage.write_through_hits == 5
+    # a cap of exactly one page (4 tokens x 2 layers x K and V x 2 heads x 8 dims x 2 bytes)
+    assert load(FILE | {"size_cap_gib": 512 / 2**30}).storage.capacity_bytes == 512
+    # the README's default, and 0 (every tail asked for) at the bound
+    assert load(FILE).storage.prefetch_threshold_tokens == 256
+    assert load(FILE | {"prefetch_threshold_tokens": 0}).storage.prefetch_threshold_tokens == 0
 
 
 def test_prefetch_timeout_grows_with_tokens_up_to_its_cap() -> None:
