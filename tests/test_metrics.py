@@ -150,6 +150,9 @@ def test_values_are_current_at_every_scrape(served: list[MetricsExporter]) -> No
     before = scrape(port)
     assert value(before, "hicache_transfer_tokens_total", direction=D2H, pool="full") == 0
     assert value(before, "hicache_background_errors_total") == 0
+    for direction in (D2H, H2D):  # no op yet in either direction: zeros, not absent
+        assert value(before, "hicache_transfer_completed_ops_total", direction=direction) == 0
+        assert value(before, "hicache_transfer_in_flight_ops", direction=direction) == 0
     rig.put(A)
     assert value(scrape(port), "hicache_transfer_in_flight_ops", direction=D2H) == 1
     rig.ack()
@@ -240,8 +243,10 @@ def test_start_twice_and_bad_port_are_refused(served: list[MetricsExporter]) -> 
     """A second start_http raises RuntimeError; a port outside 0..65535 raises ValueError."""
     exporter = exporter_of(Rig())
     served.append(exporter)
-    with pytest.raises(ValueError, match=r"0\.\.65535"):
-        exporter.start_http(port=70000)
+    for port in (70000, 65536, -1):
+        with pytest.raises(ValueError, match=rf"metrics port {port} is not a TCP port; use "
+                                             r"0\.\.65535"):
+            exporter.start_http(port=port)
     exporter.start_http()
     with pytest.raises(RuntimeError, match="stop"):
         exporter.start_http()
