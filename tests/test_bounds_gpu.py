@@ -147,24 +147,32 @@ def test_refilled_buffer_on_cuda_is_bit_exact(pool: HybridSWAPool) -> None:
     pool.raise_if_tripped()
 
 
+def _captured_set_kv(pool: HybridSWAPool, layer: int, static: torch.Tensor
+                     ) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of one ``set_kv`` of ``layer`` at the slot ``static`` holds when it is
+    replayed (run once outside the capture first, on a side stream, as capture needs)."""
+    k = torch.ones(1, 2, 8, device="cuda", dtype=torch.bfloat16)
+    locs = Indices(static, IndexSpace.DEVICE_FULL)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        pool.set_kv(layer, locs, k, k)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pool.set_kv(layer, locs, k, k)
+    return graph
+
+
 @pytest.mark.skipif(os.environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING") == "1",
                     reason="CUDA graph capture needs the caching allocator")
 def test_captured_check_reports_a_bad_replay(pool: HybridSWAPool) -> None:
     """set_kv inside a CUDA graph: a replay with a bad slot writes nothing live and is
     reported at the next read; a clean replay afterwards reports nothing."""
     static = torch.tensor([PAGE], dtype=torch.int32, device="cuda")
-    k = torch.ones(1, 2, 8, device="cuda", dtype=torch.bfloat16)
-    locs = Indices(static, IndexSpace.DEVICE_FULL)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        pool.set_kv(1, locs, k, k)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
+    graph = _captured_set_kv(pool, 1, static)
     pool.raise_if_tripped()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pool.set_kv(1, locs, k, k)
     before = pool.swa.data.clone()
     static.fill_(-1)
     graph.replay()
@@ -197,17 +205,7 @@ def test_captured_checks_report_the_worst_replay(pool: HybridSWAPool, replayed: 
     made inside the capture, so every replay cleared it: a clean replay after a bad one
     hid the error.)"""
     static = torch.tensor([PAGE], dtype=torch.int64, device="cuda")
-    k = torch.ones(1, 2, 8, device="cuda", dtype=torch.bfloat16)
-    locs = Indices(static, IndexSpace.DEVICE_FULL)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        pool.set_kv(0, locs, k, k)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        pool.set_kv(0, locs, k, k)
+    graph = _captured_set_kv(pool, 0, static)
     before = pool.full.data.clone()
     for value in replayed:
         static.fill_(value)
