@@ -153,10 +153,9 @@ class BoundsGuard:
         """A check recorded into a CUDA graph: every replay folds its excess into one sticky
         device record, copied to pinned memory after each replay's check (a ring row would
         be overwritten by replays long after the CPU read it)."""
-        if self._captured is None or tensor.device != self._captured.device:
-            raise ValueError(
-                f"{op}: a bounds check of pool '{self.pool_name}' ({self.device}) captured "
-                f"in a CUDA graph on {tensor.device}: capture on the pool's device")
+        # every caller checked the tensor's device against the pool's first
+        assert self._captured is not None and tensor.device == self._captured.device, \
+            f"{op}: a captured check of pool '{self.pool_name}' on {tensor.device}"
         safe, excess = _clean(tensor, bound)
         low, high = torch.aminmax(excess)
         torch.minimum(self._captured[0], low, out=self._captured[0])
