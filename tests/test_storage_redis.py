@@ -63,6 +63,31 @@ def test_exists_put_skip_and_delete(redis_server: RedisServer) -> None:
         store.clear()
 
 
+def test_a_page_another_writer_stores_first_is_ok_and_counted_skipped(
+        redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two engines storing one page: the other one's SET lands between this put's EXISTS
+    (a miss) and its SET NX, which then finds the key. The page is OK, counted skipped,
+    not written, its bytes not counted, and the value is the other writer's."""
+    pool = make_pool()
+    keys = hashes(2, seed=9)
+    with standalone(redis_server) as store, standalone(redis_server) as other:
+        send_sets = store.pages.put
+
+        def other_writer_first(*args: object, **kwargs: object) -> None:
+            assert other.put(keys[:1], views(pool, 1, 1)).statuses == (OK,)
+            send_sets(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(store.pages, "put", other_writer_first)
+        assert store.put(keys, views(pool, 1, 2)).statuses == (OK, OK)
+        stats = store.stats()
+        assert (stats.pages_written, stats.pages_skipped) == (1, 1)
+        assert stats.bytes_written == other.stats().bytes_written > 0
+        fill(pool, 11, 2, 3.0)
+        assert store.get(keys, views(pool, 11, 2)).statuses == (OK, OK)
+        assert torch.equal(rows(pool, 11, 2), rows(pool, 1, 2))
+        store.clear()
+
+
 @pytest.mark.parametrize("damage", ["bit flip", "truncated", "header", "empty"])
 def test_a_damaged_value_is_corrupt_never_loaded_and_deleted(redis_server: RedisServer,
                                                              damage: str) -> None:
