@@ -36,6 +36,7 @@ from hicache import (
     config_from_dict,
     load_config,
 )
+from hicache.bench.redis_local import free_port
 from hicache.l3 import StorageTier
 from hicache.l3.worker import StorageWorker
 from hicache.metrics import MetricsExporter
@@ -97,11 +98,6 @@ def settled_footprint(before: Footprint) -> Footprint:
             return now
         time.sleep(0.01)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def can_bind(port: int) -> bool:

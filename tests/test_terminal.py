@@ -19,17 +19,13 @@ import pexpect
 import pytest
 from thread_helpers import service_thread_names
 
+from hicache.bench.redis_local import free_port
 from hicache.cli import main
 from hicache.config import default_config_text
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 DEMO = [sys.executable, "-m", "hicache.cli", "demo"]
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def config_on_port(directory: Path, port: int) -> Path:

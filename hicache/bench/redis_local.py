@@ -19,12 +19,25 @@ def have_redis() -> bool:
 
 
 def free_port() -> int:
-    """A free loopback port whose cluster bus port (+10000) is free too."""
+    """A free loopback port whose cluster bus port (+10000) is free too, both below the
+    kernel's ephemeral range, so no client connection can take either between this pick
+    and the server's bind."""
+    low = _ephemeral_low() - 10000
+    first = 10000 if low > 12000 else 20000
+    last = low if low > 12000 else 50000
     for _ in range(200):
-        port = random.randrange(20000, 50000)
+        port = random.randrange(first, last)
         if _is_free(port) and _is_free(port + 10000):
             return port
     raise RuntimeError("no free loopback port pair found")
+
+
+def _ephemeral_low() -> int:
+    """The first port the kernel hands to outgoing connections (32768 if unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _is_free(port: int) -> bool:
@@ -49,6 +62,7 @@ class RedisServer:
     def __init__(self, directory: Path, *, port: int | None = None, cluster: bool = False,
                  maxmemory: str | None = None) -> None:
         self.port = port or free_port()
+        self.may_repick_port = port is None
         self.directory = directory
         self.cluster = cluster
         self.maxmemory = maxmemory
@@ -59,6 +73,31 @@ class RedisServer:
         return ("127.0.0.1", self.port)
 
     def start(self) -> RedisServer:
+        """Start the server and wait for its PONG. A server on a port picked here that exits
+        at once (the port was taken after the pick) is retried on a fresh port, twice; once
+        it has answered, its port is kept, so a restart after ``kill`` comes back where its
+        clients and cluster peers look for it."""
+        for attempt in range(3):
+            if self._start_once():
+                self.may_repick_port = False
+                return self
+            if not self.may_repick_port or attempt == 2:
+                break
+            self.port = free_port()
+        raise RuntimeError(f"redis-server on port {self.port} did not start "
+                           f"(see {self.directory}): {self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        log = self.directory / f"redis-{self.port}.log"
+        try:
+            lines = log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "no log written"
+        return " | ".join(lines[-3:]) or "empty log"
+
+    def _start_once(self) -> bool:
+        """True once the server answers; False (the process killed) if it exited or did not
+        answer within 10 s."""
         self.directory.mkdir(parents=True, exist_ok=True)
         args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1",
                 "--save", "", "--appendonly", "no", "--dir", str(self.directory),
@@ -75,13 +114,12 @@ class RedisServer:
         while True:
             try:
                 if ping(self.port).startswith(b"+PONG"):
-                    return self
+                    return True
             except OSError:
                 pass
             if time.monotonic() > deadline or self.process.poll() is not None:
                 self.kill()
-                raise RuntimeError(f"redis-server on port {self.port} did not start "
-                                   f"(see {self.directory})")
+                return False
             time.sleep(0.02)
 
     def kill(self) -> None:
@@ -115,8 +153,12 @@ class RedisCluster:
     """Three masters, no replicas, every slot assigned."""
 
     def __init__(self, directory: Path, masters: int = 3) -> None:
-        self.servers = [RedisServer(directory / f"node{i}", cluster=True)
-                        for i in range(masters)]
+        self.servers: list[RedisServer] = []
+        for i in range(masters):
+            server = RedisServer(directory / f"node{i}", cluster=True)
+            while server.port in [s.port for s in self.servers]:
+                server.port = free_port()
+            self.servers.append(server)
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
