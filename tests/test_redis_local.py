@@ -31,7 +31,7 @@ def test_free_ports_and_their_bus_ports_lie_below_the_ephemeral_range() -> None:
     low = _ephemeral_low()
     for _ in range(50):
         port = free_port()
-        assert 10000 <= port and port + 10000 < low, (port, low)
+        assert port >= 10000 and port + 10000 < low, (port, low)
 
 
 @needs_redis
