@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from hicache.controller.copy2d import (
+    MAX_PITCH_BYTES,
     CopyPlanner,
+    RowPlan,
+    _copy_rows,
     as_bytes,
     copy_block,
     emulate_copies,
@@ -168,3 +171,42 @@ def test_planner_reuses_the_plan_of_equal_views_only() -> None:
         assert planner.plan(host_view, staged_view) == plan_copies(
             host_view, staged_view, host.data_ptr(), staging.data_ptr())
     assert len(planner._known) == 2
+
+
+def test_a_pitch_a_2d_copy_cannot_take_splits_the_block() -> None:
+    """A pitch of MAX_PITCH_BYTES still goes as one copy; one byte more, the block goes as
+    one copy per row, each at its row's address (meta tensors: no memory behind them)."""
+    space = torch.empty(2**20, dtype=torch.uint8, device="meta")
+    rows = torch.empty(2, 3, 4, dtype=torch.uint8, device="meta")
+    at_limit = space.as_strided((2, 3, 4), (MAX_PITCH_BYTES, 4, 1))
+    assert MAX_PITCH_BYTES == 2**31 - 1
+    assert plan_block(at_limit, rows) == [(RowPlan(0, MAX_PITCH_BYTES, 12, 2),
+                                           RowPlan(0, 12, 12, 2))]
+    past = space.as_strided((2, 3, 4), (MAX_PITCH_BYTES + 1, 4, 1))
+    assert plan_block(past, rows) == [
+        (RowPlan(0, 12, 12, 1), RowPlan(0, 12, 12, 1)),
+        (RowPlan(MAX_PITCH_BYTES + 1, 12, 12, 1), RowPlan(12, 12, 12, 1))]
+
+
+def test_a_block_of_one_element_is_one_row() -> None:
+    dst, src = torch.zeros(1, 1, 1), torch.ones(1, 1, 1)
+    assert plan_rows(dst, src) == (RowPlan(dst.data_ptr(), 4, 4, 1),
+                                   RowPlan(src.data_ptr(), 4, 4, 1))
+
+
+@pytest.mark.parametrize("view", [
+    lambda t: t[5:12, :, 2:3],       # rows a token apart
+    lambda t: t[3:4, 1, 0],          # one row
+    lambda t: t[2:9, :, 1:3, 2:6],   # parts of rows: no plan, split along dimension 0
+    lambda t: t[7, 1, 3, 5],         # one element (a 0-dim view)
+], ids=["strided", "one_row", "split", "scalar"])
+def test_the_row_by_row_fallback_moves_exactly_the_view(view) -> None:
+    """Without a CUDA runtime library the block moves with copy_ part by part: the viewed
+    elements change, nothing else does."""
+    host = torch.full((S, C, L, R), -1.0)
+    target = view(host)
+    source = torch.arange(target.numel(), dtype=torch.float32).view(target.shape)
+    _copy_rows(target, source)
+    assert torch.equal(view(host), source)
+    view(host).fill_(-1.0)
+    assert (host == -1.0).all()
