@@ -260,3 +260,23 @@ def test_a_closed_host_pool_is_refused_and_its_buffer_not_kept() -> None:
     with pytest.raises(RuntimeError, match="is closed"):
         backend.copy(later, [0], Direction.HOST_TO_DEVICE, [])
     assert later.staged_move is None
+
+
+@pytest.mark.parametrize("dtype, width, widened", [
+    (torch.bfloat16, 4, True), (torch.bfloat16, 8, True), (torch.bfloat16, 6, False),
+    (torch.bfloat16, 3, False), (torch.float32, 2, True), (torch.float32, 3, False),
+    (torch.uint8, 16, True), (torch.uint8, 12, False), (torch.float64, 2, False),
+])
+def test_rows_widen_to_8_byte_elements_only_where_whole(dtype: torch.dtype, width: int,
+                                                        widened: bool) -> None:
+    """Staging rows are moved as int64 where each row is a whole number of 8 bytes (same
+    bits, fewer elements); other rows, and rows of 8-byte elements already, stay as they
+    are."""
+    rows = torch.arange(3 * width, dtype=torch.float32).to(dtype).view(3, width)
+    found = staged_views.wide(rows)
+    if widened:
+        assert found.dtype is torch.int64
+        assert found.shape == (3, width * rows.element_size() // 8)
+        assert torch.equal(found.view(dtype), rows)
+    else:
+        assert found is rows
