@@ -160,6 +160,36 @@ def test_evict_host_frees_both_pools() -> None:
     assert rows.shape[1:] == (2, 2, 8)
 
 
+def test_evict_host_refuses_slots_a_load_still_reads() -> None:
+    """Host slots (full, then SWA) that a queued load reads are refused by ``evict_host``,
+    naming the first busy slot of the pool, both allocators unchanged; once the load is
+    acknowledged, they go."""
+    ctrl = make_hybrid(TorchBackend())
+    full = alloc_sequence(ctrl, 6, window_tokens=6)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    assert ctrl.load(host.full, host.swa, swa_tail_tokens=6) is not None
+    used = (ctrl.host_pool.allocator.num_used_tokens, ctrl.host_swa.allocator.num_used_tokens)
+    first_full, first_swa = int(host.full.tensor[0]), int(host.swa.tensor[0])
+    with pytest.raises(ValueError, match=rf"evict_host: slot {first_full} of pool 'full' "
+                                         r"belongs to a transfer in flight"):
+        ctrl.evict_host(host.full, host.swa)
+    later = Indices(host.swa.tensor[2:], IndexSpace.HOST_SWA)
+    with pytest.raises(ValueError, match=rf"slot {int(later.tensor[0])} of pool 'swa' "
+                                         r"belongs to a transfer in flight"):
+        ctrl.evict_host(Indices(host.full.tensor[:0], IndexSpace.HOST_FULL), later)
+    assert (ctrl.host_pool.allocator.num_used_tokens,
+            ctrl.host_swa.allocator.num_used_tokens) == used
+    assert first_swa != 0
+    ctrl.start_loading()
+    ctrl.poll()
+    ctrl.evict_host(host.full, host.swa)
+    assert ctrl.host_pool.allocator.num_used_tokens == 0
+    assert ctrl.host_swa.allocator.num_used_tokens == 0
+
+
 def test_evict_device_refuses_pages_whose_swa_rows_are_being_copied() -> None:
     """A page whose SWA rows a window backup still reads is refused by ``evict_device``,
     with or without the tree's page ids (its form then unchecked), every count and the map
