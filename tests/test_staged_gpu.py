@@ -63,10 +63,15 @@ def test_page_first_direct_round_trip(backend: TransferBackend, page_size: int,
 
 
 @pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
-def test_plans_reused_across_layers_on_gpu(layout: HostLayout) -> None:
+@pytest.mark.parametrize("two_d", [True, False], ids=["2d", "row-by-row"])
+def test_plans_reused_across_layers_on_gpu(layout: HostLayout, two_d: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Layer by layer through one op's plans (2D copies planned for layer 0, issued at every
-    layer's offset, on both staging buffers): the rows that fresh plans and the torch
-    backend move, bit for bit."""
+    layer's offset, on both staging buffers; or, without a runtime library, each layer's
+    views copied row by row): the rows that fresh plans and the torch backend move, bit for
+    bit."""
+    if not two_d:
+        monkeypatch.setattr(copy2d, "_cudart", lambda: None)
     groups = [[layer] for layer in range(4)]
     reused = copy_groups(StagedBackend(2), layout, groups, device="cuda")
     fresh = copy_groups(StagedBackend(2), layout, groups, fresh=True, device="cuda")
