@@ -218,6 +218,22 @@ def test_evict_device_refuses_pages_whose_swa_rows_are_being_copied() -> None:
     pool.check_integrity()
 
 
+def test_evict_device_refuses_the_first_swa_page_while_it_is_copied() -> None:
+    """The first pages of a fresh pool (full and SWA page 1, slots 2, 3): a window backup
+    of them still reads SWA page 1, so ``evict_device`` refuses it, naming SWA slot 2."""
+    ctrl = make_hybrid(TorchBackend())
+    full = alloc_sequence(ctrl, 2, window_tokens=2)
+    assert ctrl.hybrid_pool.swa_slots_of(full).tensor.tolist() == [2, 3]
+    assert ctrl.write_swa(full, "window") is not None
+    with pytest.raises(ValueError, match=r"slot 2 of pool 'swa' belongs to a transfer in "
+                                         r"flight"):
+        ctrl.evict_device(full)
+    ctrl.start_writing()
+    ctrl.poll()
+    ctrl.evict_device(full)
+    ctrl.hybrid_pool.check_integrity()
+
+
 @pytest.mark.parametrize("tail", [0, 4, 10], ids=["no-tail", "part", "all"])
 def test_load_keeps_its_own_slots_when_the_caller_changes_its_tensors(tail: int) -> None:
     """The caller overwrites the host slots it passed (full and SWA) and the device slots it

@@ -162,6 +162,27 @@ def test_observer_sees_every_queued_call_until_removed() -> None:
         ctrl.remove_observer(observe)
 
 
+def test_an_observer_that_fails_a_window_backup_leaves_nothing_allocated() -> None:
+    """The observer's exception reaches the caller of ``write_swa``; the SWA host pages it
+    allocated are free again, nothing is queued, and the next call goes through."""
+    ctrl = make_hybrid(TorchBackend())
+    full = ctrl.hybrid_pool.try_alloc(4)
+    assert full is not None
+
+    def refuse(direction: object, transfers: object, tag: object) -> None:
+        raise RuntimeError("observer refused")
+
+    ctrl.add_observer(refuse)
+    with pytest.raises(RuntimeError, match="observer refused"):
+        ctrl.write_swa(full, tag="swa")
+    assert ctrl.host_swa.allocator.num_used_tokens == 0
+    assert ctrl.host_pool.allocator.num_used_tokens == 0
+    assert not ctrl.has_queued_writes and ctrl.num_in_flight == 0
+    ctrl.remove_observer(refuse)
+    assert ctrl.write_swa(full, tag="swa") is not None
+    assert ctrl.host_swa.allocator.num_used_tokens == 4
+
+
 def test_write_swa_of_pages_out_of_order_keeps_each_tokens_host_slot() -> None:
     """Pages given out of order, one of them without SWA rows: each token's host slot holds
     that token's SWA rows (the copy is planned page by page); a full SWA host pool refuses
@@ -185,3 +206,25 @@ def test_write_swa_of_pages_out_of_order_keeps_each_tokens_host_slot() -> None:
     used = ctrl.host_swa.allocator.num_used_tokens  # 6 of 8: one page left
     assert ctrl.write_swa(full) is None
     assert ctrl.host_swa.allocator.num_used_tokens == used and not ctrl.has_queued_writes
+
+
+def test_an_observer_sees_the_bytes_each_pool_transfer_moves() -> None:
+    """``size_bytes`` of every transfer an observer gets is what the op's acknowledgement
+    reports for that pool: tokens times every component of the pool's moved layers."""
+    ctrl = make_hybrid(TorchBackend())
+    sizes: dict[str, int] = {}
+
+    def observe(direction: object, transfers: object, tag: object) -> None:
+        assert isinstance(transfers, list)
+        sizes.update({t.name: t.size_bytes for t in transfers})
+
+    ctrl.add_observer(observe)
+    full = ctrl.hybrid_pool.try_alloc(4)
+    assert full is not None
+    assert ctrl.write(full) is not None
+    ctrl.start_writing()
+    (ack,) = ctrl.poll()
+    assert sizes == ack.bytes_by_pool
+    pool = ctrl.hybrid_pool
+    assert sizes["full"] == 4 * pool.full.geometry.token_bytes(pool.full.num_layers) > 0
+    assert sizes["swa"] == 4 * pool.swa.geometry.token_bytes(pool.swa.num_layers) > 0
