@@ -99,16 +99,13 @@ class DirectStaging:
         rows.index_copy_(0, self._targets(rows.device), gathered.reshape(-1, gathered.shape[-1]))
 
     def unstage(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[components, layers, pairs, row]`` of the staging ``rows`` (a new tensor, made on
-        the current stream)."""
+        """``[components, layers, pairs, row]`` of the staging ``rows`` for partial pages (a
+        new tensor, made on the current stream; whole pages scatter from the staging in
+        place: :meth:`scatter_pages`)."""
+        assert not self.whole_pages, "whole pages scatter in place (scatter_pages)"
         c, n = self.shape
-        width = rows.shape[-1]
-        if self.whole_pages:
-            pages = self.num_pairs // self.page_size
-            staged = rows.view(pages, c, n, self.page_size, width)
-            return staged.permute(1, 2, 0, 3, 4).reshape(c, n, self.num_pairs, width)
         return rows.index_select(0, self._targets(rows.device)).view(c, n, self.num_pairs,
-                                                                   width)
+                                                                   rows.shape[-1])
 
     def gather_pages(self, rows: torch.Tensor, index: torch.Tensor,
                      blocks: Sequence[tuple[int, int]], device_rows: Sequence[torch.Tensor]
