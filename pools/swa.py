@@ -51,10 +51,10 @@ class HybridSWAPool:
         device: torch.device | str,
     ) -> None:
         swa_set = set(swa_layers)
-        if not swa_set or not swa_set <= set(range(num_layers)):
+        if not swa_set or not swa_set < set(range(num_layers)):  # a full layer is left
             raise ValueError(
                 f"swa_layers {sorted(swa_set)} must be a non-empty subset of 0..{num_layers - 1}"
-            )
+                " that leaves the full pool at least one full-attention layer")
         self.num_layers = num_layers
         self.page_size = page_size
         self.device = torch.device(device)

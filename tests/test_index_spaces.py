@@ -10,9 +10,11 @@ from hicache.pools import (
     BoundsError,
     IndexSpace,
     Indices,
+    PageTable,
     check_indices,
     debug_checks_enabled,
 )
+from hicache.pools.base import bounds_message, check_page_multiple
 
 NUM_SLOTS = 16
 CPU = torch.device("cpu")
@@ -205,3 +207,37 @@ def test_indices_refuse_a_non_tensor_and_a_non_space() -> None:
     assert made == Indices(made.tensor, IndexSpace.HOST_FULL)
     with pytest.raises(AttributeError):
         made.space = IndexSpace.DEVICE_FULL  # type: ignore[misc]
+
+
+def test_host_indices_for_an_swa_pool_get_no_translation_hint() -> None:
+    """Only full slots given to an SWA pool point at the translation; host slots do not."""
+    host = Indices(torch.tensor([1, 2]), IndexSpace.HOST_SWA)
+    with pytest.raises(ValueError, match=r"space DEVICE_SWA, got HOST_SWA$"):
+        _check(host, space=IndexSpace.DEVICE_SWA)
+
+
+def test_a_bounds_message_calls_only_values_below_zero_negative() -> None:
+    assert "slot 0 is out of range for pool 'p' (valid slots are 0..-1)" in \
+        bounds_message("read", "p", "slot", 0, 0)
+    assert "slot -1 is negative" in bounds_message("read", "p", "slot", -1, 8)
+    assert "page 8 is out of range for pool 'p' (valid pages are 0..7)" in \
+        bounds_message("read", "p", "page", 8, 8)
+
+
+@pytest.mark.parametrize("num_tokens, ok", [(0, True), (4, True), (8, True), (-4, False),
+                                            (5, False), (1, False), (-1, False)])
+def test_page_multiples_are_whole_pages_of_zero_or_more(num_tokens: int, ok: bool) -> None:
+    if ok:
+        check_page_multiple(num_tokens, 4, "alloc")
+        return
+    with pytest.raises(ValueError, match=rf"^alloc: {num_tokens} tokens is not a whole number "
+                                         r"of pages of 4 tokens"):
+        check_page_multiple(num_tokens, 4, "alloc")
+
+
+def test_a_page_table_takes_pages_of_one_token_or_more() -> None:
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    assert PageTable(table, IndexSpace.DEVICE_FULL, 1).page_size == 1
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(ValueError, match=r"PageTable.page_size must be an int >= 1"):
+            PageTable(table, IndexSpace.DEVICE_FULL, bad)  # type: ignore[arg-type]

@@ -83,3 +83,15 @@ def test_rows_of_another_width_are_refused_unwritten(bad: torch.Tensor) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         pool.set_kv(0, _span_locs(pool, 1, 2), bad, _rows(2, 1.0))
     assert pool.data.eq(SENTINEL).all()
+
+
+def test_an_mla_pools_latent_rows_are_named_k_and_component_0() -> None:
+    """MLA has one component: errors about its rows name k and component 0, never v."""
+    pool = _pool(MLA)
+    pool.data.fill_(SENTINEL)
+    with pytest.raises(TypeError, match=r"^set_kv on pool '.*': k must be a torch.Tensor, "
+                                        r"got list$"):
+        pool.set_kv(0, _locs(3, 6), [[1.0]] * 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"component 0 must hold 2 rows"):
+        pool.set_kv(0, _locs(3, 6), torch.ones(3, 7))
+    assert (pool.data == SENTINEL).all()

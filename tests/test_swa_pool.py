@@ -104,6 +104,19 @@ def test_constructor_refuses_bad_swa_layers(swa_layers: list[int]) -> None:
                       page_size=2, geometry=GEOMETRY, device="cpu")
 
 
+def test_constructor_refuses_a_model_of_sliding_window_layers_only() -> None:
+    """Every layer sliding-window would leave a full pool of no layers: refused, as the
+    config refuses it; three of four are fine."""
+    with pytest.raises(ValueError, match=r"swa_layers \[0, 1, 2, 3\] must be a non-empty "
+                                         r"subset of 0\.\.3 that leaves the full pool at "
+                                         r"least one full-attention layer"):
+        HybridSWAPool(num_layers=4, swa_layers=[3, 2, 1, 0], full_pages=2, swa_pages=1,
+                      page_size=2, geometry=GEOMETRY, device="cpu")
+    pool = HybridSWAPool(num_layers=4, swa_layers=[0, 1, 3], full_pages=2, swa_pages=1,
+                         page_size=2, geometry=GEOMETRY, device="cpu")
+    assert pool.full.num_layers == 1 and pool.swa.num_layers == 3
+
+
 # ---- allocation ----------------------------------------------------------------------------
 
 
