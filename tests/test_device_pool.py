@@ -307,3 +307,21 @@ def test_pool_on_bare_cuda_accepts_indices_on_the_current_gpu() -> None:
     k = _rows(1, 1.0).to(locs.device)
     pool.set_kv(0, locs, k, k)
     assert torch.equal(pool.key_buffer(0)[3].cpu(), k[0].cpu())
+
+
+@pytest.mark.parametrize("layer", [-1, NUM_LAYERS, NUM_LAYERS + 5])
+def test_every_layer_accessor_refuses_a_layer_the_pool_lacks(layer: int) -> None:
+    """The buffer accessors and set_kv name the layer and the valid range (a negative layer
+    would alias the last one, one past the end is a raw index error); the first and the
+    last layer are served."""
+    pool, mla = _pool(), _pool(MLA)
+    calls = [lambda: pool.key_buffer(layer), lambda: pool.value_buffer(layer),
+             lambda: mla.latent_buffer(layer),
+             lambda: pool.set_kv(layer, _locs(1, 2), _rows(2, 1.0), _rows(2, 2.0))]
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"pool 'full': layer {layer} out of range "
+                                             rf"\(0\.\.{NUM_LAYERS - 1}\)$"):
+            call()
+    for edge in (0, NUM_LAYERS - 1):
+        assert pool.key_buffer(edge).shape[0] == NUM_SLOTS
+        assert mla.latent_buffer(edge).shape[0] == NUM_SLOTS
