@@ -143,6 +143,23 @@ def test_refilling_the_callers_buffer_changes_neither_the_slots_nor_the_span(
     assert locs.full.tensor.cpu().tolist() == [4, 5]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_refilling_a_device_buffer_changes_no_slot_either(dtype: torch.dtype) -> None:
+    """The forward's slots in a buffer on the pool's GPU (checked there, no span): the
+    ForwardLocs own a copy, so a refill before the writes moves no row."""
+    pool = _pool("cuda")
+    buffer = torch.tensor([9, 4, 7], dtype=dtype, device="cuda")
+    locs = pool.forward_locs(Indices(buffer, IndexSpace.DEVICE_FULL))
+    buffer.copy_(torch.tensor([1, 2, 3], dtype=dtype))
+    assert locs.span is None and locs.full.tensor.cpu().tolist() == [9, 4, 7]
+    rows = _rows(3, 1.0, "cuda")
+    pool.set_kv(0, locs, rows, rows + 100)
+    assert torch.equal(pool.key_buffer(0)[[9, 4, 7]], rows)
+    assert not pool.key_buffer(0)[[1, 2, 3]].any()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_span_write_waits_for_the_layers_load_first(device: str) -> None:
     pool = _pool(device)
