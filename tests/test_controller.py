@@ -465,3 +465,29 @@ def _back_up(ctrl: CacheController, device: Indices, count: int) -> None:
         ctrl.start_writing()
         ctrl.poll()
         ctrl.evict_host(host)
+
+
+@pytest.mark.parametrize("backend", backends(), ids=backend_id)
+@pytest.mark.parametrize("layout", list(HostLayout), ids=lambda x: x.value)
+def test_a_single_token_moves_both_ways(backend: TransferBackend, layout: HostLayout) -> None:
+    """An op of one pair (pages of one token): written, evicted, loaded back: exactly that
+    row on each side, nothing else touched."""
+    ctrl = make_controller(backend, layout=layout)
+    ctrl.device_allocator.try_alloc(5)  # not the first slots
+    device = ctrl.device_allocator.try_alloc(1)
+    assert device is not None
+    before = device_rows(ctrl.device_pool)
+    host = ctrl.write(device)
+    assert host is not None and len(host) == 1
+    ctrl.drain()
+    rows = host_rows(ctrl.host_pool)
+    assert torch.equal(rows[host.tensor], before[device.tensor])
+    assert (untouched(rows, host.tensor) == SENTINEL).all()
+    ctrl.evict_device(device)
+    ctrl.device_pool.data.fill_(SENTINEL)
+    back = ctrl.load(host)
+    assert back is not None
+    ctrl.drain()
+    after = device_rows(ctrl.device_pool)
+    assert torch.equal(after[back.tensor], before[device.tensor])
+    assert (untouched(after, back.tensor) == SENTINEL).all()
