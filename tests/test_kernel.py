@@ -295,7 +295,7 @@ def test_grid_and_tile_sizes_give_identical_results() -> None:
         run_case(host_indices=host, device_indices=device, to_host=False,
                  layout=HostLayout.PAGE_FIRST, num_programs=programs,
                  tokens_per_tile=tile)[1]
-        for programs, tile in ((1, 8), (16, 8), (3, 1), (16, 32))
+        for programs, tile in ((1, 8), (16, 8), (3, 1), (16, 32), (2, 1024))
     ]
     for result in results[1:]:
         assert torch.equal(result, results[0])
@@ -339,6 +339,9 @@ BAD_ARGUMENTS: list[tuple[str, Callable[[], dict[str, Any]], str]] = [
     ("layer-order", lambda: _args(layer_begin=2, layer_end=1), r"with begin <= end"),
     ("programs", lambda: _args(num_programs=0), r"num_programs must be >= 1, got 0"),
     ("tile", lambda: _args(tokens_per_tile=6), r"power of two in \[1, 1024\], got 6"),
+    ("tile-past-the-bound", lambda: _args(tokens_per_tile=2048),
+     r"power of two in \[1, 1024\], got 2048"),
+    ("tile-zero", lambda: _args(tokens_per_tile=0), r"power of two in \[1, 1024\], got 0"),
     ("device-strided", lambda: _args(device_data=torch.zeros(2, 3, 8, 16)[..., :8]),
      r"device_data must be contiguous"),
     ("host-strided", lambda: _args(host_data=torch.zeros(3, 2, 20, 8).transpose(0, 1)),
