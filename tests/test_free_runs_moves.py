@@ -10,7 +10,7 @@ import pytest
 from hicache.pools.free_runs import FreeRuns
 
 
-def _runs_of(free: set[int]) -> list[tuple[int, int]]:
+def runs_of_pages(free: set[int] | list[int]) -> list[tuple[int, int]]:
     """Maximal runs of the ``free`` pages, lowest first."""
     runs: list[tuple[int, int]] = []
     for page in sorted(free):
@@ -24,7 +24,7 @@ def _runs_of(free: set[int]) -> list[tuple[int, int]]:
 def _check(index: FreeRuns, free: set[int]) -> None:
     index.check_integrity("test")
     starts, lengths = index.as_arrays()
-    assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == _runs_of(free)
+    assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == runs_of_pages(free)
 
 
 def test_a_lone_run_shrinks_and_grows_in_place() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_free_runs_moves import runs_of_pages
 
 from hicache.pools.page_runs import (
     FEW_RUNS,
@@ -15,17 +16,6 @@ from hicache.pools.page_runs import (
     runs_of,
     runs_of_sorted,
 )
-
-
-def reference_runs(pages: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for page in sorted(pages):
-        if runs and runs[-1][0] + runs[-1][1] == page:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((page, 1))
-    return runs
-
 
 distinct_pages = st.lists(st.integers(1, 400), min_size=1, max_size=120, unique=True)
 
@@ -36,7 +26,7 @@ def test_runs_of_any_distinct_pages(pages: list[int], order: str) -> None:
     if order != "given":
         pages = sorted(pages, reverse=order == "descending")
     starts, lengths = runs_of(np.array(pages, dtype=np.int64))
-    assert sorted(zip(starts, lengths, strict=True)) == reference_runs(pages)
+    assert sorted(zip(starts, lengths, strict=True)) == runs_of_pages(pages)
     assert all(type(x) is int for x in [*starts, *lengths])
 
 
@@ -56,7 +46,7 @@ def test_sorted_runs_and_their_expansion_round_trip(pages: list[int]) -> None:
     ascending = np.array(sorted(pages), dtype=np.int64)
     starts, lengths = runs_of_sorted(ascending)
     assert list(zip(starts.tolist(), lengths.tolist(), strict=True)) == \
-        reference_runs(pages)
+        runs_of_pages(pages)
     assert pages_of_runs(starts[::-1].tolist(), lengths[::-1].tolist()).tolist() == \
         ascending.tolist()
     runs = list(zip(starts.tolist(), lengths.tolist(), strict=True))
