@@ -6,7 +6,7 @@ import pytest
 import torch
 from controller_helpers import SENTINEL, device_rows, host_rows, make_hybrid, untouched
 
-from hicache.controller import Direction, HybridCacheController, TorchBackend
+from hicache.controller import Direction, HybridCacheController, HybridSlots, TorchBackend
 from hicache.controller.load_groups import local_groups
 from hicache.pools import IndexSpace, Indices
 
@@ -19,6 +19,18 @@ def alloc_sequence(ctrl: HybridCacheController, num_tokens: int, window_tokens: 
     if left > 0:
         ctrl.hybrid_pool.free_swa(Indices(full.tensor[:left], IndexSpace.DEVICE_FULL))
     return full
+
+
+def backed_up_and_evicted(ctrl: HybridCacheController, num_tokens: int, window_tokens: int
+                          ) -> HybridSlots:
+    """:func:`alloc_sequence`, written to the host and evicted from the device: the host
+    copies."""
+    full = alloc_sequence(ctrl, num_tokens, window_tokens)
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    ctrl.evict_device(full)
+    return host
 
 
 def test_write_evict_load_restores_full_and_swa_rows() -> None:
@@ -54,11 +66,7 @@ def test_write_evict_load_restores_full_and_swa_rows() -> None:
 def test_load_tail_rounds_up_to_pages_and_updates_map() -> None:
     """A 3-token tail with 2-token pages gets two pages of SWA slots, mapped from full."""
     ctrl = make_hybrid(TorchBackend())
-    full = alloc_sequence(ctrl, 8, window_tokens=8)
-    host = ctrl.write(full)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(full)
+    host = backed_up_and_evicted(ctrl, 8, window_tokens=8)
     back = ctrl.load(host.full, host.swa, swa_tail_tokens=3)
     assert back is not None
     assert (back.swa.tensor != 0).tolist() == [False] * 4 + [True] * 4
@@ -71,11 +79,7 @@ def test_load_tail_rounds_up_to_pages_and_updates_map() -> None:
 def test_load_rolls_back_when_swa_pool_is_full() -> None:
     """SWA device pool exhausted: load returns None and the full allocation is undone."""
     ctrl = make_hybrid(TorchBackend(), swa_pages=3)
-    full = alloc_sequence(ctrl, 6, window_tokens=6)
-    host = ctrl.write(full)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(full)
+    host = backed_up_and_evicted(ctrl, 6, window_tokens=6)
     hog = ctrl.hybrid_pool.try_alloc(4)  # leaves one free SWA page
     assert hog is not None
     free_full = ctrl.device_allocator.num_free_tokens
@@ -132,11 +136,7 @@ def test_move_hybrid_indices_covers_every_pool() -> None:
 def test_per_layer_load_routes_layers_to_their_pools() -> None:
     """Model layers 0 and 2 load from the full pools, 1 and 3 from the SWA pools."""
     ctrl = make_hybrid(TorchBackend())
-    full = alloc_sequence(ctrl, 2, window_tokens=2)
-    host = ctrl.write(full)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(full)
+    host = backed_up_and_evicted(ctrl, 2, window_tokens=2)
     assert ctrl.load(host.full, host.swa, 2) is not None
     op = ctrl._ops.merge(Direction.HOST_TO_DEVICE, ctrl.backend)
     assert op is not None
@@ -165,11 +165,7 @@ def test_evict_host_refuses_slots_a_load_still_reads() -> None:
     naming the first busy slot of the pool, both allocators unchanged; once the load is
     acknowledged, they go."""
     ctrl = make_hybrid(TorchBackend())
-    full = alloc_sequence(ctrl, 6, window_tokens=6)
-    host = ctrl.write(full)
-    assert host is not None
-    ctrl.drain()
-    ctrl.evict_device(full)
+    host = backed_up_and_evicted(ctrl, 6, window_tokens=6)
     assert ctrl.load(host.full, host.swa, swa_tail_tokens=6) is not None
     used = (ctrl.host_pool.allocator.num_used_tokens, ctrl.host_swa.allocator.num_used_tokens)
     first_full, first_swa = int(host.full.tensor[0]), int(host.swa.tensor[0])
