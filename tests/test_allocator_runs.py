@@ -171,3 +171,57 @@ def test_host_runs_counted_per_page_match_the_slots() -> None:
         assert _breaks(pages, page_size) == np.count_nonzero(np.diff(slots) != 1), pages
         distinct = np.unique(pages)  # an allocation's: distinct, ascending
         assert _breaks(distinct, page_size, ascending=True) == _breaks(distinct, page_size)
+
+
+def _host_pages(ctrl, taken: list[int], freed: list[int]) -> None:
+    """Take host pages ``taken`` one by one (in order from page 1), then free ``freed``."""
+    host = ctrl.host_pool.allocator
+    pages = {}
+    for page in taken:
+        got = host.try_alloc(host.page_size)
+        assert got is not None and int(got.tensor[0]) // host.page_size == page
+        pages[page] = got
+    for page in freed:
+        host.free(pages[page])
+
+
+def test_host_runs_of_merged_writes_interleaving_their_pages() -> None:
+    """Two writes queued before one start are one op: host pages [1, 5] and [2, 4] join as
+    [1, 5, 2, 4], which spans its count but is two runs of slots (1-2, 4-5), not one."""
+    from controller_helpers import make_controller
+
+    from hicache.controller import TorchBackend
+
+    ctrl = make_controller(TorchBackend(), page_size=2, host_pages=5)
+    _host_pages(ctrl, [1, 2, 3, 4, 5], [1, 5])
+    first = ctrl.device_allocator.try_alloc(4)
+    assert first is not None
+    host_a = ctrl.write(first)
+    assert host_a is not None and host_a.tensor[::2].tolist() == [2, 10]
+    ctrl.host_pool.allocator.free(Indices(torch.tensor([4, 5, 8, 9]), IndexSpace.HOST_FULL))
+    second = ctrl.device_allocator.try_alloc(4)
+    assert second is not None
+    host_b = ctrl.write(second)
+    assert host_b is not None and host_b.tensor[::2].tolist() == [4, 8]
+    ctrl.start_writing()
+    ctrl.drain()
+    assert ctrl.stats.ops_submitted["device_to_host"] == 1  # one op for both calls
+    assert ctrl.stats.host_runs[("device_to_host", "full")] == 2
+    assert ctrl.stats.mean_host_run_tokens("device_to_host", "full") == 4.0
+
+
+def test_host_runs_of_one_write_with_a_gap_of_one_page() -> None:
+    """One write of pages [1, 2, 5] (ascending, one allocation's): two runs, though its
+    last page is one past the span of a single run."""
+    from controller_helpers import make_controller
+
+    from hicache.controller import TorchBackend
+
+    ctrl = make_controller(TorchBackend(), page_size=2, host_pages=5)
+    _host_pages(ctrl, [1, 2, 3, 4, 5], [1, 2, 5])
+    device = ctrl.device_allocator.try_alloc(6)
+    assert device is not None
+    host = ctrl.write(device)
+    assert host is not None and host.tensor[::2].tolist() == [2, 4, 10]
+    ctrl.drain()
+    assert ctrl.stats.host_runs[("device_to_host", "full")] == 2
