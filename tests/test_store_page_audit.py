@@ -28,13 +28,17 @@ class Watched:
     def __init__(self, service: HiCacheService, pages: StorePageAudit | None) -> None:
         self.service = service
         self.audit = TransferAudit(service.controller)
+        assert self.audit.checked_pages == 0 and self.audit.mismatches == []
         if pages is not None:
             pages.watch(service, self.audit)
 
     def fetch_and_check(self, tokens: list[int]) -> tuple[int, int]:
         """Tokens attached from the store, pages the load check compared."""
         attached, _ = fetch(self.service, tokens)
-        return attached, self.audit.check_loads()
+        before = self.audit.checked_pages
+        checked = self.audit.check_loads()
+        assert self.audit.checked_pages == before + checked
+        return attached, checked
 
 
 @pytest.fixture
