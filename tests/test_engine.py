@@ -285,3 +285,7 @@ def test_demo_on_a_gpu(default_config: HiCacheConfig, policy: WritePolicy) -> No
     report = run_demo(default_config, options)
     assert report.passed, report.failure()
     assert report.host_hit_tokens > 0 and report.pages_checked > 0
+    if not under_sanitizer():  # ops enough in each direction to time more than the first
+        for line in report.transfers:
+            assert line.gb_per_s is not None and line.gb_per_s > 0, line
+            assert line.seconds is not None and line.seconds < report.engine_s, line

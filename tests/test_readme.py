@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-# What differs between two runs of the same command: wall times, and the metrics port
-# when the configured one is taken.
+# What differs between two runs of the same command: wall times and the rates over them,
+# and the metrics port when the configured one is taken.
 VARYING = [
-    (re.compile(r"over [0-9.]+ ms timed"), "over T ms timed"),
+    (re.compile(r"[0-9.]+ GB/s over [0-9.]+ ms timed"), "R GB/s over T ms timed"),
     (re.compile(r"engine [0-9.]+ s, baseline [0-9.]+ s"), "engine T s, baseline T s"),
     (re.compile(r"http://127\.0\.0\.1:\d+/metrics( \(port \d+ was taken\))?"),
      "http://127.0.0.1:PORT/metrics"),

@@ -28,8 +28,10 @@ DIRECTIONS = {Direction.DEVICE_TO_HOST.value: "device -> host",
 class TransferTimer:
     """Seconds spent moving bytes, per direction (event time on a GPU, wall time on a CPU).
 
-    Wraps the controller's ``start_writing``, ``start_loading`` and ``poll`` (instance
-    attributes; :meth:`close` restores them).
+    Wraps the controller's ``start_writing``, ``start_loading`` and ``poll_acks`` (instance
+    attributes; :meth:`close` restores them). Every acknowledgement goes through
+    ``poll_acks``: the controller's ``poll`` and ``drain`` call it, and so do the service's
+    ``step`` and its background thread, which never call ``poll``.
     """
 
     def __init__(self, controller: TransferCore) -> None:
@@ -40,12 +42,12 @@ class TransferTimer:
         self._acks: dict[str, int] = defaultdict(int)
         self._start_writing = controller.start_writing
         self._start_loading = controller.start_loading
-        self._poll = controller.poll
+        self._poll_acks = controller.poll_acks
         controller.start_writing = self._timed(self._start_writing,  # type: ignore[method-assign]
                                                Direction.DEVICE_TO_HOST)
         controller.start_loading = self._timed(self._start_loading,  # type: ignore[method-assign]
                                                Direction.HOST_TO_DEVICE)
-        controller.poll = self._polled  # type: ignore[method-assign]
+        controller.poll_acks = self._acknowledged  # type: ignore[method-assign]
 
     @property
     def method(self) -> str:
@@ -59,7 +61,7 @@ class TransferTimer:
         return size / seconds / 1e9 if seconds > 0 and size else None
 
     def close(self) -> None:
-        for name in ("start_writing", "start_loading", "poll"):
+        for name in ("start_writing", "start_loading", "poll_acks"):
             self.controller.__dict__.pop(name, None)
 
     def _timed(self, method: Callable[[], Any], direction: Direction) -> Callable[[], Any]:
@@ -71,8 +73,8 @@ class TransferTimer:
             return result
         return timed
 
-    def _polled(self) -> list[Ack]:
-        acks = self._poll()
+    def _acknowledged(self) -> list[Ack]:
+        acks = self._poll_acks()
         for ack in acks:
             direction = ack.direction.value
             self._acks[direction] += 1
