@@ -79,6 +79,9 @@ def blank() -> DemoReport:
 def test_a_report_with_nothing_wrong_passes() -> None:
     fresh = blank()
     assert fresh.passed and fresh.failure() is None
+    counts = {name: value for name, value in fresh.to_json().items()
+              if name.endswith(("_tokens", "_requests", "_checked"))}
+    assert len(counts) == 14 and set(counts.values()) == {0}
     assert fresh.format().endswith("result             PASS")
     assert "(0.0%)" in fresh.format()  # no prompt tokens: no division by zero
 
@@ -142,6 +145,10 @@ def test_the_timer_has_no_rate_before_an_op_and_closes_cleanly() -> None:
     timer = TransferTimer(controller)
     assert timer.rate("device_to_host") is None and timer.rate("host_to_device") is None
     assert timer.method == "wall time of synchronous CPU copies"
+    timer.timed_bytes["device_to_host"] = 4096  # bytes acknowledged, none timed
+    assert timer.rate("device_to_host") is None
+    timer.seconds["device_to_host"] = 0.5
+    assert timer.rate("device_to_host") == 4096 / 0.5 / 1e9
     timer.close()
     for name in ("start_writing", "start_loading", "poll_acks"):
         assert name not in controller.__dict__
