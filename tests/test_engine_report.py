@@ -57,6 +57,14 @@ def test_each_direction_reports_its_tokens_bytes_time_and_rate(report: DemoRepor
     assert "wall time of synchronous CPU copies" in text
 
 
+def test_the_host_swa_pool_is_reported_in_tokens_and_bytes(report: DemoReport) -> None:
+    model = config_from_dict(default_data(), check_ram=False).model
+    swa = report.swa
+    assert swa is not None and swa["host_used_tokens"] > 0
+    assert swa["host_used_bytes"] == swa["host_used_tokens"] * model.row_geometry.token_bytes(
+        len(model.swa_layer_ids))
+
+
 def test_the_json_report_holds_the_figures_and_the_verdict(report: DemoReport,
                                                            tmp_path: Path) -> None:
     path = tmp_path / "report.json"
