@@ -238,6 +238,20 @@ def test_more_page_rows_than_max_batch_are_refused(default_config: HiCacheConfig
     assert torch.equal(buffers.page_table, before)
 
 
+@pytest.mark.parametrize("row", [-1, 2])
+def test_a_token_row_outside_the_page_table_is_refused(default_config: HiCacheConfig,
+                                                        row: int) -> None:
+    """A prefill token naming page-table row 2 of two rows (or row -1) is refused before
+    anything is written, naming the rows given."""
+    pool = _pool(default_config)
+    page = default_config.page_size_tokens
+    with pytest.raises(ValueError, match=r"a token's page-table row is outside the 2 rows "
+                                         r"given"):
+        exact_batch(pool, [page, page + 1], [0, row], [0, 0], [[1], [2]], max_pages=2,
+                    page_size=page)
+    assert pool.full.data.eq(0).all()
+
+
 def test_decode_fill_refuses_out_of_range_location(default_config: HiCacheConfig) -> None:
     """A location past the full pool is refused (seed 004) and the buffers stay as they were."""
     pool = _pool(default_config)
