@@ -238,6 +238,18 @@ def test_more_page_rows_than_max_batch_are_refused(default_config: HiCacheConfig
     assert torch.equal(buffers.page_table, before)
 
 
+def test_a_sliding_window_layer_reads_the_window_ending_at_its_token(
+        default_config: HiCacheConfig) -> None:
+    """Layers 1 and 3 read the 64 positions ending at the token (itself included); layers
+    0 and 2 read from position 0."""
+    spec = ModelSpec.from_config(default_config)
+    assert (spec.swa_layers, spec.window_tokens) == ((1, 3), 64)
+    for layer in (1, 3):
+        assert [spec.first_key(layer, p) for p in (0, 63, 64, 100)] == [0, 0, 1, 37]
+    for layer in (0, 2):
+        assert [spec.first_key(layer, p) for p in (0, 100)] == [0, 0]
+
+
 @pytest.mark.parametrize("row", [-1, 2])
 def test_a_token_row_outside_the_page_table_is_refused(default_config: HiCacheConfig,
                                                         row: int) -> None:
