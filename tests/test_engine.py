@@ -15,6 +15,7 @@ from hicache.cli import main
 from hicache.config import HiCacheConfig, WritePolicy, config_from_dict
 from hicache.engine import DemoOptions, ModelSpec, TinyDecoder, run_demo
 from hicache.engine.attention import DecodeBuffers, PagedKV, exact_batch
+from hicache.engine.reference import DenseKV
 from hicache.pools import HybridSWAPool, IndexSpace, Indices
 
 SMALL = DemoOptions(quick=True, conversations=5, turns=3)
@@ -248,6 +249,18 @@ def test_a_sliding_window_layer_reads_the_window_ending_at_its_token(
         assert [spec.first_key(layer, p) for p in (0, 63, 64, 100)] == [0, 0, 1, 37]
     for layer in (0, 2):
         assert [spec.first_key(layer, p) for p in (0, 100)] == [0, 0]
+
+
+def test_the_baselines_dense_kv_takes_tokens_up_to_its_capacity(
+        default_config: HiCacheConfig) -> None:
+    kv = DenseKV(ModelSpec.from_config(default_config), 4, torch.device("cpu"))
+    kv.begin(3)
+    kv.commit()
+    with pytest.raises(ValueError, match=r"dense KV of 4 tokens is full"):
+        kv.begin(2)
+    kv.begin(1)
+    kv.commit()
+    assert kv.length == 4
 
 
 @pytest.mark.parametrize("row", [-1, 2])
