@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from gpu_shapes import SANITIZER_ENV, under_sanitizer
 from storage_helpers import own_server, redis_cluster, redis_server  # noqa: F401 (fixtures)
 from thread_helpers import note_threads_before_test, service_threads
@@ -16,6 +18,14 @@ from thread_helpers import note_threads_before_test, service_threads
 def repo_root() -> Path:
     """The repository root: holds ``config.yaml`` and ``README.md``."""
     return Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def default_dict(repo_root: Path) -> dict[str, Any]:
+    """config.yaml as a dict, with the metrics endpoint off (tests open no port)."""
+    data: dict[str, Any] = yaml.safe_load((repo_root / "config.yaml").read_text())
+    data["service"]["metrics_enabled"] = False
+    return data
 
 
 def pytest_report_header() -> str | None:

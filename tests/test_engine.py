@@ -22,14 +22,6 @@ SMALL = DemoOptions(quick=True, conversations=5, turns=3)
 
 
 @pytest.fixture
-def default_dict(repo_root: Path) -> dict[str, Any]:
-    """config.yaml as a dict, with the metrics endpoint off (tests open no port)."""
-    data: dict[str, Any] = yaml.safe_load((repo_root / "config.yaml").read_text())
-    data["service"]["metrics_enabled"] = False
-    return data
-
-
-@pytest.fixture
 def default_config(default_dict: dict[str, Any]) -> HiCacheConfig:
     return config_from_dict(default_dict, check_ram=False)
 

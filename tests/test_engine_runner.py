@@ -7,12 +7,10 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from hicache.config import HiCacheConfig, config_from_dict
 from hicache.engine import DemoOptions, ModelSpec, TinyDecoder
@@ -27,13 +25,6 @@ from hicache.radix import TreeNode
 from hicache.service import HiCacheService
 
 OPTIONS = DemoOptions(quick=True, conversations=5, turns=3, max_running=4)
-
-
-@pytest.fixture
-def default_dict(repo_root: Path) -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load((repo_root / "config.yaml").read_text())
-    data["service"]["metrics_enabled"] = False
-    return data
 
 
 def full_attention(data: dict[str, Any], device_tokens: int) -> HiCacheConfig:
