@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,11 @@ def test_corrupted_host_byte_is_reported(
     (line,) = captured.err.splitlines()
     assert line.startswith("hicache: error: conversation ")
     assert "host page" in line and "differs from its backup" in line
+    # the page named is the one holding the flipped byte, of the full-attention pool
+    found = re.search(r"corrupted {10}one byte of host slot (\d+)", captured.out)
+    assert found is not None
+    page = int(found.group(1)) // default_dict["page_size_tokens"]
+    assert f"host page {page} of pool 'full' loaded into device page" in line
 
 
 def test_report_without_corruption_target_fails() -> None:
