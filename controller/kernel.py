@@ -55,8 +55,9 @@ def transfer_rows(
     row of slot ``host_indices[i]`` (``host_data[c, l, s]`` for ``layer_first``,
     ``host_data[s, c, l]`` for ``page_first``, ``host_data[s // P, c, l, s % P]`` for
     ``page_first_direct`` with pages of ``P`` slots). Pairs where either index is the padding slot 0
-    are skipped; an index outside ``[1, slots)`` of its pool is never dereferenced either (run
-    the pools' debug bounds checks to find such bugs). Nothing else is written.
+    are skipped; an index outside ``[1, slots)`` of its pool is never dereferenced either (the
+    controller refuses such an index before it launches; a direct caller gets no error for
+    one, the pair is just not copied). Nothing else is written.
 
     Args:
         device_data: ``[C, L, S_dev, R]`` contiguous device pool buffer (``DeviceKVPool.data``),

@@ -156,7 +156,7 @@ class HostKVPool:
         return self._records[component][layer]
 
     def check(self, indices: Indices, op: str, device: torch.device | None = CPU) -> torch.Tensor:
-        """Validate host indices (space, dtype, device, debug bounds)."""
+        """Validate host indices (space, dtype, device, bounds: always checked)."""
         return check_indices(
             indices, space=self.space, pool_name=self.name, num_slots=self.num_slots,
             device=device, op=op,
