@@ -117,9 +117,20 @@ def test_two_counted_loads_queued_back_to_back() -> None:
     ctrl.drain()
 
 
+@pytest.mark.parametrize("off_by", ["environment", "no_driver_call"])
 def test_with_counters_off_a_kernel_load_keeps_its_layer_groups(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(layer_counters, "_wait_value", False)
+        off_by: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counting off, by the operator's switch (``HICACHE_LAYER_COUNTERS=0``, read when the
+    driver's call is first looked up) or with no driver call: a load keeps its groups."""
+    if off_by == "environment":
+        monkeypatch.setattr(layer_counters, "_wait_value", None)  # looked up again
+        monkeypatch.setenv(layer_counters.ENV, "1")
+        assert layer_counters.counters_enabled()  # this GPU's driver has the call
+        monkeypatch.setattr(layer_counters, "_wait_value", None)
+        monkeypatch.setenv(layer_counters.ENV, "0")
+        assert not layer_counters.counters_enabled()
+    else:
+        monkeypatch.setattr(layer_counters, "_wait_value", False)
     ctrl = _controller(HostLayout.LAYER_FIRST)
     host, rows = written_and_wiped(ctrl, NUM_TOKENS)
     _load_and_read(ctrl, host, rows)

@@ -295,6 +295,29 @@ def test_histogram_counts_acked_ops_with_durations() -> None:
     assert histogram_of(parse(exporter.render().decode()), D2H)[1] == 5  # cumulative
 
 
+@pytest.mark.parametrize(("buckets", "message"), [
+    ((), "finite positive seconds, got \\[\\]"),
+    ((0.001, -1.0), "finite positive seconds, got \\[0.001, -1.0\\]"),
+    ((0.0, 1.0), "finite positive seconds"),
+    ((0.001, float("inf")), "finite positive seconds"),
+    ((float("nan"),), "finite positive seconds"),
+    ((0.001, 0.001), "strictly increasing, got \\[0.001, 0.001\\]"),
+    ((0.01, 0.001), "strictly increasing"),
+], ids=["empty", "negative", "zero", "inf", "nan", "repeated", "decreasing"])
+def test_bad_duration_buckets_are_refused(buckets: tuple[float, ...], message: str) -> None:
+    """An engine's own histogram bounds are checked when its exporter is made: each must be
+    a finite positive number of seconds, the list strictly increasing (``+Inf`` is added)."""
+    rig = Rig()
+    with pytest.raises(ValueError, match=f"buckets_s must be {message}"):
+        MetricsExporter(rig.controller.stats, duration_buckets_s=buckets)
+    custom = MetricsExporter(rig.controller.stats, duration_buckets_s=(0.5, 2))
+    timed_ack(rig.controller.stats, Direction.DEVICE_TO_HOST, 2.0)
+    custom.refresh()
+    samples = parse(custom.render().decode())
+    assert [value(samples, "hicache_transfer_duration_seconds_bucket", direction=D2H, le=le)
+            for le in ("0.5", "2.0", "+Inf")] == [0, 1, 1]  # le is inclusive
+
+
 def test_scrape_drains_durations_under_the_source_lock() -> None:
     """With ``source_lock`` a scrape drains the durations itself, holding that lock."""
     rig = Rig()
