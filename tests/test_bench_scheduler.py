@@ -41,6 +41,9 @@ def test_lru_reference_counts_prefix_blocks(trace: Path) -> None:
     requests = read_trace(trace, 10)
     assert lru_hit_rate(requests, 100) == pytest.approx(HITS / TOKENS)
     assert lru_hit_rate(requests, 1) == 0.0
+    # room for exactly two blocks: request 2 finds request 1's two (1024 tokens); from then
+    # on each request's blocks push the older ones out before they are asked for again
+    assert lru_hit_rate(requests, 2) == pytest.approx(1024 / TOKENS)
 
 
 def test_replay_matches_the_lru_reference_when_nothing_is_evicted(trace: Path) -> None:
@@ -57,6 +60,30 @@ def test_replay_counts_host_hits_after_device_eviction(trace: Path) -> None:
     comes back from there."""
     row = replay(read_trace(trace, 10), device_blocks=2, host_blocks=8, page_size=16)
     assert (row.device_hit_tokens, row.host_hit_tokens) == (1024 + 512, 512)
+    assert row.hit_rate == pytest.approx(HITS / TOKENS)  # both tiers' hits
+
+
+def test_replay_hands_back_the_slots_of_a_partial_last_page(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests whose length is not a whole number of pages: the tree keeps whole pages, and
+    the replay frees the partial page's slots, so no slot stays with the engine and the
+    pools account for every slot afterwards (else the device fills with leaked slots)."""
+    made = []
+    make = trace_module.make_service
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        made.append(make(*args, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    monkeypatch.setattr(trace_module, "make_service", recorded)
+    requests = [TraceRequest(1000, (1, 2)), TraceRequest(1000, (1, 2)),
+                TraceRequest(1530, (1, 2, 3)), TraceRequest(7, (9,))]
+    row = replay(requests, device_blocks=8, host_blocks=8, page_size=16)
+    # request 2: request 1's 62 whole pages; request 3: the same 992 tokens
+    assert row.device_hit_tokens == 992 + 992
+    (service,) = made
+    assert service.engine_held_tokens == 0
+    service.check_integrity()
 
 
 def test_replay_times_the_service_not_the_token_lists(trace: Path,
@@ -161,7 +188,13 @@ def test_cli_dispatches_bench_scheduler(capsys: pytest.CaptureFixture[str]) -> N
     ('[1, 2]\n', "line 1: not a JSON object"),
     ("not json\n", "line 1: not JSON"),
     ("\n\n", "holds no request"),
-], ids=["no-hash-ids", "bool-length", "too-few-ids", "array", "garbage", "empty"])
+    ('{"input_length": 0, "hash_ids": [1]}\n', "input_length 0: need a whole number >= 1"),
+    ('{"input_length": 5, "hash_ids": ["1"]}\n', "hash_ids ['1']: need a list of whole"),
+    ('{"input_length": 5, "hash_ids": [true]}\n', "hash_ids [True]: need a list of whole"),
+    ('{"input_length": 5, "hash_ids": [' + ", ".join(['"x"'] * 20) + ']}\n',
+     "hash_ids ['x', 'x', 'x', 'x', 'x', 'x', 'x', '...: need"),  # 37 characters, cut
+], ids=["no-hash-ids", "bool-length", "too-few-ids", "array", "garbage", "empty",
+        "zero-length", "string-id", "bool-id", "long-value-cut"])
 def test_read_trace_names_the_file_line_and_problem(text: str, problem: str,
                                                     tmp_path: Path) -> None:
     """A trace that cannot be replayed: ``TraceError`` naming the file and what is wrong."""
@@ -170,6 +203,18 @@ def test_read_trace_names_the_file_line_and_problem(text: str, problem: str,
     with pytest.raises(trace_module.TraceError) as caught:
         read_trace(path, 10)
     assert str(caught.value).startswith(str(path)) and problem in str(caught.value)
+
+
+def test_read_trace_reads_up_to_its_limit(trace: Path) -> None:
+    """The first ``limit`` requests, a one-token request among them, each as written."""
+    path = trace.with_name("short.jsonl")
+    path.write_text(trace.read_text(encoding="utf-8").replace(
+        '"input_length": 512,', '"input_length": 1,', 1), encoding="utf-8")
+    requests = read_trace(path, 3)
+    assert requests == [TraceRequest(1024, (1, 2)), TraceRequest(1536, (1, 2, 3)),
+                        TraceRequest(1, (1,))]
+    assert requests[2].tokens() == [512]
+    assert requests[0].tokens() == list(range(512, 1536))  # block b: b * 512 + i
 
 
 def test_read_trace_refuses_bytes_that_are_not_utf8(tmp_path: Path) -> None:
