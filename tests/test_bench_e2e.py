@@ -21,7 +21,7 @@ from hicache.bench.e2e.host_hit import HostHit
 from hicache.bench.e2e.kv import PoolKV
 from hicache.bench.e2e.measure import E2EOptions, run_e2e
 from hicache.bench.e2e.model import TINY, Decoder, DecoderSpec, attend
-from hicache.bench.e2e.report import COLUMNS
+from hicache.bench.e2e.report import COLUMNS, E2ERow, render
 from hicache.bench.e2e.setup import Buffers, device_pool, put_prefix, service_config
 from hicache.bench.workload import BenchmarkError
 from hicache.cli import main as cli_main
@@ -191,6 +191,33 @@ def test_command_prints_every_column_and_writes_json(
         100 * (row["hit_ms"] / row["device_hit_ms"] - 1))
     assert row["ideal_x"] == pytest.approx(
         row["recompute_ms"] / max(row["copy_ms"], row["resident_ms"]))
+
+
+def test_a_rows_figures_and_its_line_in_the_table() -> None:
+    """Every derived figure of a row (the README's 2k ``page_first_direct`` row of an H200
+    run, with the prefill of the cached tokens alone taken as 50 ms) and the line the
+    table prints for it, column by column; a prefix length the anchor lacks prints none."""
+    row = E2ERow(cached_tokens=2048, new_tokens=16, recompute_prefix_ms=50.0,
+                 recompute_ms=52.24, copy_ms=4.85, resident_ms=9.22, bare_ms=11.16,
+                 hit_ms=11.20, device_hit_ms=10.11, outputs_equal=True, hit_max_diff=0.0,
+                 recompute_rel_diff=0.023, gathered_layers=0)
+    assert row.anchor_x == 8.8
+    assert row.recompute_over_copy_x == pytest.approx(50.0 / 4.85)
+    assert row.ideal_x == pytest.approx(52.24 / 9.22)  # the forward, not the copy, bounds it
+    assert row.hit_x == pytest.approx(52.24 / 11.20)
+    assert row.of_ideal_pct == pytest.approx(100 * 9.22 / 11.20)
+    assert row.over_bare_pct == pytest.approx(100 * (11.20 / 11.16 - 1))
+    assert row.over_device_hit_pct == pytest.approx(100 * (11.20 / 10.11 - 1))
+    lines = render([row], "title").splitlines()
+    assert lines[0] == "title" and lines[2] == "-" * len(lines[1])
+    assert lines[3] == ("   2048      52.24     4.85      9.22    11.16    10.11    11.20"
+                        "    8.8x     10.3x   5.67x    4.66x     82.3%    +0.4%      +10.8%"
+                        "  bitwise       2.3e-02")
+    assert [E2ERow(n, 16, 1, 1, 1, 1, 1, 1, 1, True, 0, 0, 0).anchor_x
+            for n in (512, 8192, 32768, 1024)] == [8.2, 10.3, 12.1, None]
+    slow_copy = E2ERow(512, 16, 8, 20, 10, 5, 11, 12, 6, False, 0.5, 0, 0)
+    assert slow_copy.ideal_x == 2.0  # the copy bounds it: 20 / max(10, 5)
+    assert "5.0e-01" in render([slow_copy], "t").splitlines()[3]  # not bitwise: the diff
 
 
 @pytest.mark.parametrize(("argv", "fix"), [
