@@ -19,7 +19,7 @@ from hicache.bench.e2e.bare import pool_sources
 from hicache.bench.e2e.cli import main
 from hicache.bench.e2e.host_hit import HostHit
 from hicache.bench.e2e.kv import PoolKV
-from hicache.bench.e2e.measure import E2EOptions, run_e2e
+from hicache.bench.e2e.measure import E2EBench, E2EOptions, check_output, run_e2e
 from hicache.bench.e2e.model import TINY, Decoder, DecoderSpec, attend
 from hicache.bench.e2e.report import COLUMNS, E2ERow, render
 from hicache.bench.e2e.setup import Buffers, device_pool, put_prefix, service_config
@@ -191,6 +191,47 @@ def test_command_prints_every_column_and_writes_json(
         100 * (row["hit_ms"] / row["device_hit_ms"] - 1))
     assert row["ideal_x"] == pytest.approx(
         row["recompute_ms"] / max(row["copy_ms"], row["resident_ms"]))
+
+
+def test_the_ceiling_copies_the_kv_bytes_of_the_prefix_alone() -> None:
+    """The contiguous copy that sets the ceiling moves exactly the ``N`` cached tokens' K and
+    V bytes of every layer, for each ``N`` below the buffers' longest (not the whole buffer),
+    once per warm-up and repeat, and reports the best time."""
+    options = tiny_options(cached_tokens=(32, 64), repeats=3, warmup=1)
+    buffers = Buffers(options.spec, options.device, 64, options.new_tokens)
+    bench = E2EBench(options, None, None, buffers)  # type: ignore[arg-type]
+    moved: list[int] = []
+    seconds = iter([0.004, 0.003, 0.001, 0.002])
+
+    def timer(fn: Any) -> tuple[float, torch.Tensor]:
+        out = fn()
+        moved.append(out.numel() * out.element_size())
+        return next(seconds), out
+
+    bench.timer = timer  # type: ignore[assignment]
+    assert bench.copy_ms(32) == pytest.approx(1.0)  # the best of the four, in ms
+    assert moved == [32 * options.spec.kv_token_bytes] * 4
+
+
+def test_an_output_is_checked_against_the_resident_forwards_within_one_percent() -> None:
+    """Off by less than 1% of the resident output's largest value: accepted, the largest
+    difference returned; by more: the run fails naming the prefix length and the path."""
+    resident = torch.tensor([[1.0, -4.0], [2.0, 0.5]])
+    assert check_output(64, "the host hit", resident, resident) == 0.0
+    close = resident + torch.tensor([[0.0, 0.039], [0.0, 0.0]])
+    assert check_output(64, "the host hit", close, resident) == pytest.approx(0.039)
+    far = resident + torch.tensor([[0.0, 0.0], [0.041, 0.0]])
+    with pytest.raises(BenchmarkError, match=r"64 cached tokens: the output of the bare copy "
+                                             r"differs from the resident forward's by 0\.041 "
+                                             r"\(largest value 4\)"):
+        check_output(64, "the bare copy", far, resident)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_gpu_run_without_cuda_names_the_cpu_path() -> None:
+    with pytest.raises(BenchmarkError, match=r"no CUDA device; --device cpu --tiny runs the "
+                                             r"small CPU path"):
+        run_e2e(tiny_options(device="cuda"))
 
 
 def test_a_rows_figures_and_its_line_in_the_table() -> None:

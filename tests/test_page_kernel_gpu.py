@@ -98,6 +98,19 @@ def test_views_it_cannot_serve_are_declined() -> None:
     assert page_kernel.page_launches([staged], [paged.float()], scatter=True) is None
     assert page_kernel.page_launches([staged.cpu()], [paged.cpu()], scatter=True) is None
     assert page_kernel.page_launches([], [], scatter=True) is None
+    # pages of 12 bytes (one token of three int32) 16 bytes apart: every stride and start
+    # aligned, but a page is not whole 16-byte vectors
+    def padded(pages: int) -> torch.Tensor:
+        view = torch.empty(2, 2, pages, 4, dtype=torch.int32, device="cuda")[..., :3]
+        return view.unsqueeze(3)  # [2, 2, pages, 1, 3], pages 16 bytes apart
+
+    assert page_kernel.page_launches([padded(4)], [padded(64)], scatter=True) is None
+    # 16-byte pages and an aligned start, but a layer stride of 4100 bytes
+    layers = torch.empty(2, 2, 64 * 4 * 4 + 1, dtype=torch.int32, device="cuda")
+    odd_stride = layers.as_strided((2, 2, 64, 4, 4), (2 * 1025, 1025, 16, 4, 1))
+    assert odd_stride.data_ptr() % 16 == 0
+    assert page_kernel.page_launches([staged.int()[:, :, :, :4, :4].contiguous()], [odd_stride],
+                                     scatter=True) is None
     assert not page_kernel.index_fits(torch.arange(4, device="cuda")[::2])
     assert not page_kernel.index_fits(torch.arange(4, dtype=torch.int32, device="cuda"))
     assert page_kernel.index_fits(torch.arange(4, device="cuda"))
