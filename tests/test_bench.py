@@ -153,6 +153,39 @@ def test_targets_name_what_is_missed() -> None:
     assert "MISSED staged page 1 page_first load: 80.00, target >= 90 (by 10.00)" in text
 
 
+def test_a_target_is_met_at_its_bound_and_missed_when_not_measured() -> None:
+    """A value exactly at its bound meets it (>= for rates, <= for slowdowns); a figure the
+    run did not measure is a MISS, reported as not measured, never an ok."""
+    result = synthetic_result()
+    write = result.find("staged", "write", 16, "layer_first")
+    load = result.find("staged", "load", 16, "layer_first")
+    assert write is not None and load is not None
+    write.pct_of_ceiling, load.slowdown_pct = 97.0, 3.0
+    result.measurements.remove(result.find("staged", "both", 16, "layer_first"))
+    checks = {t.name: t for t in targets(result)
+              if (t.backend, t.page_size, t.layout) == ("staged", 16, "layer_first")}
+    assert checks["write"].met and checks["mm%l"].met
+    assert not checks["both"].met and checks["both"].value is None
+    assert checks["both"].describe() == ("staged page 16 layer_first both: not measured, "
+                                         "target >= 90")
+    assert checks["mm%l"].describe() == ("staged page 16 layer_first mm%l: 3.00, target <= 3 "
+                                         "(by 0.00)")
+
+
+def test_each_direction_is_compared_with_its_own_ceiling() -> None:
+    """A write's percentage is of the device-to-host ceiling, a load's of host-to-device,
+    both directions' of the two at once (they differ on real links)."""
+    ceiling = Ceiling(1 << 30, d2h_gb_per_s=50.0, h2d_gb_per_s=60.0, bidir_gb_per_s=100.0)
+    assert [ceiling.one_way(kind) for kind in ("write", "load", "both")] == [50.0, 60.0, 100.0]
+
+
+def test_the_header_says_which_device_slots_were_moved() -> None:
+    result = synthetic_result()
+    assert "device slots: random whole pages;" in render(result)
+    result.meta["slots"] = "runs"
+    assert "device slots: one run of consecutive pages per op;" in render(result)
+
+
 def test_targets_hold_issue_14s_bounds() -> None:
     """At pages of 16 a write needs 97% of the ceiling and a load 95%, and the matmul may
     slow by 3% at most: a write at 96%, a load at 95.5% and a slowdown of 3.5% are two
@@ -441,6 +474,20 @@ def test_matmul_spans_inside_and_next_to_the_window() -> None:
     assert max(inside) == 1.5
 
 
+def test_matmul_spans_on_the_window_edges() -> None:
+    """A matmul that ends exactly where the window begins is one before it, one that starts
+    exactly where it ends is one after it, and both edges' own matmuls are inside; each
+    span is a duration (end - start), the baseline's nearest 20 on each side."""
+    times = [float(t) * 2.0 for t in range(0, 101)]  # 100 matmuls of 2 s
+    inside, baseline = split_spans(times, 80.0, 120.0)
+    assert inside == [2.0] * 20  # 80..120
+    assert baseline == [2.0] * 40  # 40..80 and 120..160
+    times[39] = 77.0  # the two matmuls just before the window now take 1 s and 3 s
+    times[61] = 123.0  # the two just after it 3 s and 1 s
+    _, baseline = split_spans(times, 80.0, 120.0)
+    assert baseline == [2.0] * 18 + [1.0, 3.0] + [3.0, 1.0] + [2.0] * 18
+
+
 # ---- arguments ------------------------------------------------------------------------------
 
 
@@ -618,10 +665,20 @@ def test_run_without_cuda_says_why(capsys: pytest.CaptureFixture[str]) -> None:
                     "sanitizer in the kernel, staged and controller tests, and under racecheck "
                     "a tiny configuration had not finished after 220 s")
 def test_quick_run_on_gpu(tmp_path: Path) -> None:
-    """The smoke run completes, verifies every configuration and writes its JSON."""
+    """The smoke run completes, verifies every configuration and writes its JSON; each
+    figure is its op's bytes (both directions: twice a transfer's) over its median time, and
+    its percentage is of its own direction's ceiling."""
     path = tmp_path / "bench.json"
     assert main(["--quick", "--json", str(path)]) == 0
-    assert load_json(path).auto_table["rows"]
+    result = load_json(path)
+    assert result.auto_table["rows"]
+    token_bytes = result.meta["token_bytes"]
+    assert result.measurements
+    for m in result.measurements:
+        assert m.bytes == m.tokens * token_bytes * (2 if m.kind == "both" else 1), m
+        assert m.gb_per_s == pytest.approx(m.bytes / m.seconds / 1e9), m
+        assert m.pct_of_ceiling == pytest.approx(
+            100 * m.gb_per_s / result.ceiling.one_way(m.kind)), m
 
 
 def test_auto_ranks_layer_wise_loads_over_issue_plus_gpu_time() -> None:
