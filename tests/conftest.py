@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,20 @@ def pytest_report_header() -> str | None:
     if under_sanitizer():
         return f"{SANITIZER_ENV}=1: GPU tests use their small (sanitizer) shapes"
     return None
+
+
+@pytest.fixture(autouse=True, scope="session")
+def ctrl_c_raises() -> Iterator[None]:
+    """A session started with SIGINT ignored (the background job of a non-interactive shell,
+    ``nohup``) runs as one started in the foreground: the interpreter then installs no
+    ``KeyboardInterrupt`` handler, so the Ctrl-C tests' interrupts would do nothing, and the
+    programs the terminal tests start would inherit the ignored signal."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    if ignored:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.fixture(autouse=True)
