@@ -10,6 +10,7 @@ monkeypatched call at the chosen point, so no test depends on timing.
 from __future__ import annotations
 
 import _thread
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +33,23 @@ def test_a_ctrl_c_inside_the_block_is_raised_when_it_ends() -> None:
         for step in range(100):  # calls and loops: where a Ctrl-C would land
             reached.append(step)
     assert reached == list(range(100))
+
+
+def test_where_no_handler_can_be_installed_the_block_runs_as_it_is(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A main thread that may not take a SIGINT handler (a subinterpreter's: ``ValueError``)
+    runs the block unchanged: one attempt to install, nothing to restore afterwards."""
+    attempts = []
+
+    def refused(signum: int, handler: object) -> None:
+        attempts.append(handler)
+        raise ValueError("signal only works in main thread of the main interpreter")
+
+    monkeypatch.setattr(signal, "signal", refused)
+    ran = []
+    with interrupts_held():
+        ran.append("body")
+    assert ran == ["body"] and len(attempts) == 1
 
 
 @pytest.mark.parametrize("name", THREADS)

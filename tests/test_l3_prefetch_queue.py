@@ -8,6 +8,7 @@ calls)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -65,6 +66,32 @@ def hold_the_worker(service: HiCacheService, store: GatedFileStore) -> None:
     assert held is not None and store.entered.wait(10.0)
     queued = service.prefetch(service.key(Y), service.match(service.key(Y)))
     assert queued is not None
+
+
+def test_wait_prefetch_times_out_while_the_store_holds_the_query_and_waits_unbounded(
+        one_queued: tuple[HiCacheService, GatedFileStore]) -> None:
+    """``wait_prefetch`` answers ``False`` once its timeout passes with the prefetch not
+    ready (the store holds its query), after waiting that long and not much more (a timeout
+    of 0 answers at once); without a timeout it waits, slice after slice, until the
+    prefetch is ready (``wait_complete``: every page read)."""
+    reader, store = one_queued
+    store.gate.clear()
+    store.entered.clear()
+    prefetch = reader.prefetch(reader.key(X), reader.match(reader.key(X)))
+    assert prefetch is not None and store.entered.wait(10.0)
+    start = time.monotonic()
+    assert reader.wait_prefetch(prefetch, timeout_s=0.3) is False
+    assert 0.3 <= time.monotonic() - start < 5.0
+    assert reader.wait_prefetch(prefetch, timeout_s=0.0) is False
+    assert not reader.prefetch_ready(prefetch)
+    opener = threading.Timer(0.3, store.gate.set)  # opens while the next wait runs
+    opener.start()
+    try:
+        assert reader.wait_prefetch(prefetch) is True
+    finally:
+        opener.join()
+    assert reader.finish_prefetch(prefetch) == len(X)
+    reader.check_integrity()
 
 
 def test_a_prefetch_refused_by_a_full_queue_counts_its_tail_and_locks_nothing(one_queued

@@ -195,9 +195,14 @@ def test_a_stale_match_is_refused(tmp_path: Path) -> None:
         service.stop()
 
 
-def test_a_service_needs_the_model_to_name_its_pages(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="model_id and model_revision"):
-        build_service(make_config(tmp_path / "l3"))
+@pytest.mark.parametrize("names", [{}, {"model_id": "m"}, {"model_revision": "r"},
+                                   {"model_id": "", "model_revision": "r"}],
+                         ids=["neither", "no-revision", "no-id", "empty-id"])
+def test_a_service_needs_the_model_to_name_its_pages(tmp_path: Path,
+                                                    names: dict[str, str]) -> None:
+    """Both names, or the pages of one model's weights could be read by another's."""
+    with pytest.raises(ValueError, match="pass model_id and model_revision"):
+        build_service(make_config(tmp_path / "l3"), **names)
 
 
 def test_without_a_store_prefetch_is_none(tmp_path: Path) -> None:
