@@ -3,10 +3,12 @@ when the scheduler calls between two slices, and never holds the lock for a whol
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
 
+from hicache import integrity_slices
 from hicache.bench.scheduler import ChatWorkload, admit, fill, free_tail, make_service
 from hicache.radix.node import slice_indices
 from hicache.service import HiCacheService
@@ -54,6 +56,60 @@ def test_sliced_check_finds_a_leaked_page() -> None:
         assert service.background_check.stats.unconfirmed == 0  # confirmed, then raised
     finally:
         service.controller.device_allocator.free(leaked)
+        service.stop()
+
+
+def test_a_slice_never_waits_for_the_lock() -> None:
+    """While a scheduler call holds the service lock, a step does nothing and says no
+    check completed: no slice, no check begun."""
+    service = filled(2_000)
+    check = service.background_check
+    try:
+        held, done = threading.Event(), threading.Event()
+
+        def scheduler_call() -> None:
+            with service.service_lock:
+                held.set()
+                done.wait(10.0)
+
+        caller = threading.Thread(target=scheduler_call)
+        caller.start()
+        assert held.wait(10.0)
+        try:
+            assert check.step() is False
+            assert check.stats.slices == 0 and not check.in_progress
+        finally:
+            done.set()
+            caller.join()
+        assert run_to_end(service) >= 1 and check.stats.completed == 1
+    finally:
+        service.stop()
+
+
+def test_a_finding_the_full_check_does_not_confirm_is_dropped_and_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slice that finds something the full check (one hold of the lock) does not find
+    came from a tree that changed under the walk: no error, counted once as unconfirmed,
+    and the next step starts a new check, which completes."""
+    service = filled(2_000)
+    check = service.background_check
+    walk = integrity_slices.TreeCheck.walk
+    raised: list[bool] = []
+
+    def walk_once_wrong(self: integrity_slices.TreeCheck, deadline: float) -> bool:
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("a node's slots changed under the walk")
+        return walk(self, deadline)
+
+    monkeypatch.setattr(integrity_slices.TreeCheck, "walk", walk_once_wrong)
+    try:
+        assert check.step() is False  # begins the check
+        assert check.step() is False  # the slice's finding, not confirmed
+        assert check.stats.unconfirmed == 1 and not check.in_progress
+        run_to_end(service)
+        assert check.stats.completed == 1 and check.stats.unconfirmed == 1
+    finally:
         service.stop()
 
 
