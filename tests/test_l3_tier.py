@@ -186,10 +186,15 @@ def test_a_stale_match_is_refused(tmp_path: Path) -> None:
         settle(service)
         key = service.key([*tokens, 71, 72, 73, 74])
         match = service.match(key)
+        whole = service.key(tokens[:8])  # nothing after the match: no prefetch to start
+        whole_match = service.match(whole)
         service.evict(10**6)
         service.evict_host(10**6)  # the matched node is gone
         with pytest.raises(ValueError, match="removed from the tree"):
             service.prefetch(key, match)
+        with pytest.raises(ValueError, match="removed from the tree"):  # refused, not None
+            service.prefetch(whole, whole_match)
+        assert service.storage is not None and not service.storage.prefetches.open_prefetches()
         service.check_integrity()
     finally:
         service.stop()
