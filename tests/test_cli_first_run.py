@@ -15,6 +15,7 @@ import yaml
 import hicache
 from hicache.cli import main
 from hicache.cli.app import build_parser
+from hicache.cli.parser import integer
 from hicache.config import default_config_text, load_config, load_default_config
 
 
@@ -87,6 +88,18 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out == f"hicache {hicache.__version__}\n"
 
 
+def test_a_whole_number_option_takes_both_its_bounds() -> None:
+    """``integer(minimum, maximum)`` accepts each bound itself and refuses one past it."""
+    turns = integer(1, 1000)
+    assert (turns("1"), turns("1000")) == (1, 1000)
+    for text, message in (("0", "expected a whole number >= 1, got 0"),
+                          ("1001", "expected a whole number <= 1000, got 1001"),
+                          ("1.5", "expected a whole number >= 1, got '1.5'")):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"^{message}$"):
+            turns(text)
+    assert integer()("-7") == -7  # no bounds
+
+
 @pytest.mark.parametrize(("argv", "expected"), [
     (["demo", "--turns", "x"],
      "hicache demo: error: argument --turns: expected a whole number >= 1, got 'x'; "
@@ -96,6 +109,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
      "see 'hicache demo --help'\n"),
     (["demo", "--seed", "-3"],
      "hicache demo: error: argument --seed: expected a whole number >= 0, got -3; "
+     "see 'hicache demo --help'\n"),
+    (["demo", "--turns", "1001"],
+     "hicache demo: error: argument --turns: expected a whole number <= 1000, got 1001; "
      "see 'hicache demo --help'\n"),
     (["demo", "--write-policy", "often"],
      "hicache demo: error: argument --write-policy: invalid choice: 'often' (choose from "

@@ -8,8 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hicache.cli import main
+from hicache.cli.demo_checks import check_device
+from hicache.cli.device import missing_device
+from hicache.cli.parser import UsageError
+from hicache.config import config_from_dict
 
 
 def test_demo_quick_exits_zero(repo_root: Path, tmp_path: Path) -> None:
@@ -46,6 +51,39 @@ def test_unknown_config_key_names_the_key(
     assert err.count("\n") == 1
     assert err.startswith("hicache: error: ")
     assert "model.colour" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_device_this_machine_lacks_is_named_with_the_way_out(
+        default_dict: dict[str, object]) -> None:
+    """Without CUDA, ``--device cuda`` (or ``cuda:1``) is refused up front naming the
+    option and ``--device cpu``, which is accepted; a config whose pool is on a CUDA device
+    is refused naming its key, unless ``--device cpu`` overrides it."""
+    on_cpu = config_from_dict(default_dict)
+    for option in ("cuda", "cuda:1"):
+        with pytest.raises(UsageError, match=rf"^--device {option}: CUDA is not available "
+                                             rf"on this machine; use --device cpu$"):
+            check_device(option, on_cpu)
+    check_device("cpu", on_cpu)
+    check_device(None, on_cpu)
+    on_gpu = config_from_dict({**default_dict, "device_pool": {
+        **default_dict["device_pool"], "device": "cuda"}})  # type: ignore[dict-item]
+    with pytest.raises(UsageError, match=r"^device_pool.device = 'cuda': CUDA is not "
+                                         r"available on this machine; pass --device cpu or "
+                                         r"set device_pool.device: cpu$"):
+        check_device(None, on_gpu)
+    check_device("cpu", on_gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_index_past_the_machines_devices_is_named() -> None:
+    """``cuda:N`` for the last device is fine, for one past it the count is named."""
+    count = torch.cuda.device_count()
+    assert missing_device("cuda") is None and missing_device(f"cuda:{count - 1}") is None
+    assert missing_device(f"cuda:{count}") == (
+        f"this machine has {count} CUDA device{'s' if count != 1 else ''} "
+        f"(cuda:0 to cuda:{count - 1})")
 
 
 def test_bad_device_is_a_usage_error(repo_root: Path, capsys: pytest.CaptureFixture[str],
