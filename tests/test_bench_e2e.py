@@ -195,7 +195,7 @@ def test_command_prints_every_column_and_writes_json(
 
 def test_the_ceiling_copies_the_kv_bytes_of_the_prefix_alone() -> None:
     """The contiguous copy that sets the ceiling moves exactly the ``N`` cached tokens' K and
-    V bytes of every layer, for each ``N`` below the buffers' longest (not the whole buffer),
+    V bytes of every layer, for an ``N`` below the buffers' longest (not the whole buffer),
     once per warm-up and repeat, and reports the best time."""
     options = tiny_options(cached_tokens=(32, 64), repeats=3, warmup=1)
     buffers = Buffers(options.spec, options.device, 64, options.new_tokens)

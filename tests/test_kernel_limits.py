@@ -45,8 +45,8 @@ def test_one_pair_of_one_layer_of_two_components(to_host: bool) -> None:
 
 def test_work_items_past_the_int32_loop_bound_are_refused() -> None:
     """2**31 work items (2**20 one-pair tiles x 1024 layers x K and V) overflow the kernel's
-    int32 loop: refused with the way out named, before any launch; one layer fewer runs
-    (nothing is launched for it here: the layer range is checked, then empty)."""
+    int32 loop: refused with the way out named, before any launch. An empty layer range of
+    the same copy is no error: it launches nothing."""
     pairs = torch.arange(1, 2**20 + 1, dtype=torch.int32)
     device = torch.zeros(2, 1024, 2, 1)
     host = torch.zeros(2, 1024, 2, 1)
