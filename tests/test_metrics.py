@@ -307,9 +307,12 @@ def test_histogram_counts_acked_ops_with_durations() -> None:
 def test_bad_duration_buckets_are_refused(buckets: tuple[float, ...], message: str) -> None:
     """An engine's own histogram bounds are checked when its exporter is made: each must be
     a finite positive number of seconds, the list strictly increasing (``+Inf`` is added)."""
-    rig = Rig()
     with pytest.raises(ValueError, match=f"buckets_s must be {message}"):
-        MetricsExporter(rig.controller.stats, duration_buckets_s=buckets)
+        MetricsExporter(Rig().controller.stats, duration_buckets_s=buckets)
+
+
+def test_an_exporters_own_duration_buckets_are_exported() -> None:
+    rig = Rig()
     custom = MetricsExporter(rig.controller.stats, duration_buckets_s=(0.5, 2))
     timed_ack(rig.controller.stats, Direction.DEVICE_TO_HOST, 2.0)
     custom.refresh()
