@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from hicache.cli import main
+from hicache.cli.app import build_parser
 from hicache.cli.demo_checks import check_device
 from hicache.cli.device import missing_device
 from hicache.cli.parser import UsageError
@@ -29,6 +31,43 @@ def test_demo_quick_exits_zero(repo_root: Path, tmp_path: Path) -> None:
     data = json.loads(report.read_text())
     assert data["passed"] is True and data["failure"] is None
     assert data["host_hit_tokens"] > 0
+
+
+def test_the_demo_in_process_prints_its_report_and_exits_zero(
+        repo_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command itself (not a subprocess): a passing run prints its report, writes the
+    JSON and exits 0."""
+    monkeypatch.chdir(repo_root)
+    report = tmp_path / "report.json"
+    assert main(["demo", "--quick", "--json", str(report)]) == 0
+    captured = capsys.readouterr()
+    assert "result             PASS" in captured.out and captured.err == ""
+    assert json.loads(report.read_text())["passed"] is True
+
+
+def test_a_metrics_host_of_no_interface_is_one_line_and_exit_2(
+        default_dict: dict[str, object], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The service's metrics address cannot be bound (a host of no interface here): exit 2
+    and one line saying what to set, before any work."""
+    service = {**default_dict["service"], "metrics_enabled": True,  # type: ignore[dict-item]
+               "metrics_host": "192.0.2.1"}
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({**default_dict, "service": service}), encoding="utf-8")
+    assert main(["demo", "--quick", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hicache: error: ")
+    assert re.search(r"192\.0\.2\.1.*set service\.metrics_host", err), err
+    assert "[Errno" not in err  # the error's own sentence, not the OSError's repr
+
+
+def test_the_seed_takes_every_unsigned_64_bit_value() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["demo", "--seed", str(2**64 - 1)]).seed == 2**64 - 1
+    assert parser.parse_args(["demo"]).seed == 0
+    with pytest.raises(SystemExit):
+        parser.parse_args(["demo", "--seed", str(2**64)])
 
 
 def test_bad_config_path_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
