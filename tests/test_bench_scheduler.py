@@ -10,10 +10,17 @@ from types import SimpleNamespace
 
 import pytest
 
+import hicache.bench.scheduler_requests as requests_module
 import hicache.bench.trace as trace_module
-from hicache.bench.scheduler import SYSTEM_TOKENS
+from hicache.bench.scheduler import SYSTEM_TOKENS, make_service
 from hicache.bench.scheduler_cli import main
-from hicache.bench.scheduler_requests import BATCH, REQUEST_TOKENS, measure_requests
+from hicache.bench.scheduler_requests import (
+    BATCH,
+    REQUEST_TOKENS,
+    RequestsRow,
+    measure_requests,
+    render_requests,
+)
 from hicache.bench.trace import TraceRequest, lru_hit_rate, read_trace, replay
 from hicache.cli import main as cli_main
 
@@ -170,6 +177,58 @@ def test_end_to_end_requests_refuse_no_requests() -> None:
         measure_requests(1_000, 0, seed=0)
     with pytest.raises(ValueError, match="got 5 and 0"):
         measure_requests(1_000, 5, seed=0, per_step=0)
+
+
+@pytest.mark.parametrize(("count", "per_step", "steps"), [(1, 1, 1), (20, 1, 20), (20, 8, 3)],
+                         ids=["one-request", "one-a-step", "eight-a-step"])
+def test_end_to_end_requests_are_the_rows_they_say(monkeypatch: pytest.MonkeyPatch,
+                                                    count: int, per_step: int,
+                                                    steps: int) -> None:
+    """What the end-to-end row reports is what ran: the service the other tree figures use
+    (device capacity ``2 * size + 65536``), every request ``REQUEST_TOKENS`` long, one
+    ``step()`` per ``per_step`` requests (the last one short), and ``seconds`` the clock of
+    those calls, not more than the call's own wall time."""
+    made: list[tuple[int, float]] = []
+    lengths: list[int] = []
+    step_calls: list[int] = []
+
+    def spied_service(capacity_tokens: int, host_ratio: float = 1.0) -> object:
+        made.append((capacity_tokens, host_ratio))
+        service = make_service(capacity_tokens, host_ratio)
+        key, step = service.key, service.step
+
+        def counted_key(tokens: object) -> object:
+            lengths.append(len(tokens))  # type: ignore[arg-type]
+            return key(tokens)  # type: ignore[arg-type]
+
+        def counted_step() -> None:
+            step_calls.append(len(lengths))
+            step()
+
+        monkeypatch.setattr(service, "key", counted_key)
+        monkeypatch.setattr(service, "step", counted_step)
+        return service
+
+    monkeypatch.setattr(requests_module, "make_service", spied_service)
+    start = time.perf_counter()
+    row = measure_requests(5_000, count, seed=3, per_step=per_step)
+    elapsed = time.perf_counter() - start
+    assert made == [(2 * 5_000 + 65_536, 1.0)]
+    # the fill's prompts come first; the measured requests are the last `count` keys
+    assert lengths[-count:] == [REQUEST_TOKENS] * count
+    measured_steps = [at for at in step_calls if at > len(lengths) - count]
+    assert len(measured_steps) == steps and measured_steps[-1] == len(lengths)
+    assert row.device_hit_tokens == count * SYSTEM_TOKENS
+    assert 0 < row.seconds <= elapsed
+
+
+def test_end_to_end_table_lines_up() -> None:
+    """The rule under the header is as wide as the header, and each row as wide as both."""
+    table = render_requests([RequestsRow(10_000, 1000, 1000 * REQUEST_TOKENS,
+                                         500 * REQUEST_TOKENS, 0.25, BATCH)]).splitlines()
+    header, rule, row = table[1:]
+    assert len(rule) == len(header) == len(row) and set(rule) == {"-"}
+    assert row.split() == ["10000", str(BATCH), "1000", "50.0%", "4000.0", "2000"]
 
 
 def test_cli_dispatches_bench_scheduler(capsys: pytest.CaptureFixture[str]) -> None:
