@@ -112,13 +112,30 @@ def test_pair_counts_that_specialise_differently(
 def test_unaligned_index_view_after_aligned_ones(
         buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
     """Indices that start 4 bytes into their storage (not 16-byte aligned, which Triton
-    specialises on) after aligned ones of the same length: exact rows."""
+    specialises on) after aligned ones of the same length: no kernel kept for the aligned
+    ones serves them (the view's load compiles through Triton's entry point as many kernels
+    as the aligned load did: one per layer-range specialisation of ``GROUPS``, which Triton
+    keys apart by alignment), the next load of the same view runs through kept kernels
+    only, exact rows."""
     device, host = buffers
+    fast = fast_launch()
     host_idx, device_idx = pairs(65, seed=4)
     host32 = host_idx.to(torch.int32)
+    entry_before = fast.entry_launches
     load(device, host, host32[1:].clone(), device_idx[1:].clone(), GROUPS)
+    compiled = fast.entry_launches - entry_before  # no other test launches 64 int32 pairs
+    assert 0 < compiled < len(GROUPS)  # groups of the same specialisations share a kernel
     device.fill_(-1.0)
     view = host32[1:]
     assert view.data_ptr() % 16 != 0
+    entry_before = fast.entry_launches
     load(device, host, view, device_idx[1:], GROUPS)
     expect(device, host, view, device_idx[1:], list(range(NUM_LAYERS)))
+    assert fast.enabled, "the fast launch turned itself off on this Triton"
+    assert fast.entry_launches - entry_before == compiled, (
+        "a kernel kept for aligned indices served unaligned ones")
+    device.fill_(-1.0)
+    fast_before = fast.fast_launches
+    load(device, host, view, device_idx[1:], GROUPS)
+    expect(device, host, view, device_idx[1:], list(range(NUM_LAYERS)))
+    assert fast.fast_launches - fast_before == len(GROUPS)
