@@ -101,7 +101,10 @@ class _Side:
         self.service = service
         self.workload = ChatWorkload(seed)
         fill(service, self.workload, size)
-        self.prompt = self.workload.next_prompt()[:2048]
+        prompt = self.workload.next_prompt()
+        while len(prompt) < 2048:  # a new conversation (1536 tokens): the 2k match needs a
+            prompt = self.workload.next_prompt()  # later turn, cut to 2048 tokens
+        self.prompt = prompt[:2048]
         self.prompts: list[list[int]] = []
 
     def block(self, name: str, calls: int, out: _Calls | None = None) -> None:
