@@ -157,8 +157,8 @@ def test_end_to_end_requests_hit_their_shared_prefix() -> None:
     """Each request is a cached system prompt and new tokens: with room for all of them,
     every request finds exactly its system prompt on the device, and nothing else."""
     row = measure_requests(5_000, 20, seed=3)
-    assert (row.tree_tokens, row.requests, row.prompt_tokens) == (5_000, 20,
-                                                                  20 * REQUEST_TOKENS)
+    assert (row.tree_tokens, row.requests, row.prompt_tokens, row.per_step) == (
+        5_000, 20, 20 * REQUEST_TOKENS, 1)
     assert row.device_hit_tokens == 20 * SYSTEM_TOKENS
     assert row.hit_rate == pytest.approx(SYSTEM_TOKENS / REQUEST_TOKENS)
     assert row.seconds > 0 and row.requests_per_s == pytest.approx(20 / row.seconds)
