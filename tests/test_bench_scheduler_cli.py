@@ -6,6 +6,7 @@ and JSON are the real ones."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import hicache.bench.scheduler_ops as ops_module
 import hicache.bench.scheduler_requests as requests_module
 import hicache.bench.scheduler_thread as thread_module
 from hicache.bench.scheduler import Figure
-from hicache.bench.scheduler_cli import main, render
+from hicache.bench.scheduler_cli import add_arguments, main, render
 from hicache.bench.scheduler_requests import BATCH, RequestsRow
 
 
@@ -62,6 +63,14 @@ def test_the_defaults_are_the_documented_ones(asked: list[tuple[Any, ...]],
     assert "medians of 200 calls" in printed and "no replay" not in printed
 
 
+def test_the_replay_defaults_to_the_documented_requests_and_capacities() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.trace, args.trace_requests, args.capacities) == (
+        None, 1000, ["5000:5000", "5000:20000", "20000:20000"])
+
+
 def test_quick_is_two_trees_and_at_most_30_repeats(asked: list[tuple[Any, ...]]) -> None:
     assert main(["--quick", "--seed", "4"]) == 0
     assert [call for call in asked if call[0] == "tree"] == [
@@ -79,8 +88,9 @@ def test_the_smallest_counts_are_accepted_and_zero_refused(
     trace = tmp_path / "trace.jsonl"
     trace.write_text('{"input_length": 512, "hash_ids": [1]}\n' * 3, encoding="utf-8")
     assert main(["--sizes", "1000", "--repeats", "1", "--trace", str(trace),
-                 "--trace-requests", "1", "--capacities", "4:4"]) == 0
-    assert "replay of trace.jsonl: 1 requests" in capsys.readouterr().out
+                 "--trace-requests", "1", "--capacities", "4:4", "8:2"]) == 0
+    printed = capsys.readouterr().out  # a host smaller than the device is a replay too
+    assert "replay of trace.jsonl: 1 requests" in printed and "       8:2 " in printed
     asked.clear()
     for bad in (["--repeats", "0"], ["--trace", str(trace), "--trace-requests", "0"],
                 ["--sizes", "999"]):
@@ -99,8 +109,8 @@ def test_a_json_path_that_cannot_be_written_stops_before_measuring(
     saved = json.loads(out.read_text(encoding="utf-8"))
     by_name = {figure["name"]: figure["by_size"] for figure in saved["figures"]}
     # the pools' and controller's figures belong to no tree: size 0 ("-" in the table)
-    assert by_name["allocator"] == {"0": [1.0, 3.0]} and by_name["tree"] == {
-        "1000": [1.0, 3.0]}
+    assert by_name["allocator"] == by_name["controller"] == {"0": [1.0, 3.0]}
+    assert by_name["tree"] == {"1000": [1.0, 3.0]}
 
 
 def test_the_table_lines_up_for_short_and_long_names() -> None:
@@ -113,6 +123,7 @@ def test_the_table_lines_up_for_short_and_long_names() -> None:
         assert set(rule) == {"-"} and len(rule) == len(header)
         assert all(len(row) == len(header) for row in rows), rows
         assert footer.startswith("(microseconds")
+    assert len(render([short], [0]).splitlines()[1]) == 42 + 59  # names padded to 42
     poll = render([short], [1000]).splitlines()[2].split()
     assert poll == ["poll", "-", "1.0", "2.0", "3.0", "5"]
     rows = render([long], [1000, 10_000]).splitlines()[2:4]

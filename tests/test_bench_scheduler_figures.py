@@ -102,7 +102,7 @@ def test_a_figure_slope_is_the_log_log_slope_of_its_medians() -> None:
     assert Figure("f", None, {10: [1.0]}).slope() is None
 
 
-SPIED = ("capacity", "options", "key", "match", "listed", "evict", "write")
+SPIED = ("capacity", "options", "key", "match", "listed", "keys_then", "evict", "write")
 
 
 def spy_service(monkeypatch: pytest.MonkeyPatch, module: Any,
@@ -125,6 +125,7 @@ def spy_service(monkeypatch: pytest.MonkeyPatch, module: Any,
             calls["match"].append(len(tokens))
             if isinstance(tokens, list):
                 calls["listed"].append(len(tokens))
+                calls["keys_then"].append(len(calls["key"]))
             return match(tokens)
 
         def spied_evict(num_tokens: int) -> Any:
@@ -257,6 +258,9 @@ def test_thread_figures_are_p99s_of_2k_calls_on_two_services_alike(
     assert calls["options"] == [{"interval_s": 0.01}] * 2
     # the match figure's calls take the prompt's token list (a request's cycle its key)
     assert len(calls["listed"]) >= 2 * 40 and set(calls["listed"]) == {2048}
+    # the cycles come after the matches: each a conversation's last 2048 tokens at most
+    cycles = calls["key"][calls["keys_then"][-1]:]
+    assert len(cycles) >= 2 * 40 and max(cycles) == 2048
     assert len(out) == 7 and all(len(values) == 1 for values in out.values())
     assert all(0 < values[0] < elapsed_us for values in out.values())
     assert out["2k match, background thread on (max)"][0] >= out[
