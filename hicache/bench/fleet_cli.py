@@ -202,9 +202,10 @@ def as_dict(row: FleetRow) -> dict[str, object]:
 def render(rows: Sequence[FleetRow]) -> str:
     """One line per run: hit rates by tier (shares of every input token), the share of the
     ideal, speed, the store's bytes, what was verified."""
-    lines = [f"{'instances':>9} {'store':>5} {'device:host':>11} {'hit rate':>8} "
-             f"{'device':>7} {'host':>7} {'L3':>7} {'ideal':>7} {'of ideal':>8} {'req/s':>6} "
-             f"{'L3 MiB w':>8} {'L3 MiB r':>8} {'verified':>8}", "-" * 112]
+    header = (f"{'instances':>9} {'store':>5} {'device:host':>11} {'hit rate':>8} "
+              f"{'device':>7} {'host':>7} {'L3':>7} {'ideal':>7} {'of ideal':>8} {'req/s':>6} "
+              f"{'L3 MiB w':>8} {'L3 MiB r':>8} {'verified':>8}")
+    lines = [header, "-" * len(header)]
     for r in rows:
         share = [t / max(1, r.input_tokens)
                  for t in (r.device_hit_tokens, r.host_hit_tokens, r.l3_hit_tokens)]
