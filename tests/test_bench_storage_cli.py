@@ -1,0 +1,108 @@
+"""``hicache bench storage``'s command line: the documented defaults, the pages each page
+size gets for a batch, the smallest accepted counts, running servers probed only when their
+store is measured, the missing-server check, and the table's order and page labels. The
+measuring function is replaced by a recorder (the figures are tested in
+tests/test_bench_storage_figures.py)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from hicache.bench import redis_local, storage_cli
+from hicache.bench.storage import Row
+from hicache.bench.storage_cli import add_arguments, main, render
+from hicache.cli.parser import FAILED, USAGE_ERROR
+
+
+@pytest.fixture
+def measured(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int, int]]:
+    """(store, page KiB, pages, repeats) of every measurement the run asks for."""
+    calls: list[tuple[str, int, int, int]] = []
+
+    def record(store: str, urls: dict[str, str], batch: Any, args: argparse.Namespace,
+               stack: Any) -> list[Row]:
+        calls.append((store, batch.page_bytes >> 10, batch.num_pages, args.repeats))
+        return []
+
+    monkeypatch.setattr(storage_cli, "_measure", record)
+    return calls
+
+
+def test_the_defaults_are_the_documented_ones() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args([])
+    assert (args.stores, args.page_tokens, args.batch_mib, args.repeats, args.redis,
+            args.cluster, args.dir, args.quick, args.json) == (
+        ["file", "redis", "cluster"], [2, 16, 32], 128, 5, None, None, None, False, None)
+
+
+def test_each_page_size_gets_a_batch_of_its_pages(
+        measured: list[tuple[str, int, int, int]]) -> None:
+    """128 MiB a call: 512 pages of 256 KiB, 64 of 2 MiB, 32 of 4 MiB; a batch smaller
+    than one page is still one page."""
+    assert main(["--stores", "file"]) == 0
+    assert measured == [("file", 256, 512, 5), ("file", 2048, 64, 5), ("file", 4096, 32, 5)]
+    measured.clear()
+    assert main(["--stores", "file", "--page-tokens", "32", "--batch-mib", "1",
+                 "--repeats", "1"]) == 0
+    assert measured == [("file", 4096, 1, 1)]
+
+
+def test_quick_is_8_mib_and_two_repeats_at_most(
+        measured: list[tuple[str, int, int, int]]) -> None:
+    assert main(["--stores", "file", "--quick", "--page-tokens", "1"]) == 0
+    assert measured == [("file", 128, 64, 2)]
+    measured.clear()
+    assert main(["--stores", "file", "--quick", "--page-tokens", "1", "--batch-mib", "4",
+                 "--repeats", "1"]) == 0
+    assert measured == [("file", 128, 32, 1)]
+
+
+@pytest.mark.parametrize("option", ["--page-tokens", "--batch-mib", "--repeats"])
+def test_zero_is_refused(option: str, measured: list[tuple[str, int, int, int]],
+                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--stores", "file", option, "0"]) == USAGE_ERROR
+    assert option in capsys.readouterr().err and measured == []
+
+
+def test_a_named_server_is_probed_only_when_its_store_is_measured(
+        measured: list[tuple[str, int, int, int]], capsys: pytest.CaptureFixture[str]) -> None:
+    """An unreachable --redis fails the run when Redis is measured (exit 1, naming it) and
+    is not asked at all when only the file store is."""
+    url = "redis://127.0.0.1:1"
+    assert main(["--stores", "redis", "--redis", url]) == FAILED
+    assert f"--redis {url}" in capsys.readouterr().err and measured == []
+    assert main(["--stores", "file", "--redis", url, "--page-tokens", "1"]) == 0
+    assert [store for store, *_ in measured] == ["file"]
+
+
+def test_without_redis_server_only_named_servers_can_be_measured(
+        monkeypatch: pytest.MonkeyPatch, measured: list[tuple[str, int, int, int]],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(redis_local, "have_redis", lambda: False)
+    assert main(["--stores", "file", "cluster"]) == USAGE_ERROR
+    assert "redis-server is not installed" in capsys.readouterr().err
+    assert main(["--stores", "file", "--page-tokens", "1"]) == 0  # no server needed
+    # a named cluster needs no local server (it is probed, and nothing answers there)
+    assert main(["--stores", "cluster", "--cluster", "redis+cluster://127.0.0.1:1"]) == FAILED
+    assert "redis-server is not installed" not in capsys.readouterr().err
+
+
+def test_the_table_puts_the_file_store_first_and_names_page_sizes() -> None:
+    rows = [Row("redis", 4096, "get GB/s", 2.0, 4.0, "redis-py GET"),
+            Row("file", 2048, "put GB/s", 3.0, None, ""),
+            Row("cluster", 256, "exists of 128, ms", 0.5, 1.0, "pipeline"),
+            Row("file", 256, "get GB/s", 6.0, 3.0, "sequential read")]
+    header, rule, *lines, footer = render(rows).splitlines()
+    assert header.split()[:6] == ["store", "page", "figure", "hicache", "raw", "ratio"]
+    assert set(rule) == {"-"} and footer.startswith("(ratio:")
+    assert [line.split()[:3] for line in lines] == [
+        ["file", "256", "KiB"], ["file", "2", "MiB"], ["cluster", "256", "KiB"],
+        ["redis", "4", "MiB"]]
+    assert lines[0].split()[-5:] == ["6.000", "3.000", "2.00x", "sequential", "read"]
+    assert lines[1].split()[-3:] == ["put", "GB/s", "3.000"]  # no reference: no raw, ratio
+    assert lines[2].split()[-4:] == ["0.500", "1.000", "2.00x", "pipeline"]
