@@ -112,7 +112,8 @@ def test_the_store_keeps_its_pages_unless_cleared(tmp_path: Path, clear: bool) -
     partial page) is there after the run, or none with ``clear_store``; the row counts the
     bytes of their rows (16 a token) and the prefetches that found nothing."""
     row = FleetRow(1, "file", 3, 16)
-    replay_fleet(REQUESTS, row, str(tmp_path), clear_store=clear)
+    options = {"clear_store": True} if clear else {}  # kept: by default
+    replay_fleet(REQUESTS, row, str(tmp_path), **options)
     pages = list(tmp_path.glob("*/*/*.kv"))  # namespace / fan-out / page
     assert len(pages) == (0 if clear else 5)
     assert (row.l3_bytes_written, row.l3_bytes_read) == (5 * BLOCK * 16, 0)
