@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 from storage_helpers import needs_redis
 
-from hicache.bench.redis_local import RedisCluster, RedisServer, _ephemeral_low, free_port, ping
+from hicache.bench import redis_local
+from hicache.bench.redis_local import (
+    RedisCluster,
+    RedisServer,
+    _ephemeral_low,
+    free_port,
+    have_redis,
+    ping,
+)
 
 
 @pytest.fixture
@@ -32,6 +40,35 @@ def test_free_ports_and_their_bus_ports_lie_below_the_ephemeral_range() -> None:
     for _ in range(50):
         port = free_port()
         assert port >= 10000 and port + 10000 < low, (port, low)
+
+
+def test_a_port_whose_bus_port_is_taken_is_not_picked(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """Only ports below 25000 are free here: a pick's cluster bus port (+10000) must be one
+    of them too, so every pick is below 15000; with nothing free the pick gives up."""
+    monkeypatch.setattr(redis_local, "_ephemeral_low", lambda: 32768)
+    monkeypatch.setattr(redis_local, "_is_free", lambda port: port < 25_000)
+    picks = [free_port() for _ in range(50)]
+    assert all(10_000 <= port < 15_000 for port in picks), picks
+    monkeypatch.setattr(redis_local, "_is_free", lambda port: False)
+    with pytest.raises(RuntimeError, match="no free loopback port pair found"):
+        free_port()
+
+
+def test_redis_is_found_only_with_both_its_programs(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """``have_redis`` needs ``redis-server`` and ``redis-cli`` on the PATH: neither, or the
+    server alone, is not enough (the Redis tests would then be skipped, not failed)."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert not have_redis()
+    server = tmp_path / "redis-server"
+    server.write_text("#!/bin/sh\n")
+    server.chmod(0o755)
+    assert not have_redis()
+    cli = tmp_path / "redis-cli"
+    cli.write_text("#!/bin/sh\n")
+    cli.chmod(0o755)
+    assert have_redis()
 
 
 @needs_redis
