@@ -7,14 +7,18 @@ tests/test_bench_storage_figures.py)."""
 from __future__ import annotations
 
 import argparse
+from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from hicache.bench import redis_local, storage_cli
-from hicache.bench.storage import Row
+from hicache.bench.storage import Batch, Row
 from hicache.bench.storage_cli import add_arguments, main, render
 from hicache.cli.parser import FAILED, USAGE_ERROR
+
+URLS: list[dict[str, str]] = []  # the store locations each recorded measurement got
 
 
 @pytest.fixture
@@ -25,6 +29,7 @@ def measured(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int, int]]
     def record(store: str, urls: dict[str, str], batch: Any, args: argparse.Namespace,
                stack: Any) -> list[Row]:
         calls.append((store, batch.page_bytes >> 10, batch.num_pages, args.repeats))
+        URLS.append(dict(urls))
         return []
 
     monkeypatch.setattr(storage_cli, "_measure", record)
@@ -90,10 +95,28 @@ def test_without_redis_server_only_named_servers_can_be_measured(
     # a named cluster needs no local server (it is probed, and nothing answers there)
     assert main(["--stores", "cluster", "--cluster", "redis+cluster://127.0.0.1:1"]) == FAILED
     assert "redis-server is not installed" not in capsys.readouterr().err
+    assert main(["--stores", "redis", "--redis", "redis://127.0.0.1:1"]) == FAILED
+    assert "redis-server is not installed" not in capsys.readouterr().err
+
+
+def test_named_servers_are_measured_where_they_are(
+        monkeypatch: pytest.MonkeyPatch, measured: list[tuple[str, int, int, int]]) -> None:
+    """A store named with --redis / --cluster is the one measured (no local server is
+    started in its place), and a store not measured gets no location at all."""
+    monkeypatch.setattr(storage_cli.arg_checks, "reachable", lambda option, url: None)
+    URLS.clear()
+    redis, cluster = "redis://127.0.0.1:7000", "redis+cluster://127.0.0.1:7001"
+    assert main(["--stores", "redis", "cluster", "--redis", redis, "--cluster", cluster,
+                 "--page-tokens", "1", "--batch-mib", "1"]) == 0
+    assert [(urls["redis"], urls["cluster"]) for urls in URLS] == [(redis, cluster)] * 2
+    URLS.clear()
+    assert main(["--stores", "file", "--page-tokens", "1", "--batch-mib", "1"]) == 0
+    assert [set(urls) for urls in URLS] == [{"file"}]
 
 
 def test_the_table_puts_the_file_store_first_and_names_page_sizes() -> None:
     rows = [Row("redis", 4096, "get GB/s", 2.0, 4.0, "redis-py GET"),
+            Row("redis", 1024, "get GB/s", 2.0, 4.0, "redis-py GET"),
             Row("file", 2048, "put GB/s", 3.0, None, ""),
             Row("cluster", 256, "exists of 128, ms", 0.5, 1.0, "pipeline"),
             Row("file", 256, "get GB/s", 6.0, 3.0, "sequential read")]
@@ -102,7 +125,42 @@ def test_the_table_puts_the_file_store_first_and_names_page_sizes() -> None:
     assert set(rule) == {"-"} and footer.startswith("(ratio:")
     assert [line.split()[:3] for line in lines] == [
         ["file", "256", "KiB"], ["file", "2", "MiB"], ["cluster", "256", "KiB"],
-        ["redis", "4", "MiB"]]
+        ["redis", "1", "MiB"], ["redis", "4", "MiB"]]
     assert lines[0].split()[-5:] == ["6.000", "3.000", "2.00x", "sequential", "read"]
     assert lines[1].split()[-3:] == ["put", "GB/s", "3.000"]  # no reference: no raw, ratio
     assert lines[2].split()[-4:] == ["0.500", "1.000", "2.00x", "pipeline"]
+
+
+def test_the_file_store_figures_come_from_the_stores_they_name(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file store's rows: the unchecked get from a store opened without checksums, the
+    O_DIRECT get from stores opened with O_DIRECT (with and without checksums), each get
+    beside its raw read of the same files; the store is left empty."""
+    import hicache.storage as storage_package
+
+    opened: list[dict[str, Any]] = []  # the options of every file store opened
+    real_init = storage_package.FileStore.__init__
+
+    def spied_init(self: Any, root: Any, namespace: Any, **options: Any) -> None:
+        opened.append(options)
+        real_init(self, root, namespace, **options)
+
+    monkeypatch.setattr(storage_package.FileStore, "__init__", spied_init)
+    batch = Batch(page_tokens=2, num_pages=2)
+    args = argparse.Namespace(repeats=1)
+    try:
+        with ExitStack() as stack:
+            rows = storage_cli._measure("file", {"file": str(tmp_path)}, batch, args, stack)
+    except OSError as exc:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(f"O_DIRECT refused here: {exc}")
+    assert opened == [{}, {"checksum": False}, {"direct_io": True},
+                      {"direct_io": True, "checksum": False}]
+    by_figure = {row.figure: row for row in rows}
+    assert set(by_figure) == {"get GB/s, no checksum", "checksum % of get", "put GB/s",
+                              "get GB/s (page cache)", "get GB/s (O_DIRECT)",
+                              "exists of 128, ms"}
+    assert by_figure["get GB/s (page cache)"].reference_name == \
+        "sequential read of the same files"
+    assert by_figure["get GB/s (O_DIRECT)"].reference_name == "O_DIRECT read of the same files"
+    assert all(row.page_kib == 2 * 128 and row.store == "file" for row in rows)
+    assert not list(tmp_path.rglob("*.kv"))
