@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from hicache.bench import redis_local, storage_cli
+from hicache.bench import storage as bench_storage
 from hicache.bench.storage import Batch, Row
 from hicache.bench.storage_cli import add_arguments, main, render
 from hicache.cli.parser import FAILED, USAGE_ERROR
@@ -146,6 +147,14 @@ def test_the_file_store_figures_come_from_the_stores_they_name(
         real_init(self, root, namespace, **options)
 
     monkeypatch.setattr(storage_package.FileStore, "__init__", spied_init)
+    reads: list[bool] = []  # the raw reads: through the page cache, then O_DIRECT
+    real_read = bench_storage.measure_sequential_read
+
+    def spied_read(*args: Any, direct: bool) -> float:
+        reads.append(direct)
+        return real_read(*args, direct=direct)
+
+    monkeypatch.setattr(bench_storage, "measure_sequential_read", spied_read)
     batch = Batch(page_tokens=2, num_pages=2)
     args = argparse.Namespace(repeats=1)
     try:
@@ -155,6 +164,7 @@ def test_the_file_store_figures_come_from_the_stores_they_name(
         pytest.skip(f"O_DIRECT refused here: {exc}")
     assert opened == [{}, {"checksum": False}, {"direct_io": True},
                       {"direct_io": True, "checksum": False}]
+    assert reads == [False, True]
     by_figure = {row.figure: row for row in rows}
     assert set(by_figure) == {"get GB/s, no checksum", "checksum % of get", "put GB/s",
                               "get GB/s (page cache)", "get GB/s (O_DIRECT)",
