@@ -296,3 +296,47 @@ def test_host_hit_on_the_gpu(new_tokens: int) -> None:
         assert row.outputs_equal, row
         assert row.recompute_rel_diff < 0.05, row
         assert row.gathered_layers == 0
+
+
+def test_the_options_default_to_the_documented_run() -> None:
+    """The issue's run: 32 layers of the 8B shapes, prefixes of 512 to 32k tokens, 16 new
+    tokens, pages of 16, ``auto`` on ``layer_first``, medians of 10 after one warm-up run,
+    seed 0; --tiny: two layers and prefixes of 64 and 256 tokens."""
+    import argparse
+
+    from hicache.bench.e2e.cli import add_arguments, options
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    opts = options(parser.parse_args([]))
+    assert (opts.spec.num_layers, opts.spec.hidden, opts.spec.mlp, opts.device.type) == (
+        32, 4096, 14336, "cuda")
+    assert (opts.cached_tokens, opts.new_tokens, opts.page_size, opts.backend, opts.layout,
+            opts.repeats, opts.warmup, opts.seed) == (
+        (512, 2048, 8192, 32768), 16, 16, "auto", "layer_first", 10, 1, 0)
+    tiny = options(parser.parse_args(["--tiny", "--device", "cpu"]))
+    assert (tiny.spec.num_layers, tiny.cached_tokens, tiny.device.type) == (2, (64, 256), "cpu")
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--new-tokens", "0"], "--new-tokens"), (["--page-size", "0"], "--page-size"),
+    (["--repeats", "0"], "--repeats"), (["--warmup", "-1"], "--warmup"),
+    (["--layers", "0"], "--layers"), (["--tokens", "0"], "--tokens")])
+def test_counts_below_their_minimum_are_refused(argv: list[str], named: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["--device", "cpu", "--tiny", *argv])
+    assert stop.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_the_smallest_counts_run_and_an_unwritable_json_stops_first(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One new token, pages of one token, one repeat, no warm-up, one layer: a run. A --json
+    in a missing directory: exit 2 before anything runs."""
+    assert main(["--device", "cpu", "--tiny", "--tokens", "3", "--new-tokens", "1",
+                 "--page-size", "1", "--repeats", "1", "--warmup", "0", "--layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 layers" in out and "1 new tokens" in out and "pages of 1; medians of 1" in out
+    assert main(["--device", "cpu", "--tiny", "--json", str(tmp_path / "no" / "e2e.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hicache bench e2e: error: --json") and err.count("\n") == 1
