@@ -96,6 +96,18 @@ def test_a_device_hit_without_the_prefix_on_the_device_fails_the_run(
         run_e2e(tiny_options(cached_tokens=(32,)))
 
 
+def test_a_prefix_left_on_the_device_is_not_taken_for_a_host_hit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backed up but not evicted (the eviction does nothing here): the prefix is a device
+    hit, and the run stops rather than time it as a host hit."""
+    from hicache.service import HiCacheService
+
+    monkeypatch.setattr(HiCacheService, "evict", lambda self, num_tokens: 0)
+    with pytest.raises(BenchmarkError, match="the 32-token prefix is not a host-only hit after "
+                                             "backup and eviction: 32 device and 0 host"):
+        run_e2e(tiny_options(cached_tokens=(32,)))
+
+
 def test_pool_kv_reads_a_run_of_slots_as_a_view_and_gathers_other_slots() -> None:
     spec = TINY
     config = service_config(spec, torch.device("cpu"), 64, 16, "torch", "layer_first")
