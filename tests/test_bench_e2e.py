@@ -108,6 +108,28 @@ def test_a_prefix_left_on_the_device_is_not_taken_for_a_host_hit(
         run_e2e(tiny_options(cached_tokens=(32,)))
 
 
+def test_a_refused_load_back_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host hit whose load-back is refused (no device quota here) is not timed as one."""
+    from hicache.service import HiCacheService
+
+    load_back, run = HiCacheService.load_back, HostHit.run
+    in_host_hit = [False]  # the device hit's own load-back (make_resident) is left alone
+
+    def refused_run(self: HostHit) -> torch.Tensor:
+        in_host_hit[0] = True
+        try:
+            return run(self)
+        finally:
+            in_host_hit[0] = False
+
+    monkeypatch.setattr(HostHit, "run", refused_run)
+    monkeypatch.setattr(HiCacheService, "load_back", lambda self, match, quota: load_back(
+        self, match, 0 if in_host_hit[0] else quota))
+    with pytest.raises(BenchmarkError, match="the host hit of 32 tokens was not loaded "
+                                             r"\(refused: "):
+        run_e2e(tiny_options(cached_tokens=(32,)))
+
+
 def test_pool_kv_reads_a_run_of_slots_as_a_view_and_gathers_other_slots() -> None:
     spec = TINY
     config = service_config(spec, torch.device("cpu"), 64, 16, "torch", "layer_first")
