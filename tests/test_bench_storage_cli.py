@@ -26,6 +26,7 @@ URLS: list[dict[str, str]] = []  # the store locations each recorded measurement
 def measured(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int, int, int]]:
     """(store, page KiB, pages, repeats) of every measurement the run asks for."""
     calls: list[tuple[str, int, int, int]] = []
+    URLS.clear()
 
     def record(store: str, urls: dict[str, str], batch: Any, args: argparse.Namespace,
                stack: Any) -> list[Row]:
@@ -105,7 +106,6 @@ def test_named_servers_are_measured_where_they_are(
     """A store named with --redis / --cluster is the one measured (no local server is
     started in its place), and a store not measured gets no location at all."""
     monkeypatch.setattr(storage_cli.arg_checks, "reachable", lambda option, url: None)
-    URLS.clear()
     redis, cluster = "redis://127.0.0.1:7000", "redis+cluster://127.0.0.1:7001"
     assert main(["--stores", "redis", "cluster", "--redis", redis, "--cluster", cluster,
                  "--page-tokens", "1", "--batch-mib", "1"]) == 0
