@@ -374,3 +374,48 @@ def test_the_smallest_counts_run_and_an_unwritable_json_stops_first(
     assert main(["--device", "cpu", "--tiny", "--json", str(tmp_path / "no" / "e2e.json")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hicache bench e2e: error: --json") and err.count("\n") == 1
+
+
+def test_rotary_positions_rotate_by_position_alone() -> None:
+    """Position 0 leaves a row as it is; a rotation keeps each pair's norm; the product of a
+    query at position m and a key at position n depends on m - n only (what makes the
+    prefill of new tokens after a cached prefix the same as the recompute's)."""
+    from hicache.bench.e2e.model import _apply_rope, _rope_tables
+
+    spec = DecoderSpec(**{**TINY.__dict__, "dtype": torch.float32, "rope": True})
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 1, spec.head_dim, generator=gen)
+    k = torch.randn(1, 1, spec.head_dim, generator=gen)
+
+    def at(x: torch.Tensor, position: int) -> torch.Tensor:
+        return _apply_rope(x, *_rope_tables(spec, position, 1, torch.device("cpu")))[0, 0]
+
+    assert torch.allclose(at(q, 0), q[0, 0])
+    half = spec.head_dim // 2
+    rotated = at(q, 7)
+    assert torch.allclose(rotated[:half] ** 2 + rotated[half:] ** 2,
+                          q[0, 0, :half] ** 2 + q[0, 0, half:] ** 2, atol=1e-5)
+    assert not torch.allclose(rotated, q[0, 0])
+    products = [float(at(q, m) @ at(k, n)) for m, n in ((5, 2), (13, 10), (103, 100))]
+    assert products == pytest.approx([products[0]] * 3, rel=1e-4)
+    cos, _ = _rope_tables(spec, 4, 3, torch.device("cpu"))
+    assert cos.shape == (3, 1, half)
+    assert torch.allclose(cos[1:2], _rope_tables(spec, 5, 1, torch.device("cpu"))[0])
+
+
+def test_a_host_hit_with_rotary_positions_equals_resident_and_recompute() -> None:
+    """With --rope the new tokens' positions start after the cached prefix: the host hit's
+    output is the resident forward's, and within 1% of the recompute's last rows."""
+    spec = DecoderSpec(**{**TINY.__dict__, "dtype": torch.float32, "rope": True})
+    (row,) = run_e2e(tiny_options(cached_tokens=(32,), spec=spec))
+    assert row.outputs_equal and row.hit_max_diff == 0.0 and row.recompute_rel_diff < 1e-5
+
+
+def test_the_decoder_sizes_its_kv_and_weights() -> None:
+    """A token's K and V over every layer (what a load moves), and the weights' bytes."""
+    assert DecoderSpec().kv_token_bytes == 2 * 32 * 8 * 128 * 2  # 128 KiB a token, bf16
+    assert TINY.kv_token_bytes == 2 * 2 * 2 * 64 * 2
+    float32 = DecoderSpec(**{**TINY.__dict__, "dtype": torch.float32})
+    assert float32.kv_token_bytes == 2 * TINY.kv_token_bytes
+    per_layer = (256 + 2 * 128) * 256 + 256 * 256 + 2 * 512 * 256 + 256 * 512
+    assert Decoder(TINY, torch.device("cpu")).size_bytes == 2 * per_layer * 2
