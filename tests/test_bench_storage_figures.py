@@ -130,6 +130,7 @@ def test_the_sequential_reference_reads_whole_files_the_way_it_says(
 @needs_redis
 def test_the_redis_py_reference_leaves_no_key(tmp_path: Path) -> None:
     import redis
+
     from hicache.bench.redis_local import RedisServer
 
     server = RedisServer(tmp_path).start()
