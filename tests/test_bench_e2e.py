@@ -108,6 +108,24 @@ def test_a_prefix_left_on_the_device_is_not_taken_for_a_host_hit(
         run_e2e(tiny_options(cached_tokens=(32,)))
 
 
+def test_a_prefix_gone_from_both_tiers_is_not_taken_for_a_host_hit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evicted from the host too (the eviction takes both tiers here): no hit at all, and
+    the run stops."""
+    from hicache.service import HiCacheService
+
+    evict = HiCacheService.evict
+
+    def evict_both(self: HiCacheService, num_tokens: int) -> int:
+        evicted = evict(self, num_tokens)
+        self.evict_host(num_tokens)
+        return evicted
+
+    monkeypatch.setattr(HiCacheService, "evict", evict_both)
+    with pytest.raises(BenchmarkError, match="backup and eviction: 0 device and 0 host"):
+        run_e2e(tiny_options(cached_tokens=(32,)))
+
+
 def test_a_refused_load_back_fails_the_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """A host hit whose load-back is refused (no device quota here) is not timed as one."""
     from hicache.service import HiCacheService
