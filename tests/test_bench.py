@@ -504,6 +504,17 @@ def test_defaults_and_quick() -> None:
     runs = parse_args(["--slots", "runs"])
     assert runs.backends == ["torch", "kernel", "staged", "direct", "auto"]
     assert parse_args(["--slots", "runs", "--backends", "direct"]).backends == ["direct"]
+    args = parse_args([])  # the shape and the run's knobs the README's tables were made with
+    assert (args.heads, args.head_dim, args.torch_repeats, args.staging_tokens, args.programs,
+            args.matmul_size, args.slowdown_windows, args.window_ms, args.seed) == (
+        8, 128, 2, 1024, 16, 8192, 3, 20.0, 0)
+
+
+def test_auto_sizes_up_to_the_op_size_are_accepted() -> None:
+    """An auto size equal to --tokens is measured; one page more is refused by name."""
+    assert check_args(parse_args(["--tokens", "2048", "--auto-sizes", "256", "2048"])) is None
+    assert check_args(parse_args(["--tokens", "2048", "--auto-sizes", "2064"])) == (
+        "--auto-sizes 2064: must not exceed --tokens (2048)")
 
 
 def test_run_slots_are_one_run_each_and_move_directly() -> None:
@@ -768,3 +779,18 @@ def test_from_json_of_a_directory_names_it(tmp_path: Path,
     err = capsys.readouterr().err
     assert err.startswith(f"hicache bench: error: --from-json {tmp_path}: cannot read it")
     assert err.count("\n") == 1
+
+
+def test_several_saved_runs_report_the_first_with_the_table_of_all(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--from-json with several runs prints the first run's report (its header, taken on
+    its day) and derives the auto table from all of them."""
+    runs = [noisy_run(15.0), noisy_run(26.0)]
+    runs[1] = replace(runs[1], meta={**runs[1].meta, "date": "2026-02-02"})
+    paths = []
+    for i, run in enumerate(runs):
+        paths.append(tmp_path / f"run{i}.json")
+        save_json(run, paths[-1])
+    assert main(["--from-json", *map(str, paths)]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == f"Test GPU, torch 2.x, {runs[0].meta['date']}"
