@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from controller_helpers import device_rows, gpu_backends, host_rows, make_controller
+from gpu_shapes import scaled
 
 from hicache.controller import CacheController, TransferBackend
 from hicache.controller.events import LayerEventRing
@@ -21,7 +22,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-SLEEP_CYCLES = 20_000_000  # ~10 ms: a reader that does not wait reads the old value
+# ~10 ms: a reader that does not wait reads the old value; ~0.5 s under the sanitizer,
+# where the calls made while the stream sleeps can take longer than 10 ms
+SLEEP_CYCLES = scaled(20_000_000, 1_000_000_000)
 CUDA = torch.device("cuda")
 
 

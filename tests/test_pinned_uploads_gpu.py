@@ -11,7 +11,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from gpu_shapes import under_sanitizer
+from gpu_shapes import scaled, under_sanitizer
 
 from hicache.controller import CacheController
 from hicache.controller.staged import StagedBackend
@@ -32,7 +32,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-SLEEP_CYCLES = 50_000_000  # ~25 ms on the stream before a copy: its buffer stays busy
+# ~25 ms on the stream before a copy, so its buffer stays busy; ~1 s under the sanitizer,
+# where each upload's launch alone can take longer than 25 ms
+SLEEP_CYCLES = scaled(50_000_000, 2_000_000_000)
 CUDA = torch.device("cuda")
 
 
