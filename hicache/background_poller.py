@@ -1,17 +1,17 @@
 """The service's background thread, and the acks it collects for the scheduler.
 
-The thread polls finished ops (event ``query()`` only, under the service lock) and puts
-their acks on a queue. Backups that ``insert`` queued with no ``step()`` after them (a quiet
-scheduler) it issues before it polls: the only change it makes to the tree. The scheduler thread
-collects acks with :meth:`BackgroundPoller.collect` (queued acks first, then whatever the
-controller finished since) and applies them to the tree with :meth:`BackgroundPoller.apply`.
-When nothing happened for an interval (no ack, no scheduler call, no check) the thread runs
-the sliced integrity check (:mod:`hicache.integrity_slices`). With nothing in flight it
-sleeps until that check may be due; a queued transfer wakes it (a controller observer). It
-polls only where the scheduler did not: a pass that finds the scheduler polled since the
-last one (with transfers in flight) or made calls (with none) does nothing and sleeps twice
-as long as the one before, so a busy scheduler's thread seldom wakes (each wake takes the
-GIL).
+The thread polls finished ops (event ``query()`` only, under the service lock) and queues
+their acks; the scheduler thread collects them (:meth:`BackgroundPoller.collect`: queued
+acks first, then what the controller finished since) and applies them to the tree
+(:meth:`BackgroundPoller.apply`). Backups that ``insert`` queued with no ``step()`` after
+them (a quiet scheduler) it issues before it polls, the only change it makes to the tree
+(none for a tensor-parallel rank: :mod:`hicache.rank_agreement`). When nothing happened
+for an interval (no ack, no scheduler call, no check) the thread runs the sliced integrity
+check (:mod:`hicache.integrity_slices`). With nothing in flight it sleeps until that check
+may be due; a queued transfer wakes it (a controller observer). It polls only where the
+scheduler did not: a pass that finds the scheduler polled since the last one (with
+transfers in flight) or made calls (with none) does nothing and sleeps twice as long as the
+one before, so a busy scheduler's thread seldom wakes (each wake takes the GIL).
 
 An exception in the thread is never swallowed: it is recorded in the
 :class:`~hicache.call_gate.CallGate`, which raises it on the scheduler thread, counted in
@@ -39,6 +39,7 @@ from .interrupts import interrupts_held
 from .radix import HiRadixCache
 
 if TYPE_CHECKING:
+    from .rank_agreement import RankAgreement
     from .service_stats import ServiceStats
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,7 @@ class BackgroundPoller:
         self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
         self._collects = 0  # scheduler polls (collect calls), written by the scheduler only
         self._wake_wanted = True  # the thread sleeps until a check is due: wake it to poll
+        self.agreement: RankAgreement | None = None  # set by the service of a TP rank
 
     @property
     def is_running(self) -> bool:
@@ -146,18 +148,21 @@ class BackgroundPoller:
             acks.append(queued.popleft())
         return acks
 
-    def collect(self) -> list[Ack]:
+    def collect(self, *, agree: bool = False) -> list[Ack]:
         """Queued acks first (older), then whatever the controller finished since; on the
-        scheduler thread, with the service lock held."""
+        scheduler thread, with the service lock held. With an :attr:`agreement` they are
+        held, and only a step's call (``agree``) returns those the ranks agree on."""
         self._collects += 1  # the thread's next pass need not poll
         acks = self.drain() + self._controller.poll_acks()
         if self._exporter is not None:
             self._exporter.refresh()
+        if self.agreement is not None:
+            self.agreement.hold(acks)
+            acks = self.agreement.agree() if agree else []
         return acks
 
     def apply(self, acks: list[Ack]) -> None:
-        """Apply ``acks`` to the tree and count them; on the scheduler thread, with the
-        service lock held."""
+        """Apply ``acks`` to the tree and count them (scheduler thread, service lock held)."""
         self._tree.apply_acks(acks)
         self._stats.acks_applied += len(acks)
 
@@ -236,7 +241,8 @@ class BackgroundPoller:
 
     def _poll_once(self) -> bool:
         with self._gate.lock:
-            if self._tree.has_queued_backups or self._controller.has_queued_writes:
+            if self.agreement is None and (
+                    self._tree.has_queued_backups or self._controller.has_queued_writes):
                 self._issue_writes()  # backups queued with no step after them
             acks = self._controller.poll_acks()  # bounds errors go to step(), not this thread
             self._stats.polls += 1

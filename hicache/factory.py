@@ -47,6 +47,7 @@ from .config.sizing import (
 )
 from .l3 import StorageTier
 from .radix import HiRadixCache
+from .rank_agreement import RankAgreement
 from .service import HiCacheService
 from .storage import Namespace, StorageBackend, open_store
 
@@ -57,7 +58,7 @@ _Built = tuple[DeviceKVPool | HybridSWAPool, TransferCore, list[HostKVPool]]
 
 def build_service(config: HiCacheConfig, *, model_id: str | None = None,
                   model_revision: str | None = None, tp_rank: int = 0, tp_size: int = 1,
-                  salt: str = "") -> HiCacheService:
+                  salt: str = "", tp_group: object = None) -> HiCacheService:
     """Pools, backend, controller, tree, shared-store tier and service for ``config``; no
     thread started (the store's worker threads start with their first job).
 
@@ -66,11 +67,18 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
         model_id, model_revision, tp_rank, tp_size, salt: what names the pages in a shared
             store (see :func:`storage_namespace`); ``model_id`` and ``model_revision`` are
             required when ``storage.backend`` is not ``none``.
+        tp_group: for an engine that runs one scheduler and one service per tensor-parallel
+            rank, a ``torch.distributed`` group of those ranks with a CPU backend (gloo):
+            every rank then applies finished transfers at the same step, so that their trees
+            give the same answers (:mod:`hicache.rank_agreement`; one collective a ``step``,
+            and one here, made by every rank). ``None``: a service of its own.
 
     Raises:
         ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
             store without ``model_id``/``model_revision``; a store with a hybrid model whose
-            host keeps SWA rows for windows only.
+            host keeps SWA rows for windows only; a ``tp_group`` with a store, with
+            ``tp_size``/``tp_rank`` other than the group's, or that cannot reduce CPU
+            tensors.
         ConfigError: pools in RAM larger than this machine's RAM (naming the size key,
             checked before anything is allocated); a ``storage.path`` that cannot be a
             writable directory.
@@ -85,6 +93,7 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             f"model_id and model_revision (a commit or weights digest), which name the pages "
             f"in the shared store so that no other weights ever read them")
     check_store_swa_history(config)  # loading checks it too; a config made by hand may not
+    agreement = None if tp_group is None else _rank_agreement(config, tp_group, tp_rank, tp_size)
     check_machine_memory(config)  # before anything is allocated: not a MemoryError part-way
     device = torch.device(config.device_pool.device)
     ctl = config.controller
@@ -118,8 +127,24 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
     return HiCacheService(
         tree=tree, device_pool=device_pool, host_pools=host_pools,
         integrity_check_interval_s=service_config.integrity_check_interval_s,
-        metrics_address=metrics, storage=storage,
+        metrics_address=metrics, storage=storage, agreement=agreement,
     )
+
+
+def _rank_agreement(config: HiCacheConfig, group: object, tp_rank: int,
+                    tp_size: int) -> RankAgreement:
+    """The agreement of ``group`` (checked against the config and the TP arguments)."""
+    if config.storage.is_enabled:
+        raise ValueError(
+            f"build_service: tp_group with storage.backend {config.storage.backend.value}: "
+            f"the ranks do not agree on the shared store's prefetches yet; pass no tp_group "
+            f"(each rank then applies finished transfers on its own schedule) or no store")
+    agreement = RankAgreement(group)
+    if (tp_size, tp_rank) not in ((1, 0), (agreement.size, agreement.rank)):
+        raise ValueError(f"build_service: tp_size={tp_size}, tp_rank={tp_rank}, but tp_group "
+                         f"has {agreement.size} ranks and this is rank {agreement.rank}: pass "
+                         f"the group's, or leave them out")
+    return agreement
 
 
 def _build_plain(config: HiCacheConfig, device: torch.device, backend: TransferBackend) -> _Built:

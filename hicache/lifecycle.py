@@ -77,6 +77,10 @@ def _close(service: HiCacheService) -> None:
     with gate.lock:
         service.tree.issue_queued_backups()  # queued with no step after them
         acks = service._poller.drain() + service.controller.drain()
+        agreement = service._poller.agreement
+        if agreement is not None:  # every op has finished, on every rank that stops here
+            agreement.hold(acks)
+            acks = agreement.take_all()
         service._poller.apply(acks)
         if service.storage is not None:  # after the acks: their backups are queued first
             service.storage.close()

@@ -2,8 +2,9 @@
 
 Thread ownership (the rules every caller relies on):
 
-- The engine's scheduler thread owns the tree and the allocators. Every API call
-  (``match``, ``load_back``, ``start_loading``, ``insert``, ``lock``/``release``,
+- The engine's scheduler thread owns the tree, the allocators and the record of the slots
+  ``alloc_device`` handed it (so the integrity check accounts for every device slot). Every
+  API call (``match``, ``load_back``, ``start_loading``, ``insert``, ``lock``/``release``,
   ``alloc_device``, ``free_device``, ``evict``, ``evict_host``, ``step``) runs there, and
   only those calls mutate bookkeeping.
 - One service lock (``service_lock``) serialises access to the controller. Every API call
@@ -13,20 +14,17 @@ Thread ownership (the rules every caller relies on):
   (``wait_until`` takes no lock; ``stop`` drains only after the thread was joined).
 - The background thread applies no ack: it puts acks on a queue that ``step`` applies on
   the scheduler thread. It issues backups a quiet scheduler left queued (host slots only;
-  host leaves it evicts for them only after a second with no scheduler call).
+  host leaves it evicts for them only after a second with no scheduler call). Ranks of a
+  tensor-parallel engine apply acks where they agree (:mod:`hicache.rank_agreement`).
 - An exception in the background thread is never swallowed: it is logged, counted in
   ``stats.background_errors`` and raised, as :class:`ServiceError` with the original as
   ``__cause__``, by every later scheduler call until ``stop``; ``stop`` raises it if no call
   did. The service is unusable after that: stop it.
 
-Slots the engine allocates through :meth:`HiCacheService.alloc_device` are tracked until
-they are inserted or given back with :meth:`HiCacheService.free_device`, so the integrity
-check can prove that every device slot is free, owned by a tree node or held by the engine.
-
 Parts: :mod:`hicache.slot_handoff` moves slots between the engine and the tree;
-:class:`~hicache.call_gate.CallGate` admits every scheduler call; the background thread and
-its ack queue are :class:`~hicache.background_poller.BackgroundPoller`; :mod:`.lifecycle`
-starts and stops them; :mod:`hicache.prefetch_calls` holds the shared store's calls.
+:class:`~hicache.call_gate.CallGate` admits every call; :class:`~hicache.background_poller.
+BackgroundPoller` is the thread and its ack queue, started and stopped by :mod:`.lifecycle`;
+:mod:`hicache.prefetch_calls` holds the shared store's calls.
 """
 
 from __future__ import annotations
@@ -46,6 +44,7 @@ from .integrity_slices import SlicedIntegrityCheck
 from .l3 import StorageTier
 from .prefetch_calls import PrefetchCalls
 from .radix import HiRadixCache, LoadBack, MatchResult, TokenIds, TokenKey, TreeNode
+from .rank_agreement import RankAgreement, agreed_step
 from .service_stats import ServiceStats
 
 
@@ -71,6 +70,8 @@ class HiCacheService(PrefetchCalls):
             or ``None`` for no endpoint.
         storage: the shared store's tier (L3), or ``None``; the service closes it at
             :meth:`stop`. Its calls are in :class:`~hicache.prefetch_calls.PrefetchCalls`.
+        agreement: the tensor-parallel ranks this service's acks are agreed with
+            (:class:`~hicache.rank_agreement.RankAgreement`; no store then), or ``None``.
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class HiCacheService(PrefetchCalls):
         poll_interval_s: float = 0.001,
         metrics_address: tuple[str, int] | None = None,
         storage: StorageTier | None = None,
+        agreement: RankAgreement | None = None,
     ) -> None:
         self.tree = tree
         tree.issue_backups = False  # issued by step() (see above)
@@ -107,18 +109,15 @@ class HiCacheService(PrefetchCalls):
             exporter=self.exporter, check=self.background_check,
             check_interval_s=integrity_check_interval_s, poll_interval_s=poll_interval_s,
         )
+        self._poller.agreement = agreement
 
     # ---- scheduler API ------------------------------------------------------------------
 
     def key(self, tokens: TokenIds) -> TokenKey:
         """``tokens`` checked once for a request: pass the key to :meth:`match` and
         :meth:`insert`, which then skip the check (see :class:`~hicache.radix.TokenKey`).
-        Needs no lock and changes nothing.
-
-        Raises:
-            TypeError: not token ids (as for :meth:`match`).
-            ValueError: a negative token id.
-        """
+        Needs no lock and changes nothing. Raises ``TypeError`` for what is not token ids (as
+        :meth:`match` does), ``ValueError`` for a negative token id."""
         return self.tree.key(tokens, "key")
 
     def match(self, tokens: TokenIds | TokenKey) -> MatchResult:
@@ -251,6 +250,8 @@ class HiCacheService(PrefetchCalls):
                 before anything is applied; the next step goes on normally.
         """
         with self._gate.call():
+            if self._poller.agreement is not None:  # a tensor-parallel rank
+                return agreed_step(self)
             self.controller.raise_if_tripped()
             self.tree.issue_queued_backups()  # those queued since the last step, as one op
             acks = self._poller.collect()
@@ -293,8 +294,6 @@ class HiCacheService(PrefetchCalls):
         lifecycle.enter(self)
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         lifecycle.leave(self, exc)

@@ -70,8 +70,11 @@ def alloc(service: HiCacheService, num_tokens: int) -> Indices | None:
     got = tree.io.try_alloc_device(num_tokens)
     if got is None and tree.io.is_hybrid and service.controller.has_queued_writes:
         # window backups wait for the step's write; their SWA slots come back at its ack
-        service.controller.start_writing()
-        service._poller.apply(service._poller.collect())
+        if service._poller.agreement is None:
+            service.controller.start_writing()
+            service._poller.apply(service._poller.collect())
+        else:  # tensor-parallel ranks: only every write finished is the same on every rank
+            apply_finished_writes(service)
         got = tree.io.try_alloc_device(num_tokens)
     if got is None and tree.io.is_hybrid:  # SWA rows with a host copy go first
         swa_short = num_tokens - tree.io.device_swa_free_tokens()
@@ -94,6 +97,8 @@ def apply_acks(service: HiCacheService) -> None:
     at its ack). With no op in flight the controller has none to give, and only acks the
     background thread took before are applied (none, in most calls): no poll is made."""
     poller = service._poller
+    if poller.agreement is not None:  # a TP rank: acks are applied where the ranks agree
+        return
     if service.controller.num_in_flight:
         poller.apply(poller.collect())
         return
@@ -163,7 +168,16 @@ def finish_window_backups(service: HiCacheService, device_indices: Indices) -> b
     complete host copies; True when there were any (acks were applied)."""
     tree = service.tree
     if tree.io.is_hybrid and tree.window_backups.in_flight(device_indices):
-        service.controller.finish_writes()
-        service._poller.apply(service._poller.collect())
+        apply_finished_writes(service)
         return True
     return False
+
+
+def apply_finished_writes(service: HiCacheService) -> None:
+    """Issue the queued writes, wait for every write in flight and apply their acks (with
+    a :class:`~hicache.rank_agreement.RankAgreement`, every write's: each rank has them all
+    then, so no collective is needed)."""
+    service.controller.finish_writes()
+    poller = service._poller
+    acks = poller.collect()
+    poller.apply(acks if poller.agreement is None else poller.agreement.take_writes())

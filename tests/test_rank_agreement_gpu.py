@@ -1,0 +1,36 @@
+"""Two tensor-parallel ranks on one GPU whose write-through copies finish at different
+times (``tests/rank_helpers.py``'s ``late_copy``): without an agreement the rank whose copy
+finished evicts the node and the other cannot, so one allocation succeeds where the other
+is refused and the ranks' trees part ways; with one (``build_service(tp_group=...)``) both
+refuse until both copies are acknowledged, then both succeed. The run without agreement is
+the check that the scenario does make the ranks disagree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_shapes import scaled
+from rank_helpers import late_copy, run_ranks
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+# ~1 s (~4 s under the sanitizer): longer than rank 0's synchronisation, two barriers and
+# two steps on both ranks
+SLEEP_CYCLES = scaled(2_000_000_000, 8_000_000_000)
+
+
+@pytest.mark.parametrize("agreed", [True, False], ids=["agreed", "alone"])
+def test_ranks_whose_copies_finish_apart(tmp_path: Path, agreed: bool) -> None:
+    first, second = run_ranks(late_copy, 2, tmp_path, agreed, SLEEP_CYCLES)
+    assert second["copy_still_running"], "rank 1's copy finished early: raise SLEEP_CYCLES"
+    assert not first["copy_still_running"]
+    if agreed:
+        assert first["first_refused"] and second["first_refused"]
+    else:
+        assert not first["first_refused"] and second["first_refused"]
+    assert not first["second_refused"] and not second["second_refused"]
