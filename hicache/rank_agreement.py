@@ -31,6 +31,9 @@ schedule, and the ranks do not agree on them yet.
 A ``step()`` that raises a CUDA bounds error still takes part in the collective first (so no
 other rank waits for it), then raises with the agreed acks held back: that rank is then a
 step behind the others, and an engine should treat the error as fatal for the whole group.
+Not agreed yet: ``start_loading`` refuses a load while the event set it would reuse still
+runs, which depends on each rank's timing (an engine keeps ``controller.event_ring_size``
+above the load batches it has in flight).
 """
 
 from __future__ import annotations
