@@ -19,6 +19,8 @@ import torch.distributed as dist
 from rank_helpers import make_config, random_traffic, run_ranks
 
 from hicache.config import config_from_dict
+from hicache.controller import Ack
+from hicache.controller.base import Direction
 from hicache.factory import build_service
 from hicache.rank_agreement import RankAgreement
 
@@ -154,3 +156,53 @@ def test_the_background_thread_of_a_rank_issues_no_backup(one_rank_group: Any) -
         assert service.step() == 1 and not service.tree.has_queued_backups
     finally:
         service.stop()
+
+
+def _ack(op_id: int, direction: Direction) -> Ack:
+    return Ack(op_id, direction, [], {}, {}, None, "torch")
+
+
+def test_held_acks_are_taken_a_direction_at_a_time_in_op_order(one_rank_group: Any) -> None:
+    """What :class:`RankAgreement` does with the acks it holds: a step takes as many of each
+    direction as every rank holds (here: all), oldest first, returned in op order; a wait
+    for every write takes the writes only; acks put back come before those held after."""
+    write, load = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
+    agreement = RankAgreement(one_rank_group)
+    agreement.hold([_ack(1, write), _ack(2, load), _ack(3, write)])
+    assert agreement.num_held == 3
+    assert [a.op_id for a in agreement.take_writes()] == [1, 3]
+    assert agreement.num_held == 1  # the load stays
+    agreement.hold([_ack(4, write), _ack(5, load)])
+    agreed = agreement.agree()
+    assert [a.op_id for a in agreed] == [2, 4, 5] and agreement.num_held == 0
+    assert agreement.agreements == 1
+    agreement.hold([_ack(6, load)])
+    agreement.put_back(agreed)
+    assert agreement.num_held == 4
+    assert [a.op_id for a in agreement.take_all()] == [2, 4, 5, 6]
+    assert agreement.num_held == 0 and agreement.agreements == 1
+
+
+def test_an_allocation_short_of_window_slots_applies_every_finished_write(
+        one_rank_group: Any) -> None:
+    """A hybrid rank whose sliding-window slots are all waiting for their host copies (pages
+    that left the window, given back with ``release_window``): the allocation issues the
+    queued copies, waits for every write and applies them all (every rank has them all
+    then), so their window slots come free and it succeeds; the rank holds no write."""
+    service = build_service(make_config("write_through", hybrid=True, device_tokens=8),
+                            tp_group=one_rank_group)
+    agreement = service._poller.agreement
+    assert agreement is not None
+    try:
+        held = service.alloc_device(4)  # every window slot (4 of them)
+        assert held is not None
+        service.release_window(held)  # their rows go to the host; the slots come back after
+        assert service.controller.has_queued_writes
+        got = service.alloc_device(2)
+        assert got is not None and not service.controller.has_queued_writes
+        assert agreement.num_held == 0 and agreement.agreements == 0
+        service.free_device(got)
+        service.free_device(held)
+    finally:
+        service.stop()
+    service.check_integrity()
