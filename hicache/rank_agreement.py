@@ -16,10 +16,11 @@ With a :class:`RankAgreement` the service applies acks only where every rank app
   issued in the same order on every rank (the scheduler's calls issue them; the background
   thread issues none), so the first ``n`` of each direction are the same ops everywhere, and
   every rank applies those ``n`` (by op id) and holds the rest for a later step.
-- Everywhere else (an allocation that evicted, the background thread) finished ops are
-  polled and held, not applied. After a wait for every write issued (an ``insert`` or
-  ``free_device`` of pages whose sliding-window rows are being copied), every rank holds all
-  of them, so all writes are applied there without a collective; at ``stop``, all of them.
+- Everywhere else no ack is applied: an allocation that evicted leaves them to the step,
+  and what the background thread polls is held. After a wait for every write issued (an
+  ``insert`` or ``free_device`` of pages whose sliding-window rows are being copied, an
+  allocation short of sliding-window slots), every rank has all of them, so all writes are
+  applied there without a collective; at ``stop``, every op.
 - The background thread issues no backups (a quiet scheduler's backups wait for its next
   step) and evicts nothing; it still polls and runs the integrity check.
 

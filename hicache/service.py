@@ -22,8 +22,8 @@ Thread ownership (the rules every caller relies on):
   did. The service is unusable after that: stop it.
 
 Parts: :mod:`hicache.slot_handoff` moves slots between the engine and the tree;
-:class:`~hicache.call_gate.CallGate` admits every call; :class:`~hicache.background_poller.
-BackgroundPoller` is the thread and its ack queue, started and stopped by :mod:`.lifecycle`;
+:class:`~hicache.call_gate.CallGate` admits every call; the thread and its ack queue are
+:mod:`hicache.background_poller`, started and stopped by :mod:`.lifecycle`;
 :mod:`hicache.prefetch_calls` holds the shared store's calls.
 """
 
