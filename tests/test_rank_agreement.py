@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from rank_helpers import make_config, random_traffic, run_ranks
+from rank_helpers import PAGE, make_config, random_traffic, run_ranks
 
 from hicache.config import config_from_dict
 from hicache.controller import Ack
@@ -71,9 +71,8 @@ def test_tp_arguments_other_than_the_groups_are_refused(one_rank_group: Any) -> 
 
 
 def test_a_group_with_a_shared_store_is_refused(one_rank_group: Any, tmp_path: Path) -> None:
-    raw = make_config("write_through")
     config = config_from_dict({
-        "page_size_tokens": raw.page_size_tokens,
+        "page_size_tokens": PAGE,
         "model": {"num_layers": 2, "attention": "mha", "num_kv_heads": 1, "head_dim": 2,
                   "dtype": "float32"},
         "device_pool": {"num_tokens": 32, "device": "cpu"},
