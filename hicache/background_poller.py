@@ -148,17 +148,17 @@ class BackgroundPoller:
             acks.append(queued.popleft())
         return acks
 
-    def collect(self, *, agree: bool = False) -> list[Ack]:
+    def collect(self) -> list[Ack]:
         """Queued acks first (older), then whatever the controller finished since; on the
         scheduler thread, with the service lock held. With an :attr:`agreement` they are
-        held, and only a step's call (``agree``) returns those the ranks agree on."""
+        held (none returned): a step takes those the ranks agree on."""
         self._collects += 1  # the thread's next pass need not poll
         acks = self.drain() + self._controller.poll_acks()
         if self._exporter is not None:
             self._exporter.refresh()
         if self.agreement is not None:
             self.agreement.hold(acks)
-            acks = self.agreement.agree() if agree else []
+            acks = []
         return acks
 
     def apply(self, acks: list[Ack]) -> None:

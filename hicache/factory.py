@@ -25,7 +25,14 @@ from hicache.controller import (
     TransferCore,
     make_backend,
 )
-from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, PageAllocator
+from hicache.pools import (
+    AttentionKind,
+    DeviceKVPool,
+    HostKVPool,
+    HybridSWAPool,
+    IndexSpace,
+    PageAllocator,
+)
 
 from .config import (
     GIB,
@@ -71,14 +78,15 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             rank, a ``torch.distributed`` group of those ranks with a CPU backend (gloo):
             every rank then applies finished transfers at the same step, so that their trees
             give the same answers (:mod:`hicache.rank_agreement`; one collective a ``step``,
-            and one here, made by every rank). ``None``: a service of its own.
+            two with a store, and one here, made by every rank). ``None``: a service of its
+            own. With a store and ``tp_size`` left at 1, each rank's pages are named by the
+            group's rank and size (an MHA shard); an MLA model's ranks share one copy.
 
     Raises:
         ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
             store without ``model_id``/``model_revision``; a store with a hybrid model whose
-            host keeps SWA rows for windows only; a ``tp_group`` with a store, with
-            ``tp_size``/``tp_rank`` other than the group's, or that cannot reduce CPU
-            tensors.
+            host keeps SWA rows for windows only; a ``tp_group`` with ``tp_size``/``tp_rank``
+            other than the group's, or that cannot reduce CPU tensors.
         ConfigError: pools in RAM larger than this machine's RAM (naming the size key,
             checked before anything is allocated); a ``storage.path`` that cannot be a
             writable directory.
@@ -93,7 +101,9 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             f"model_id and model_revision (a commit or weights digest), which name the pages "
             f"in the shared store so that no other weights ever read them")
     check_store_swa_history(config)  # loading checks it too; a config made by hand may not
-    agreement = None if tp_group is None else _rank_agreement(config, tp_group, tp_rank, tp_size)
+    agreement = None if tp_group is None else _rank_agreement(tp_group, tp_rank, tp_size)
+    if agreement is not None and tp_size == 1 and config.model.attention is AttentionKind.MHA:
+        tp_rank, tp_size = agreement.rank, agreement.size  # each rank stores its own heads
     check_machine_memory(config)  # before anything is allocated: not a MemoryError part-way
     device = torch.device(config.device_pool.device)
     ctl = config.controller
@@ -123,7 +133,7 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
                                       tp_rank=tp_rank, tp_size=tp_size, salt=salt)
         store = open_configured_store(config, namespace)
         assert store is not None
-        storage = StorageTier(tree, store, config.storage)
+        storage = StorageTier(tree, store, config.storage, agreed=agreement is not None)
     return HiCacheService(
         tree=tree, device_pool=device_pool, host_pools=host_pools,
         integrity_check_interval_s=service_config.integrity_check_interval_s,
@@ -131,14 +141,8 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
     )
 
 
-def _rank_agreement(config: HiCacheConfig, group: object, tp_rank: int,
-                    tp_size: int) -> RankAgreement:
-    """The agreement of ``group`` (checked against the config and the TP arguments)."""
-    if config.storage.is_enabled:
-        raise ValueError(
-            f"build_service: tp_group with storage.backend {config.storage.backend.value}: "
-            f"the ranks do not agree on the shared store's prefetches yet; pass no tp_group "
-            f"(each rank then applies finished transfers on its own schedule) or no store")
+def _rank_agreement(group: object, tp_rank: int, tp_size: int) -> RankAgreement:
+    """The agreement of ``group`` (checked against the TP arguments)."""
     agreement = RankAgreement(group)
     if (tp_size, tp_rank) not in ((1, 0), (agreement.size, agreement.rank)):
         raise ValueError(f"build_service: tp_size={tp_size}, tp_rank={tp_rank}, but tp_group "

@@ -17,11 +17,16 @@ An engine with a store configured calls, per request::
 ``wait_complete`` when every page found arrived, ``timeout`` then or at the prefetch's
 deadline. ``wait_prefetch`` blocks until ready without holding the service lock (for a
 synchronous engine). Without a store, ``prefetch`` returns ``None``.
+
+On a tensor-parallel rank (``build_service(..., tp_group=...)``) what a prefetch found and
+read, and whether it is ready, change only at a ``step()``, to what every rank agreed
+(:mod:`hicache.l3.held_jobs`); ``wait_prefetch`` steps until ready.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .l3 import Prefetch, StorageTier
@@ -40,6 +45,7 @@ class PrefetchCalls:
     storage: StorageTier | None
     tree: HiRadixCache
     _gate: CallGate
+    step: Callable[[], int]
 
     def prefetch(self, tokens: TokenIds | TokenKey, match: MatchResult) -> Prefetch | None:
         """Ask the store for the whole pages of ``tokens`` after ``match`` (this request's
@@ -70,13 +76,27 @@ class PrefetchCalls:
 
     def wait_prefetch(self, prefetch: Prefetch, timeout_s: float | None = None) -> bool:
         """Block until :meth:`prefetch_ready` (or ``timeout_s`` passed); the service lock is
-        not held while waiting. Returns whether it is ready."""
+        not held while waiting. Returns whether it is ready.
+
+        On a tensor-parallel rank it calls ``step()`` until the ranks agree the prefetch is
+        ready (every rank makes the same steps), and takes no ``timeout_s``: each rank's
+        clock would end the wait at a different step (the ``timeout`` policy's deadline is
+        agreed instead)."""
         until = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._gate.call():
                 tier = self._tier("wait_prefetch", prefetch)
+                if tier.held is not None and timeout_s is not None:
+                    raise ValueError(
+                        "wait_prefetch: timeout_s on a tensor-parallel rank: the ranks would "
+                        "stop waiting at different steps; leave it out (storage."
+                        "prefetch_policy timeout bounds the wait, agreed by every rank)")
                 if tier.ready(prefetch):
                     return True
+            if tier.held is not None:
+                tier.wait_for_change(prefetch, _WAIT_SLICE_S)
+                self.step()
+                continue
             left = _WAIT_SLICE_S if until is None else until - time.monotonic()
             if left <= 0:
                 return False

@@ -4,18 +4,26 @@ An engine that runs one scheduler per tensor-parallel rank, each with its own se
 own shard of the KV, needs every rank's tree to give the same answers: a match that finds 512
 cached tokens on one rank and 256 on another makes the ranks compute different batches, and
 the model's own collectives then hang or mix up requests. Every call an engine makes is the
-same on every rank, and so is every decision the tree takes from them, except one: when a
-transfer's acknowledgement is applied. A write-through backup locks its node until its ack;
-a rank whose copy finished evicts that node, a rank whose copy is still running evicts
-another, and from then on their matches differ.
+same on every rank, and so is every decision the tree takes from them, except what follows
+from a transfer's timing: when an ack is applied (a write-through backup locks its node
+until its ack; a rank whose copy finished evicts that node, a rank whose copy is still
+running evicts another) and what the shared store answered, and when.
 
-With a :class:`RankAgreement` the service applies acks only where every rank applies them:
+With a :class:`RankAgreement` the service applies those only where every rank applies them:
 
-- ``step()`` makes exactly one collective, on every rank, whether or not anything finished:
-  an all-reduce (minimum) of how many finished writes and loads each rank holds. Ops are
-  issued in the same order on every rank (the scheduler's calls issue them; the background
-  thread issues none), so the first ``n`` of each direction are the same ops everywhere, and
-  every rank applies those ``n`` (by op id) and holds the rest for a later step.
+- ``step()`` makes one collective, on every rank, whether or not anything finished: an
+  all-reduce (minimum) of how many finished writes and loads each rank holds and how many
+  leading store puts are back. Ops are issued in the same order on every rank (the
+  scheduler's calls issue them; the background thread issues none), so the first ``n`` of
+  each direction are the same ops everywhere, and every rank applies those ``n`` (by op
+  id) and holds the rest for a later step. With a shared store, a second collective, of a
+  length every rank knows from the first, agrees on those puts' results and on the
+  prefetches' progress (:mod:`hicache.l3.held_jobs`).
+- The first collective also compares what must be equal on every rank (free device and
+  host tokens, store jobs held, open prefetches): ranks that differ there have diverged
+  (an engine that made a call on one rank only, or a bug), and every rank raises
+  :class:`RanksDivergedError` at the same step, instead of the model's collectives hanging
+  later.
 - Everywhere else no ack is applied: an allocation that evicted leaves them to the step,
   and what the background thread polls is held. After a wait for every write issued (an
   ``insert`` or ``free_device`` of pages whose sliding-window rows are being copied, an
@@ -24,13 +32,11 @@ With a :class:`RankAgreement` the service applies acks only where every rank app
 - The background thread issues no backups (a quiet scheduler's backups wait for its next
   step) and evicts nothing; it still polls and runs the integrity check.
 
-The collective runs on a ``torch.distributed`` process group that can reduce CPU tensors
+The collectives run on a ``torch.distributed`` process group that can reduce CPU tensors
 (gloo): ``torch.distributed.new_group(ranks, backend="gloo")`` beside the model's NCCL group.
-A shared store (L3) is refused with a group: its prefetches finish on each rank's own
-schedule, and the ranks do not agree on them yet.
 
-A ``step()`` that raises a CUDA bounds error still takes part in the collective first (so no
-other rank waits for it), then raises with the agreed acks held back: that rank is then a
+A ``step()`` that raises a CUDA bounds error still takes part in the collectives first (so
+no other rank waits for it), then raises with the agreed acks held back: that rank is then a
 step behind the others, and an engine should treat the error as fatal for the whole group.
 Not agreed yet: ``start_loading`` refuses a load while the event set it would reuse still
 runs, which depends on each rank's timing (an engine keeps ``controller.event_ring_size``
@@ -51,6 +57,14 @@ if TYPE_CHECKING:
     from .service import HiCacheService
 
 _WRITE, _LOAD = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
+
+# what every rank must have alike at a step (the first collective compares them)
+_SAME = ("free device tokens", "free host tokens", "store puts held", "store prefetch jobs held",
+         "open prefetches")
+
+
+class RanksDivergedError(RuntimeError):
+    """The ranks' caches differ at a step (raised on every rank of the group at once)."""
 
 
 class RankAgreement:
@@ -75,12 +89,11 @@ class RankAgreement:
         self._group = group
         self.size: int = dist.get_world_size(group)  # type: ignore[arg-type]
         self.rank: int = dist.get_rank(group)  # type: ignore[arg-type]
-        self._counts = torch.zeros(2, dtype=torch.int64)
         self.agreements = 0  # collectives made by step() (the one at build not counted)
         self._held: dict[Direction, collections.deque[Ack]] = {
             _WRITE: collections.deque(), _LOAD: collections.deque()}
         try:
-            self._all_reduce_min(0, 0)
+            self._all_reduce_min([0])
         except RuntimeError as error:
             raise ValueError(
                 f"tp_group: the group cannot reduce CPU tensors ({error}); make one with a "
@@ -97,12 +110,34 @@ class RankAgreement:
         for ack in acks:
             self._held[ack.direction].append(ack)
 
-    def agree(self) -> list[Ack]:
-        """The one collective of a step: the acks every rank holds, in op order (the rest
-        stay held)."""
-        writes, loads = self._all_reduce_min(len(self._held[_WRITE]), len(self._held[_LOAD]))
+    def agree(self, puts_back: int = 0, same: tuple[int, ...] = (0,) * len(_SAME)
+              ) -> tuple[list[Ack], int]:
+        """The first collective of a step: the acks every rank holds, in op order (the rest
+        stay held), and how many leading store puts are back on every rank (``puts_back``:
+        this rank's count). ``same``: this rank's values of what must be equal everywhere
+        (``_SAME``).
+
+        Raises:
+            RanksDivergedError: a value of ``same`` differs between ranks (nothing taken).
+        """
+        counts = [len(self._held[_WRITE]), len(self._held[_LOAD]), puts_back]
+        agreed = self._all_reduce_min(counts + list(same) + [-value for value in same])
         self.agreements += 1
-        return self._take(writes, loads)
+        lowest, highest = agreed[3:3 + len(same)], agreed[3 + len(same):]
+        differ = [f"{name} {low} to {-high}" for name, low, high in
+                  zip(_SAME, lowest, highest, strict=True) if low != -high]
+        if differ:
+            raise RanksDivergedError(
+                f"step: the tensor-parallel ranks' caches differ ({', '.join(differ)}, "
+                f"at agreement {self.agreements}): every rank must make the same service "
+                f"calls with the same arguments in the same order; the group cannot go on "
+                f"(restart it)")
+        return self._take(agreed[0], agreed[1]), agreed[2]
+
+    def agree_values(self, values: list[int]) -> list[int]:
+        """A step's second collective: the minimum over ranks of each of ``values`` (of a
+        length every rank knows); none when empty."""
+        return self._all_reduce_min(values) if values else []
 
     def take_writes(self) -> list[Ack]:
         """Every held write: the caller waited for every write issued, on every rank."""
@@ -123,29 +158,54 @@ class RankAgreement:
         taken.sort(key=lambda ack: ack.op_id)
         return taken
 
-    def _all_reduce_min(self, writes: int, loads: int) -> tuple[int, int]:
-        counts = self._counts
-        counts[0], counts[1] = writes, loads
+    def _all_reduce_min(self, values: list[int]) -> list[int]:
+        counts = torch.tensor(values, dtype=torch.int64)
         torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN,
                                      group=self._group)  # type: ignore[arg-type]
-        return int(counts[0]), int(counts[1])
+        return counts.tolist()  # type: ignore[no-any-return]
 
 
 def agreed_step(service: HiCacheService) -> int:
     """``service.step()`` of a rank (see the module docstring), with the service lock held:
-    issue the queued backups, make the step's collective, then apply what it agreed."""
+    issue the queued backups, make the step's collectives, then apply what they agreed."""
     poller = service._poller
     agreement = poller.agreement
-    assert agreement is not None and service.storage is None
+    assert agreement is not None
+    storage = service.storage
     error: Exception | None = None
     try:
         service.controller.raise_if_tripped()
         service.tree.issue_queued_backups()  # those queued since the last step, as one op
-    except Exception as exc:  # raised after the collective, which every rank makes
+    except Exception as exc:  # raised after the collectives, which every rank makes
         error = exc
-    acks = poller.collect(agree=True)
+    poller.collect()  # held
+    held = None
+    if storage is not None:
+        storage.poll()  # the workers' finished lists emptied; nothing applied
+        held = storage.held
+        assert held is not None
+    acks, puts_back = agreement.agree(0 if held is None else held.leading_puts_back(),
+                                      _same_values(service))
+    store_round = agreed = None
+    if storage is not None:
+        store_round = storage.round(puts_back)
+        agreed = agreement.agree_values(store_round.values)
     if error is not None:
         agreement.put_back(acks)
         raise error
     poller.apply(acks)
+    if storage is not None:
+        assert store_round is not None and agreed is not None
+        storage.apply_round(store_round, agreed)
     return len(acks)
+
+
+def _same_values(service: HiCacheService) -> tuple[int, ...]:
+    """What every rank must have alike at a step (``_SAME``)."""
+    controller, storage = service.controller, service.storage
+    held = None if storage is None else storage.held
+    return (controller.device_allocator.num_free_tokens,
+            controller.host_pool.allocator.num_free_tokens,
+            0 if held is None else len(held.puts),
+            0 if held is None else len(held.prefetch_jobs),
+            0 if storage is None else len(storage.prefetches.open_prefetches()))

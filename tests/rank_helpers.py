@@ -47,19 +47,26 @@ def _entry(rank: int, size: int, out: str, target: Callable[..., Any], args: tup
 def make_config(policy: str, *, hybrid: bool = False, device: str = "cpu",
                 device_tokens: int = 32, backend: str = "torch") -> HiCacheConfig:
     """A 2-layer model in pages of 2 tokens, small pools (eviction on both tiers)."""
+    return config_from_dict(config_dict(policy, hybrid=hybrid, device=device,
+                                        device_tokens=device_tokens, backend=backend))
+
+
+def config_dict(policy: str, *, hybrid: bool = False, device: str = "cpu",
+                device_tokens: int = 32, backend: str = "torch") -> dict[str, Any]:
+    """:func:`make_config`'s mapping."""
     model: dict[str, Any] = {"num_layers": 2, "attention": "mha", "num_kv_heads": 1,
                              "head_dim": 2, "dtype": "float32"}
     pool: dict[str, Any] = {"num_tokens": device_tokens, "device": device}
     if hybrid:
         model.update(swa_layers=[1], window_tokens=3)
         pool["swa_num_tokens"] = device_tokens // 2
-    return config_from_dict({
+    return {
         "page_size_tokens": PAGE, "model": model, "device_pool": pool,
         "host": {"ratio": 1.0, "ram_reserve_gib": 0.0},
         "controller": {"io_backend": backend, "write_policy": policy,
                        "load_back_threshold_tokens": 0},
         "service": {"metrics_enabled": False, "integrity_check_interval_s": 0.002},
-    })
+    }
 
 
 def serve(service: HiCacheService, tokens: list[int]) -> list[int]:

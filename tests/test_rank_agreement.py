@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from rank_helpers import PAGE, make_config, random_traffic, run_ranks
+from rank_helpers import make_config, random_traffic, run_ranks
 
-from hicache.config import config_from_dict
 from hicache.controller import Ack
 from hicache.controller.base import Direction
 from hicache.factory import build_service
@@ -68,21 +67,6 @@ def test_tp_arguments_other_than_the_groups_are_refused(one_rank_group: Any) -> 
     service = build_service(make_config("write_through"), tp_group=one_rank_group,
                             tp_size=1, tp_rank=0)  # the group's own: accepted
     service.stop()
-
-
-def test_a_group_with_a_shared_store_is_refused(one_rank_group: Any, tmp_path: Path) -> None:
-    config = config_from_dict({
-        "page_size_tokens": PAGE,
-        "model": {"num_layers": 2, "attention": "mha", "num_kv_heads": 1, "head_dim": 2,
-                  "dtype": "float32"},
-        "device_pool": {"num_tokens": 32, "device": "cpu"},
-        "host": {"ratio": 1.0, "ram_reserve_gib": 0.0},
-        "storage": {"backend": "file", "path": str(tmp_path / "l3")},
-        "service": {"metrics_enabled": False},
-    })
-    with pytest.raises(ValueError, match="the ranks do not agree on the shared store"):
-        build_service(config, model_id="m", model_revision="r", tp_group=one_rank_group)
-    assert not (tmp_path / "l3").exists() or not any((tmp_path / "l3").iterdir())
 
 
 def test_one_rank_applies_every_finished_op_at_its_step(one_rank_group: Any) -> None:
@@ -172,8 +156,9 @@ def test_held_acks_are_taken_a_direction_at_a_time_in_op_order(one_rank_group: A
     assert [a.op_id for a in agreement.take_writes()] == [1, 3]
     assert agreement.num_held == 1  # the load stays
     agreement.hold([_ack(4, write), _ack(5, load)])
-    agreed = agreement.agree()
+    agreed, puts_back = agreement.agree(3)
     assert [a.op_id for a in agreed] == [2, 4, 5] and agreement.num_held == 0
+    assert puts_back == 3
     assert agreement.agreements == 1
     agreement.hold([_ack(6, load)])
     agreement.put_back(agreed)

@@ -16,6 +16,7 @@ page is in the store. Scheduler thread only (the worker runs :class:`PutJob`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,19 +29,20 @@ from hicache.storage import PageStatus
 from .hashes import node_page_hashes, split_hashes
 from .jobs import PutJob
 from .stats import FailureLog, PageObserver, StorageTierStats
-from .worker import StorageWorker
 
 if TYPE_CHECKING:
     from hicache.radix import HiRadixCache
 
 
 class StoreBackups:
-    """The put side of :class:`hicache.l3.StorageTier`."""
+    """The put side of :class:`hicache.l3.StorageTier`; ``submit`` queues a put on the
+    worker (``False`` when refused)."""
 
-    def __init__(self, tree: HiRadixCache, worker: StorageWorker, policy: WritePolicy,
-                 hits: int, stats: StorageTierStats, notify: PageObserver) -> None:
+    def __init__(self, tree: HiRadixCache, submit: Callable[[PutJob], bool],
+                 policy: WritePolicy, hits: int, stats: StorageTierStats,
+                 notify: PageObserver) -> None:
         self.tree = tree
-        self.worker = worker
+        self.submit = submit
         self.policy = policy
         self.hits = hits
         self.stats = stats
@@ -92,7 +94,7 @@ class StoreBackups:
                 node.in_storage = True  # nothing of it can go to the store
                 return False
         job = PutJob(pending, hashes, host.clone(), swa)
-        if not self.worker.submit(job):
+        if not self.submit(job):
             self.stats.backup_pages["dropped"] += len(hashes)
             return False
         node.store_op = pending
@@ -108,12 +110,15 @@ class StoreBackups:
         return [(host.tensor, None if swa is None else swa.tensor)
                 for parts in self._pending_free.values() for host, swa in parts]
 
-    def finish(self, job: PutJob) -> None:
+    def finish(self, job: PutJob, *, stored_all: bool | None = None) -> None:
         """Apply a put's result: clear the nodes' ``store_op``, mark them stored if every
-        page was, free what waited for it, and finish a write-back's host eviction."""
+        page was (``stored_all``: as the tensor-parallel ranks agreed, instead of this
+        rank's result), free what waited for it, and finish a write-back's host eviction."""
         assert job.result is not None
         statuses = job.result.statuses
         stored = sum(1 for status in statuses if status is PageStatus.OK)
+        if stored_all is None:
+            stored_all = stored == len(statuses)
         self.stats.backup_pages["stored"] += stored
         self.stats.backup_pages["failed"] += len(statuses) - stored
         failed = len(statuses) - stored
@@ -124,7 +129,7 @@ class StoreBackups:
         for node in pending.nodes:
             if node.store_op is pending:
                 node.store_op = None
-                node.in_storage = stored == len(statuses)
+                node.in_storage = stored_all
                 tree._touch(node)
         for host, swa in self._pending_free.pop(pending, []):
             tree.io.free_host(host, swa)

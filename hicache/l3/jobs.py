@@ -67,6 +67,10 @@ class PrefetchJob:
     # cancelled (the service stopped), error (the job raised)
     cancelled: bool = False  # set by the scheduler: stop after the current batch
     done: bool = False  # back from the worker (reset when submitted again)
+    # a tensor-parallel rank's (hicache.l3.held_jobs): the phase it was submitted in until
+    # the ranks agree it is back, and the pages every rank has read (None: no agreement)
+    held_stage: PrefetchPhase | None = None
+    agreed_arrived: int | None = None
     changed: threading.Event = field(default_factory=threading.Event)
 
     def run(self, store: StorageBackend, pools: HostPools) -> None:

@@ -15,6 +15,7 @@ with them. When to finish is the engine's call under the policy (:meth:`Prefetch
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,6 @@ from hicache.storage.keys import PAGE_HASH_BYTES
 from .hashes import key_page_hashes, last_hash, split_hashes
 from .jobs import PrefetchJob, PrefetchPhase
 from .stats import FailureLog, PageObserver, StorageTierStats
-from .worker import StorageWorker
 
 if TYPE_CHECKING:
     from hicache.radix import HiRadixCache
@@ -66,6 +66,8 @@ class Prefetch:
     job: PrefetchJob
     deadline: float | None
     finished: bool = False
+    timed_out: bool = False  # a tensor-parallel rank's: every rank's deadline passed
+
 
     @property
     def num_tokens(self) -> int:
@@ -73,18 +75,25 @@ class Prefetch:
 
     @property
     def found_tokens(self) -> int | None:
-        if self.job.phase is PrefetchPhase.QUERY:
+        if self.job.phase is PrefetchPhase.QUERY or self.job.held_stage is PrefetchPhase.QUERY:
             return None
         return self.job.found * (self.num_tokens // len(self.job.hashes))
 
 
 class Prefetches:
-    """The prefetch side of :class:`hicache.l3.StorageTier`."""
+    """The prefetch side of :class:`hicache.l3.StorageTier`.
 
-    def __init__(self, tree: HiRadixCache, worker: StorageWorker, config: StorageConfig,
-                 stats: StorageTierStats, notify: PageObserver) -> None:
+    ``submit`` queues a job on the worker (``False`` when refused); ``agreed``: a
+    tensor-parallel rank's, whose jobs are applied where the ranks agree
+    (:mod:`hicache.l3.held_jobs`).
+    """
+
+    def __init__(self, tree: HiRadixCache, submit: Callable[[PrefetchJob], bool],
+                 config: StorageConfig, stats: StorageTierStats, notify: PageObserver, *,
+                 agreed: bool = False) -> None:
         self.tree = tree
-        self.worker = worker
+        self.submit = submit
+        self.agreed = agreed
         self.config = config
         self.threshold_tokens = config.prefetch_threshold_tokens
         self.stats = stats
@@ -106,7 +115,7 @@ class Prefetches:
         node = match.last_host_node
         hashes = key_page_hashes(tail, self.page_size, last_hash(self.tree, node))
         job = PrefetchJob(split_hashes(hashes), BATCH_PAGES)
-        if not self.worker.submit(job):
+        if not self.submit(job):
             self.stats.prefetch_tokens["queue_full"] += num_tokens
             return None
         if node is not self.tree.root:
@@ -124,9 +133,18 @@ class Prefetches:
 
     def ready(self, prefetch: Prefetch) -> bool:
         """Whether the policy says finish it now."""
-        policy = self.config.prefetch_policy
-        if policy is PrefetchPolicy.BEST_EFFORT or prefetch.job.phase is PrefetchPhase.DONE:
+        if self.config.prefetch_policy is PrefetchPolicy.BEST_EFFORT or \
+                self.agreed_done(prefetch.job):
             return True
+        return prefetch.timed_out if self.agreed else self.deadline_passed(prefetch)
+
+    def agreed_done(self, job: PrefetchJob) -> bool:
+        """Whether ``job`` will read nothing more (on every rank, for an agreed tier)."""
+        return job.phase is PrefetchPhase.DONE and job.held_stage is None
+
+    @staticmethod
+    def deadline_passed(prefetch: Prefetch) -> bool:
+        """Whether this rank's clock passed ``prefetch``'s deadline (``timeout`` policy)."""
         return prefetch.deadline is not None and time.monotonic() >= prefetch.deadline
 
     def advance(self, job: PrefetchJob) -> None:
@@ -149,7 +167,7 @@ class Prefetches:
         job.host, job.swa = slots
         job.phase, job.done = PrefetchPhase.LOAD, False
         job.changed.clear()
-        if not self.worker.submit(job):
+        if not self.submit(job):
             self._free(*slots)
             job.host, job.swa, job.done, job.phase = None, None, True, PrefetchPhase.DONE
             job.unread = "queue_full"
@@ -180,7 +198,7 @@ class Prefetches:
         job, page = prefetch.job, self.page_size
         del self._active[job]
         job.cancelled = True
-        arrived = job.arrived
+        arrived = job.arrived if not self.agreed else job.agreed_arrived or 0
         attached = 0
         cut = arrived * page
         if arrived:
@@ -200,7 +218,7 @@ class Prefetches:
             self._failures.note(_store_failure(job))
         if job.host is not None and len(job.host) > cut:
             rest = (job.host[cut:], None if job.swa is None else job.swa[cut:])
-            if job.done:
+            if job.done and job.held_stage is None:
                 self._free(*rest)
             else:
                 self._abandoned[job] = rest  # still being read into: freed when back

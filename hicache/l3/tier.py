@@ -27,6 +27,7 @@ from hicache.radix.node import MatchResult, TreeNode, cat_indices
 from hicache.storage import StorageBackend
 
 from .backups import StoreBackups
+from .held_jobs import HeldJobs, StoreRound
 from .jobs import PrefetchJob, PutJob
 from .page_buffers import HostPools
 from .prefetches import Prefetch, Prefetches
@@ -49,10 +50,12 @@ class StorageTier:
         tree: the cache; a hybrid model's pages go to the store with their SWA rows.
         store: the shared store, opened for this config's namespace; closed by :meth:`close`.
         config: the ``storage`` section (policies, timeouts).
+        agreed: a tensor-parallel rank's tier: its jobs are applied only where the ranks
+            agree (:mod:`hicache.l3.held_jobs`; :attr:`held`), at the service's ``step``.
     """
 
-    def __init__(self, tree: HiRadixCache, store: StorageBackend, config: StorageConfig
-                 ) -> None:
+    def __init__(self, tree: HiRadixCache, store: StorageBackend, config: StorageConfig, *,
+                 agreed: bool = False) -> None:
         self.tree = tree
         self.store = store
         self.config = config
@@ -66,10 +69,16 @@ class StorageTier:
                                              MAX_QUEUED_PREFETCHES)
         self.backup_worker = StorageWorker("hicache-l3-backup", store, pools,
                                            MAX_QUEUED_BACKUPS)
-        self.prefetches = Prefetches(tree, self.prefetch_worker, config, self.stats,
-                                     self._notify)
-        self.backups = StoreBackups(tree, self.backup_worker, config.write_policy,
-                                    config.write_through_hits, self.stats, self._notify)
+        self.held = HeldJobs(self.prefetch_worker, self.backup_worker,
+                             max_prefetches=MAX_QUEUED_PREFETCHES,
+                             max_puts=MAX_QUEUED_BACKUPS) if agreed else None
+        held = self.held
+        self.prefetches = Prefetches(
+            tree, self.prefetch_worker.submit if held is None else held.submit_prefetch,
+            config, self.stats, self._notify, agreed=agreed)
+        self.backups = StoreBackups(
+            tree, self.backup_worker.submit if held is None else held.submit_put,
+            config.write_policy, config.write_through_hits, self.stats, self._notify)
         self._closed = False
         tree.storage = self
 
@@ -96,8 +105,12 @@ class StorageTier:
         prefetch.job.changed.wait(timeout_s)
 
     def poll(self) -> int:
-        """Apply the jobs the workers finished; returns how many."""
+        """Apply the jobs the workers finished; returns how many (none on an agreed tier:
+        its step applies them, :meth:`agreed_round`)."""
         jobs = self.backup_worker.finished() + self.prefetch_worker.finished()
+        if self.held is not None:
+            self.stats.worker_errors = self.prefetch_worker.errors + self.backup_worker.errors
+            return 0
         for job in jobs:
             if isinstance(job, PutJob):
                 self.backups.finish(job)
@@ -111,6 +124,18 @@ class StorageTier:
     def queue_depths(self) -> dict[str, int]:
         return {"prefetch": self.prefetch_worker.depth, "backup": self.backup_worker.depth}
 
+    # ---- a tensor-parallel rank's step (hicache.rank_agreement.agreed_step) ---------------
+
+    def round(self, puts_back: int) -> StoreRound:
+        """This rank's values for the step's second collective (:meth:`HeldJobs.round`)."""
+        assert self.held is not None
+        return self.held.round(puts_back, self.prefetches)
+
+    def apply_round(self, round_: StoreRound, agreed: list[int]) -> None:
+        """Apply what the ranks agreed on ``round_``."""
+        assert self.held is not None
+        self.held.apply(round_, agreed, self.backups, self.prefetches)
+
     def close(self) -> None:
         """Finish every prefetch (what arrived is kept), let queued backups run, stop the
         threads, apply what they finished, and close the store. Idempotent."""
@@ -121,6 +146,8 @@ class StorageTier:
         self.prefetch_worker.close()
         self.backup_worker.close()
         self.poll()
+        if self.held is not None:  # every job is back: each rank's own results now
+            self.held.apply_all(self.backups, self.prefetches)
         for prefetch in self.prefetches.open_prefetches():
             self.prefetches.finish(prefetch)
         self.tree.storage = None
