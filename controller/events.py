@@ -128,7 +128,9 @@ class LayerEventRing:
 
     The next batch's load may start while the forward pass still consumes the previous
     one. Rotating onto a set whose last event has not fired is an error (the consumer might
-    still wait on it), never a hang.
+    still wait on it), never a hang; with :attr:`wait_when_busy` (a tensor-parallel rank's,
+    whose ranks must all take the set or all refuse, whatever each one's timing) the CPU
+    waits for that event instead.
     """
 
     def __init__(self, num_sets: int, num_layers: int, device: torch.device) -> None:
@@ -145,16 +147,24 @@ class LayerEventRing:
         self.consumer: int | None = None
         self._waits = StreamWaits(device)
         self._asked: tuple[int, int, int] | None = None  # (set, its record, layer) queried
+        self.wait_when_busy = False
 
     def acquire(self) -> tuple[int, list[Event]]:
-        """Take the next set for a new load; raises if its previous load has not finished."""
+        """Take the next set for a new load; raises if its previous load has not finished
+        (waits for it with :attr:`wait_when_busy`)."""
         index = self._next
         events = self._sets[index]
         if self._in_use[index] and not events[-1].query():
+            if self.wait_when_busy:
+                events[-1].synchronize()
+                return self._take(index, events)
             raise RuntimeError(
                 f"layer event set {index} is still in flight: {len(self._sets)} load batches "
                 f"are outstanding; poll() the controller before starting another load"
             )
+        return self._take(index, events)
+
+    def _take(self, index: int, events: list[Event]) -> tuple[int, list[Event]]:
         self._in_use[index] = True
         self._next = (index + 1) % len(self._sets)
         return index, events

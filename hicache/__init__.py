@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from hicache.l3 import Prefetch
     from hicache.pools import BoundsError, ForwardLocs, IndexSpace, Indices, PageTable
     from hicache.radix import LoadBack, MatchResult, Refusal, TokenKey, TreeNode
+    from hicache.rank_agreement import RanksDivergedError
     from hicache.service import HiCacheService, ServiceError
 
 # The module that defines each public name (the imports above, for type checkers).
@@ -49,6 +50,7 @@ _SOURCES: dict[str, str] = {
     "Refusal": "hicache.radix",
     "TokenKey": "hicache.radix",
     "TreeNode": "hicache.radix",
+    "RanksDivergedError": "hicache.rank_agreement",
     "HiCacheService": "hicache.service",
     "ServiceError": "hicache.service",
 }
@@ -65,6 +67,7 @@ __all__ = [
     "MatchResult",
     "PageTable",
     "Prefetch",
+    "RanksDivergedError",
     "Refusal",
     "ServiceError",
     "TokenKey",

@@ -38,9 +38,8 @@ The collectives run on a ``torch.distributed`` process group that can reduce CPU
 A ``step()`` that raises a CUDA bounds error still takes part in the collectives first (so
 no other rank waits for it), then raises with the agreed acks held back: that rank is then a
 step behind the others, and an engine should treat the error as fatal for the whole group.
-Not agreed yet: ``start_loading`` refuses a load while the event set it would reuse still
-runs, which depends on each rank's timing (an engine keeps ``controller.event_ring_size``
-above the load batches it has in flight).
+``start_loading`` on a rank waits for the event set it reuses if that set's load still runs
+(a service of its own raises instead): whether it still runs is each rank's timing.
 """
 
 from __future__ import annotations
@@ -104,6 +103,10 @@ class RankAgreement:
     def num_held(self) -> int:
         """Finished ops polled on this rank and not applied yet."""
         return len(self._held[_WRITE]) + len(self._held[_LOAD])
+
+    def num_held_of(self, direction: Direction) -> int:
+        """Finished ops of ``direction`` polled on this rank and not applied yet."""
+        return len(self._held[direction])
 
     def hold(self, acks: list[Ack]) -> None:
         """Keep ``acks`` (oldest first) until the ranks agree on them."""
@@ -197,6 +200,13 @@ def agreed_step(service: HiCacheService) -> int:
     if storage is not None:
         assert store_round is not None and agreed is not None
         storage.apply_round(store_round, agreed)
+    stats = service.stats
+    stats.rank_agreements = agreement.agreements
+    held_ops = stats.rank_held_ops
+    held_ops["write"] = agreement.num_held_of(_WRITE)
+    held_ops["load"] = agreement.num_held_of(_LOAD)
+    held_ops["put"] = 0 if held is None else len(held.puts)
+    held_ops["prefetch"] = 0 if held is None else len(held.prefetch_jobs)
     return len(acks)
 
 

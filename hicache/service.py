@@ -110,6 +110,7 @@ class HiCacheService(PrefetchCalls):
             check_interval_s=integrity_check_interval_s, poll_interval_s=poll_interval_s,
         )
         self._poller.agreement = agreement
+        self.controller.layer_events.wait_when_busy = agreement is not None  # see its doc
 
     # ---- scheduler API ------------------------------------------------------------------
 

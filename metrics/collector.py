@@ -56,6 +56,8 @@ class _Snapshot:
     cache: dict[str, int] | None = None
     cache_reasons: dict[str, dict[str, int]] = field(default_factory=dict)
     background_errors: int | None = None
+    rank_agreements: int | None = None
+    rank_held_ops: dict[str, int] = field(default_factory=dict)
     storage: l3.L3Snapshot = field(default_factory=lambda: l3.snapshot(None))
 
 
@@ -127,6 +129,9 @@ class HiCacheCollector:
             _add_cache(families, snap.cache, snap.cache_reasons)
         if snap.background_errors is not None:
             add(families[n.BACKGROUND_ERRORS], {(): snap.background_errors})
+        if snap.rank_agreements is not None:
+            add(families[n.TP_AGREEMENTS], {(): snap.rank_agreements})
+            add(families[n.TP_HELD_OPS], by_label(snap.rank_held_ops, n.TP_HELD_KINDS))
         add(families[n.BUILD_INFO], {(__version__,): 1})
         l3.add_families(families, snap.storage)
         yield from families.values()
@@ -149,6 +154,8 @@ class HiCacheCollector:
                                       for name in _CACHE_REASONS}
             if self.service is not None:
                 snap.background_errors = int(self.service.background_errors)
+                snap.rank_agreements = int(self.service.rank_agreements)
+                snap.rank_held_ops = dict(self.service.rank_held_ops)
             if self.pool_usage is not None:
                 snap.pools = [PoolUsage(*row) for row in self.pool_usage()]
             snap.storage = l3.snapshot(None if self.storage is None else self.storage())

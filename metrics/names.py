@@ -33,6 +33,7 @@ L3_PAGE_STATUSES: tuple[str, ...] = (
 L3_BYTE_KINDS: tuple[str, ...] = ("read", "written", "evicted")
 L3_OPS: tuple[str, ...] = (*TIMED_OPS, "delete")
 L3_QUEUES: tuple[str, ...] = ("prefetch", "backup")
+TP_HELD_KINDS: tuple[str, ...] = ("write", "load", "put", "prefetch")
 
 # Upper bounds of the transfer duration histogram, in seconds: 100 us .. 10 s.
 DURATION_BUCKETS_S: tuple[float, ...] = (
@@ -70,6 +71,8 @@ REFUSED_LOAD_BACK_TOKENS = "hicache_refused_load_back_tokens_total"
 REFUSED_BACKUP_TOKENS = "hicache_refused_backup_tokens_total"
 BACKGROUND_ERRORS = "hicache_background_errors_total"
 BUILD_INFO = "hicache_build_info"
+TP_AGREEMENTS = "hicache_tp_agreements_total"
+TP_HELD_OPS = "hicache_tp_held_ops"
 L3_ENABLED = "hicache_l3_enabled"
 L3_PREFETCHES = "hicache_l3_prefetches_total"
 L3_QUERIED_TOKENS = "hicache_l3_queried_tokens_total"
@@ -187,6 +190,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "Exceptions raised in the service's background thread (errors)."),
     MetricSpec(BUILD_INFO, "gauge", ("version",),
                "Always 1; `version` is the hicache package version of the process."),
+    MetricSpec(TP_AGREEMENTS, "counter", (),
+               "Steps this tensor-parallel rank agreed with the others of its group "
+               "(`build_service(..., tp_group=...)`; 0 without a group) (steps)."),
+    MetricSpec(TP_HELD_OPS, "gauge", ("kind",),
+               "What this tensor-parallel rank held after its last step, by kind: "
+               "`write` and `load` transfers finished here and not yet on every rank, "
+               "`put` and `prefetch` store jobs not yet agreed back on every rank; a rank "
+               "that holds more than the others waits for a slower one (ops)."),
     *_L3_METRICS,
 )
 

@@ -102,6 +102,14 @@ class ServiceSource(Protocol):
     def background_errors(self) -> int:
         """Exceptions raised in the background thread so far."""
 
+    @property
+    def rank_agreements(self) -> int:
+        """Steps agreed with the other tensor-parallel ranks (0 without a group)."""
+
+    @property
+    def rank_held_ops(self) -> Mapping[str, int]:
+        """What a tensor-parallel rank held after its last step, by kind."""
+
 
 class StorageTierCounters(Protocol):
     """The tier's cumulative counters (``hicache.l3.StorageTierStats``)."""

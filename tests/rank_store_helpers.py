@@ -23,10 +23,11 @@ MODEL = {"model_id": "test/tp-model", "model_revision": "r1"}
 
 def store_config(path: str, *, policy: str = "write_through", write_policy: str = "write_through",
                  prefetch_policy: str = "wait_complete", hybrid: bool = False,
-                 timeout_s: float = 0.005) -> HiCacheConfig:
+                 timeout_s: float = 0.005, device: str = "cpu", backend: str = "torch"
+                 ) -> HiCacheConfig:
     """:func:`rank_helpers.make_config` with a file store at ``path`` that every tail of a
     page or more is asked about."""
-    mapping = config_dict(policy, hybrid=hybrid)
+    mapping = config_dict(policy, hybrid=hybrid, device=device, backend=backend)
     mapping["storage"] = {
         "backend": "file", "path": path, "write_policy": write_policy,
         "prefetch_policy": prefetch_policy, "prefetch_threshold_tokens": 0,
@@ -122,6 +123,7 @@ def store_traffic(rank: int, path: str, case: dict[str, Any], seed: int, num_req
     service.check_integrity()
     stats = storage.stats
     return {"answers": answers, "diverged": diverged, "stored": stats.backup_pages["stored"],
+            "dropped": stats.backup_pages["dropped"],
             "prefetches": stats.prefetches, "used": stats.prefetch_tokens["used"],
             "held": storage.held.num_held if storage.held is not None else -1}
 

@@ -153,3 +153,17 @@ def test_a_write_issued_from_a_busy_stream_copies_the_right_rows(
         ctrl.start_writing()
     ctrl.drain()
     assert torch.equal(host_rows(ctrl.host_pool)[host.tensor], rows)
+
+
+def test_a_tensor_parallel_ranks_ring_waits_for_a_busy_set() -> None:
+    """With ``wait_when_busy`` (a service of a tensor-parallel rank) the set whose load
+    still runs is handed out once its last layer arrived: the CPU waited for it."""
+    ring = LayerEventRing(2, 4, CUDA)
+    ring.wait_when_busy = True
+    side = torch.cuda.Stream()
+    value = torch.zeros(1, device="cuda")
+    first = load_with_the_last_layer_late(ring, side, value)
+    ring.acquire()
+    assert not side.query(), "the sleep ended before the busy set was asked for"
+    assert ring.acquire()[0] == first
+    assert side.query() and value.item() == 1.0

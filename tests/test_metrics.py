@@ -11,7 +11,7 @@ import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import prometheus_client
 import pytest
@@ -43,6 +43,8 @@ class ServiceCounters:
     """Stands in for the service's counters."""
 
     background_errors: int = 0
+    rank_agreements: int = 0
+    rank_held_ops: dict[str, int] = field(default_factory=dict)
 
 
 def parse(text: str) -> Samples:

@@ -3,7 +3,10 @@ times (``tests/rank_helpers.py``'s ``late_copy``): without an agreement the rank
 finished evicts the node and the other cannot, so one allocation succeeds where the other
 is refused and the ranks' trees part ways; with one (``build_service(tp_group=...)``) both
 refuse until both copies are acknowledged, then both succeed. The run without agreement is
-the check that the scenario does make the ranks disagree."""
+the check that the scenario does make the ranks disagree.
+
+Then two ranks with shared stores serve random requests on the GPU (copies really
+asynchronous, each rank's store losing pages of its own choosing): the same answers."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import pytest
 import torch
 from gpu_shapes import scaled
 from rank_helpers import late_copy, run_ranks
+from rank_store_helpers import store_traffic
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,3 +38,13 @@ def test_ranks_whose_copies_finish_apart(tmp_path: Path, agreed: bool) -> None:
     else:
         assert not first["first_refused"] and second["first_refused"]
     assert not first["second_refused"] and not second["second_refused"]
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+def test_ranks_with_stores_on_a_gpu_give_the_same_answers(tmp_path: Path, write_policy: str
+                                                          ) -> None:
+    case = {"device": "cuda", "backend": "staged", "write_policy": write_policy}
+    first, second = run_ranks(store_traffic, 2, tmp_path, str(tmp_path / "l3"), case, 5, 120)
+    for result in (first, second):
+        assert result["diverged"] is None and result["held"] == 0 and result["stored"] > 0
+    assert first["answers"] == second["answers"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from rank_helpers import run_ranks
+from rank_helpers import make_config, run_ranks
 from rank_store_helpers import MODEL, lost_pages, store_config, store_traffic
 
 from hicache.factory import build_service
@@ -47,7 +47,7 @@ def test_a_page_one_ranks_store_lost_is_lost_to_every_rank(tmp_path: Path, agree
 CASES = {
     "wait_complete": {},
     "best_effort": {"prefetch_policy": "best_effort"},
-    "timeout": {"prefetch_policy": "timeout", "timeout_s": 0.001},
+    "timeout": {"prefetch_policy": "timeout", "timeout_s": 0.01},
     "store_write_back": {"write_policy": "write_back"},
     "selective": {"write_policy": "write_through_selective"},
     "host_write_back": {"policy": "write_back"},
@@ -67,9 +67,10 @@ def test_ranks_with_stores_of_their_own_give_the_same_answers(tmp_path: Path, ca
                         120)
     for result in results:
         assert result["diverged"] is None and result["held"] == 0
-        assert result["stored"] > 0 and result["prefetches"] > 0
+        assert result["stored"] > 0 and result["prefetches"] > 0 and result["dropped"] == 0
     assert results[0]["answers"] == results[1]["answers"]
-    if case != "best_effort":  # best_effort finishes at once: nothing has arrived yet
+    # best_effort finishes at once (nothing has arrived yet), timeout when it may
+    if case not in ("best_effort", "timeout"):
         assert any(answer[1] > 0 for answer in results[0]["answers"])
 
 
@@ -128,6 +129,7 @@ def test_a_ranks_prefetch_changes_only_at_its_steps(one_rank_group: Any, tmp_pat
                 break
             service.step()
         assert storage.stats.backup_pages["stored"] == 8
+        assert service.match(tokens).last_device_node.in_storage  # the agreed put's result
         assert service.evict(16) == 16 and service.evict_host(16) == 16
         prefetch = service.prefetch(tokens, service.match(tokens))
         assert prefetch is not None
@@ -144,3 +146,53 @@ def test_a_ranks_prefetch_changes_only_at_its_steps(one_rank_group: Any, tmp_pat
     finally:
         service.stop()
     service.check_integrity()
+
+
+def test_a_ranks_store_queues_are_full_by_the_jobs_held_not_by_the_workers_depth(
+        one_rank_group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for two jobs a queue: the third put of a step is dropped and the third
+    prefetch refused (``queue_full``) although the worker finished the first two, whose
+    results the ranks have not agreed on yet (the worker's own depth is each rank's timing;
+    the jobs held are a count every rank has). Once a step agreed on them, there is room."""
+    monkeypatch.setattr("hicache.l3.tier.MAX_QUEUED_BACKUPS", 2)
+    monkeypatch.setattr("hicache.l3.tier.MAX_QUEUED_PREFETCHES", 2)
+    service = build_service(store_config(str(tmp_path / "l3")), tp_group=one_rank_group,
+                            **MODEL)
+    storage = service.storage
+    assert storage is not None and storage.held is not None
+    stats = storage.stats
+    try:
+        for first in (10, 20, 30):  # three nodes, backed up as one op, put one each
+            slots = service.alloc_device(4)
+            assert slots is not None
+            service.insert([first, 1, 2, 3], slots)
+        service.step()  # the host backup's ack queues the puts: two held, one dropped
+        assert len(storage.held.puts) == 2 and stats.backup_pages["dropped"] == 2
+        prefetches = [service.prefetch(tokens, service.match(tokens))
+                      for tokens in ([40, 1, 2, 3], [50, 1, 2, 3])]
+        for prefetch in prefetches:
+            assert prefetch is not None and prefetch.job.changed.wait(5.0)
+        assert storage.prefetch_worker.depth == 0  # the worker is idle, yet:
+        assert service.prefetch([60, 1, 2, 3], service.match([60, 1, 2, 3])) is None
+        assert stats.prefetch_tokens["queue_full"] == 4
+        for prefetch in prefetches:
+            assert prefetch is not None and service.wait_prefetch(prefetch)
+            service.finish_prefetch(prefetch)
+        assert service.prefetch([60, 1, 2, 3], service.match([60, 1, 2, 3])) is not None
+    finally:
+        service.stop()
+    assert stats.backup_pages["stored"] == 4
+
+
+def test_a_ranks_busy_event_set_is_waited_for_not_refused(one_rank_group: Any) -> None:
+    """On a rank, ``start_loading`` waits for a busy event set instead of raising (whether
+    it is still busy is each rank's timing); a service of its own raises. The wait itself
+    is shown on a GPU (``test_events_gpu.py``)."""
+    ranked = build_service(make_config("write_through"), tp_group=one_rank_group)
+    single = build_service(make_config("write_through"))
+    try:
+        assert ranked.controller.layer_events.wait_when_busy
+        assert not single.controller.layer_events.wait_when_busy
+    finally:
+        ranked.stop()
+        single.stop()

@@ -84,8 +84,6 @@ class HeldJobs:
         if len(self.prefetch_jobs) >= self._max_prefetches:
             return False
         stage = job.phase  # before the worker can change it
-        if stage is PrefetchPhase.LOAD:
-            job.agreed_arrived = 0
         if not self._prefetch_worker.submit(job):
             return False
         job.held_stage = stage
