@@ -56,9 +56,10 @@ class GatedFileStore(FileStore):
 
 
 def gated_service(monkeypatch: pytest.MonkeyPatch, config: HiCacheConfig, model: dict[str, str],
-                  gated: Sequence[str] = ("put",)) -> tuple[HiCacheService, GatedFileStore]:
+                  gated: Sequence[str] = ("put",), tp_group: object = None
+                  ) -> tuple[HiCacheService, GatedFileStore]:
     """A service built from ``config`` (a file store) over a :class:`GatedFileStore` that
-    holds the calls named in ``gated``."""
+    holds the calls named in ``gated`` (of a tensor-parallel rank with ``tp_group``)."""
     made: list[GatedFileStore] = []
 
     def open_gated(config: Any, ns: Any) -> StorageBackend:
@@ -67,6 +68,6 @@ def gated_service(monkeypatch: pytest.MonkeyPatch, config: HiCacheConfig, model:
         return made[-1]
 
     monkeypatch.setattr("hicache.factory.open_configured_store", open_gated)
-    service = build_service(config, **model)
+    service = build_service(config, tp_group=tp_group, **model)
     (store,) = made
     return service, store

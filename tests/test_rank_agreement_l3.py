@@ -10,22 +10,11 @@ from typing import Any
 
 import pytest
 import torch.distributed as dist
-from rank_helpers import make_config, run_ranks
+from rank_helpers import run_ranks
 from rank_store_helpers import MODEL, lost_pages, store_config, store_traffic
 
 from hicache.factory import build_service
-from hicache.l3.jobs import PrefetchPhase
 from hicache.rank_agreement import RanksDivergedError
-
-
-@pytest.fixture
-def one_rank_group(tmp_path: Path) -> Any:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
-                            world_size=1)
-    try:
-        yield dist.new_group(backend="gloo")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("agreed", [False, True], ids=["alone", "agreed"])
@@ -106,93 +95,3 @@ def _extra_call(rank: int, path: str) -> dict[str, Any]:
     finally:
         service.stop()
     return {"error": error}
-
-
-def test_a_ranks_prefetch_changes_only_at_its_steps(one_rank_group: Any, tmp_path: Path
-                                                    ) -> None:
-    """On a rank, the store's answer reaches the prefetch only at a step (a group of one
-    agrees with itself): until then nothing was found, the policy does not say ready, and
-    the job is held; ``wait_prefetch`` steps until ready and refuses a timeout, which each
-    rank's clock would end at a different step."""
-    service = build_service(store_config(str(tmp_path / "l3")), tp_group=one_rank_group,
-                            **MODEL)
-    storage = service.storage
-    assert storage is not None and storage.held is not None
-    tokens = list(range(40, 56))
-    try:
-        slots = service.alloc_device(16)
-        assert slots is not None
-        service.insert(tokens, slots)
-        service.step()
-        for _ in range(500):
-            if storage.stats.backup_pages["stored"] == 8:
-                break
-            service.step()
-        assert storage.stats.backup_pages["stored"] == 8
-        assert service.match(tokens).last_device_node.in_storage  # the agreed put's result
-        assert service.evict(16) == 16 and service.evict_host(16) == 16
-        prefetch = service.prefetch(tokens, service.match(tokens))
-        assert prefetch is not None
-        assert storage.held.prefetch_jobs == [prefetch.job]
-        prefetch.job.changed.wait(5.0)  # the store answered on this rank
-        assert prefetch.job.phase is not PrefetchPhase.QUERY
-        assert prefetch.found_tokens is None and not service.prefetch_ready(prefetch)
-        with pytest.raises(ValueError, match="timeout_s on a tensor-parallel rank"):
-            service.wait_prefetch(prefetch, timeout_s=1.0)
-        assert service.wait_prefetch(prefetch)
-        assert prefetch.found_tokens == 16 and storage.held.num_held == 0
-        assert service.finish_prefetch(prefetch) == 16
-        assert service.match(tokens).host_hit_tokens == 16
-    finally:
-        service.stop()
-    service.check_integrity()
-
-
-def test_a_ranks_store_queues_are_full_by_the_jobs_held_not_by_the_workers_depth(
-        one_rank_group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With room for two jobs a queue: the third put of a step is dropped and the third
-    prefetch refused (``queue_full``) although the worker finished the first two, whose
-    results the ranks have not agreed on yet (the worker's own depth is each rank's timing;
-    the jobs held are a count every rank has). Once a step agreed on them, there is room."""
-    monkeypatch.setattr("hicache.l3.tier.MAX_QUEUED_BACKUPS", 2)
-    monkeypatch.setattr("hicache.l3.tier.MAX_QUEUED_PREFETCHES", 2)
-    service = build_service(store_config(str(tmp_path / "l3")), tp_group=one_rank_group,
-                            **MODEL)
-    storage = service.storage
-    assert storage is not None and storage.held is not None
-    stats = storage.stats
-    try:
-        for first in (10, 20, 30):  # three nodes, backed up as one op, put one each
-            slots = service.alloc_device(4)
-            assert slots is not None
-            service.insert([first, 1, 2, 3], slots)
-        service.step()  # the host backup's ack queues the puts: two held, one dropped
-        assert len(storage.held.puts) == 2 and stats.backup_pages["dropped"] == 2
-        prefetches = [service.prefetch(tokens, service.match(tokens))
-                      for tokens in ([40, 1, 2, 3], [50, 1, 2, 3])]
-        for prefetch in prefetches:
-            assert prefetch is not None and prefetch.job.changed.wait(5.0)
-        assert storage.prefetch_worker.depth == 0  # the worker is idle, yet:
-        assert service.prefetch([60, 1, 2, 3], service.match([60, 1, 2, 3])) is None
-        assert stats.prefetch_tokens["queue_full"] == 4
-        for prefetch in prefetches:
-            assert prefetch is not None and service.wait_prefetch(prefetch)
-            service.finish_prefetch(prefetch)
-        assert service.prefetch([60, 1, 2, 3], service.match([60, 1, 2, 3])) is not None
-    finally:
-        service.stop()
-    assert stats.backup_pages["stored"] == 4
-
-
-def test_a_ranks_busy_event_set_is_waited_for_not_refused(one_rank_group: Any) -> None:
-    """On a rank, ``start_loading`` waits for a busy event set instead of raising (whether
-    it is still busy is each rank's timing); a service of its own raises. The wait itself
-    is shown on a GPU (``test_events_gpu.py``)."""
-    ranked = build_service(make_config("write_through"), tp_group=one_rank_group)
-    single = build_service(make_config("write_through"))
-    try:
-        assert ranked.controller.layer_events.wait_when_busy
-        assert not single.controller.layer_events.wait_when_busy
-    finally:
-        ranked.stop()
-        single.stop()

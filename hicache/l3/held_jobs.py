@@ -158,8 +158,8 @@ class HeldJobs:
             job = self.puts.popleft()
             assert job.done and job.result is not None
             backups.finish(job)
-        while self.prefetch_jobs:
-            job = self.prefetch_jobs.pop(0)
+        jobs, self.prefetch_jobs = self.prefetch_jobs, []  # a load submitted now is refused
+        for job in jobs:
             assert job.done
             self._advance(job, job.found if job.held_stage is PrefetchPhase.QUERY
                           else job.arrived, prefetches)
