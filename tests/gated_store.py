@@ -19,12 +19,15 @@ from hicache.storage import FileStore, PageBuffers, StorageBackend, StorageResul
 
 class GatedFileStore(FileStore):
     """A file store whose calls named in ``gated`` (``put`` by default; also ``exists`` and
-    ``get``) wait until ``gate`` is set; ``entered`` is set once such a call waits there,
-    ``calls`` counts the calls by name (``puts``: the put calls)."""
+    ``get``) wait until ``gate`` is set, but for the first ``passed`` of them; ``entered`` is
+    set once such a call waits there, ``calls`` counts the calls by name (``puts``: the put
+    calls)."""
 
-    def __init__(self, *args: Any, gated: Sequence[str] = ("put",), **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gated: Sequence[str] = ("put",), passed: int = 0,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.gated = frozenset(gated)
+        self.passed = passed
         self.gate = threading.Event()
         self.entered = threading.Event()
         self.calls: Counter[str] = Counter()  # exists, get: the prefetch worker; put: backups
@@ -35,7 +38,9 @@ class GatedFileStore(FileStore):
 
     def _pass(self, name: str) -> None:
         self.calls[name] += 1
-        if name in self.gated:
+        if name in self.gated and self.passed:
+            self.passed -= 1
+        elif name in self.gated:
             self.entered.set()
             assert self.gate.wait(10.0), "the test never opened the gate"
 
@@ -56,7 +61,7 @@ class GatedFileStore(FileStore):
 
 
 def gated_service(monkeypatch: pytest.MonkeyPatch, config: HiCacheConfig, model: dict[str, str],
-                  gated: Sequence[str] = ("put",), tp_group: object = None
+                  gated: Sequence[str] = ("put",), tp_group: object = None, passed: int = 0
                   ) -> tuple[HiCacheService, GatedFileStore]:
     """A service built from ``config`` (a file store) over a :class:`GatedFileStore` that
     holds the calls named in ``gated`` (of a tensor-parallel rank with ``tp_group``)."""
@@ -64,7 +69,7 @@ def gated_service(monkeypatch: pytest.MonkeyPatch, config: HiCacheConfig, model:
 
     def open_gated(config: Any, ns: Any) -> StorageBackend:
         made.append(GatedFileStore(config.storage.path, ns, timeout_s=config.storage.timeout_s,
-                                   gated=gated))
+                                   gated=gated, passed=passed))
         return made[-1]
 
     monkeypatch.setattr("hicache.factory.open_configured_store", open_gated)

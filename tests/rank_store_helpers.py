@@ -23,11 +23,12 @@ MODEL = {"model_id": "test/tp-model", "model_revision": "r1"}
 
 def store_config(path: str, *, policy: str = "write_through", write_policy: str = "write_through",
                  prefetch_policy: str = "wait_complete", hybrid: bool = False,
-                 timeout_s: float = 0.005, device: str = "cpu", backend: str = "torch"
-                 ) -> HiCacheConfig:
+                 timeout_s: float = 0.005, device: str = "cpu", backend: str = "torch",
+                 device_tokens: int = 32) -> HiCacheConfig:
     """:func:`rank_helpers.make_config` with a file store at ``path`` that every tail of a
     page or more is asked about."""
-    mapping = config_dict(policy, hybrid=hybrid, device=device, backend=backend)
+    mapping = config_dict(policy, hybrid=hybrid, device=device, backend=backend,
+                          device_tokens=device_tokens)
     mapping["storage"] = {
         "backend": "file", "path": path, "write_policy": write_policy,
         "prefetch_policy": prefetch_policy, "prefetch_threshold_tokens": 0,

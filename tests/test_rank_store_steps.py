@@ -17,6 +17,7 @@ from rank_store_helpers import MODEL, store_config
 
 from hicache.factory import build_service
 from hicache.l3.jobs import PrefetchPhase
+from hicache.metrics import MetricsExporter
 from hicache.storage import chain_page_hashes
 
 
@@ -91,11 +92,16 @@ def test_a_ranks_store_queues_are_full_by_the_jobs_held_not_by_the_workers_depth
             service.insert([first, 1, 2, 3], slots)
         service.step()  # the host backup's ack queues the puts: two held, one dropped
         assert len(storage.held.puts) == 2 and stats.backup_pages["dropped"] == 2
+        assert service.stats.rank_held_ops == {"write": 0, "load": 0, "put": 2, "prefetch": 0}
+        exported = MetricsExporter(service.controller.stats, service=service.stats).render()
+        assert b'hicache_tp_held_ops{kind="put"} 2.0' in exported
+        assert b"hicache_tp_agreements_total 1.0" in exported
         prefetches = [service.prefetch(tokens, service.match(tokens))
                       for tokens in ([40, 1, 2, 3], [50, 1, 2, 3])]
         for prefetch in prefetches:
             assert prefetch is not None and prefetch.job.changed.wait(5.0)
-        assert storage.prefetch_worker.depth == 0  # the worker is idle, yet:
+        assert storage.prefetch_worker.depth == 0 and storage.held.num_held == 4
+        # the worker is idle, yet:
         assert service.prefetch([60, 1, 2, 3], service.match([60, 1, 2, 3])) is None
         assert stats.prefetch_tokens["queue_full"] == 4
         for prefetch in prefetches:
@@ -223,3 +229,31 @@ def test_a_rank_that_stops_with_prefetches_held_applies_them(one_rank_group: Any
     service.check_integrity()
     assert storage.held.num_held == 0 and not storage.prefetches.open_prefetches()
     assert sum(storage.stats.prefetch_tokens.values()) == storage.stats.queried_tokens == 14
+
+
+def test_a_best_effort_finish_during_a_read_uses_the_pages_every_rank_has_read(
+        one_rank_group: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``best_effort``, a 20-page prefetch read in batches of 16: the second batch's read
+    waits at a gate. A step agrees that 16 pages arrived (the read still runs); a finish
+    then attaches those 32 tokens, and the rest are freed once the read is back."""
+    config = store_config(str(tmp_path / "l3"), prefetch_policy="best_effort",
+                          device_tokens=64)
+    service, store = gated_service(monkeypatch, config, MODEL, gated=("get",), passed=1,
+                                   tp_group=one_rank_group)
+    tokens = list(range(200, 240))
+    try:
+        _cache_and_store(service, [tokens])
+        assert service.evict(40) == 40 and service.evict_host(40) == 40
+        prefetch = service.prefetch(tokens, service.match(tokens))
+        assert prefetch is not None and prefetch.job.changed.wait(5.0)
+        service.step()  # agreed: 20 pages found; the read starts
+        assert store.entered.wait(5.0) and prefetch.job.arrived == 16
+        assert not prefetch.job.agreed_arrived  # none agreed yet
+        service.step()
+        assert prefetch.job.agreed_arrived == 16 and service.prefetch_ready(prefetch)
+        assert service.finish_prefetch(prefetch) == 32
+        assert service.match(tokens).host_hit_tokens == 32
+    finally:
+        store.gate.set()
+        service.stop()
+    service.check_integrity()
