@@ -229,6 +229,7 @@ def test_a_rank_that_stops_with_prefetches_held_applies_them(one_rank_group: Any
     service.check_integrity()
     assert storage.held.num_held == 0 and not storage.prefetches.open_prefetches()
     assert sum(storage.stats.prefetch_tokens.values()) == storage.stats.queried_tokens == 14
+    assert storage.stats.found_tokens == 8  # a's, as this rank's store answered
 
 
 def test_a_best_effort_finish_during_a_read_uses_the_pages_every_rank_has_read(

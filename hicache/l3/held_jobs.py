@@ -115,12 +115,10 @@ class HeldJobs:
         for job in round_.puts:
             assert job.result is not None
             values.append(int(all(status is PageStatus.OK for status in job.result.statuses)))
+        # a query's pages count once every rank is back; a load's arrived pages are final
         for job in round_.prefetch_jobs:
-            back = job.done
-            if job.held_stage is PrefetchPhase.QUERY:
-                values += (int(back), job.found if back else 0)
-            else:
-                values += (int(back), job.arrived)
+            values += (int(job.done),
+                       job.found if job.held_stage is PrefetchPhase.QUERY else job.arrived)
         if prefetches.config.prefetch_policy is PrefetchPolicy.TIMEOUT:
             round_.timing = [p for p in prefetches.open_prefetches()
                              if not p.timed_out and not prefetches.agreed_done(p.job)]
