@@ -83,6 +83,8 @@ def test_one_rank_applies_every_finished_op_at_its_step(one_rank_group: Any) -> 
         # on a CPU the backup the step issues has finished when it polls: applied at once
         assert service.step() == 1 and agreement.agreements == 1 and agreement.num_held == 0
         assert service.step() == 0 and agreement.agreements == 2
+        assert service.stats.rank_agreements == 2
+        assert service.stats.rank_held_ops == dict.fromkeys(("write", "load", "put", "prefetch"), 0)
         assert service.match(list(range(8))).device_hit_tokens == 8
         again = service.alloc_device(8)  # evicts the backed-up node to the host
         assert again is not None and service.match(list(range(8))).host_hit_tokens == 8
