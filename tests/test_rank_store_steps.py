@@ -259,3 +259,32 @@ def test_a_best_effort_finish_during_a_read_uses_the_pages_every_rank_has_read(
         store.gate.set()
         service.stop()
     service.check_integrity()
+
+
+def test_a_finish_leaves_unused_slots_held_until_every_rank_is_back(
+        one_rank_group: Any, tmp_path: Path) -> None:
+    """``best_effort`` finished after this rank's read is back but before a step agreed on
+    it: no page counts as arrived (none agreed), and the prefetch's host slots stay held
+    (another rank may still be reading into its own) until the next step frees them."""
+    service = build_service(store_config(str(tmp_path / "l3"), prefetch_policy="best_effort"),
+                            tp_group=one_rank_group, **MODEL)
+    storage = service.storage
+    assert storage is not None
+    host = service.controller.host_pool.allocator
+    tokens = [7, 7, 8, 8, 9, 9, 1, 1]
+    try:
+        _cache_and_store(service, [tokens])
+        assert service.evict(8) == 8 and service.evict_host(8) == 8
+        prefetch = service.prefetch(tokens, service.match(tokens))
+        assert prefetch is not None and prefetch.job.changed.wait(5.0)
+        service.step()  # agreed: 4 pages found; their read starts
+        assert prefetch.job.changed.wait(5.0) and prefetch.job.done  # back on this rank
+        free = host.num_free_tokens
+        assert service.finish_prefetch(prefetch) == 0
+        assert host.num_free_tokens == free
+        service.check_integrity()
+        service.step()
+        assert host.num_free_tokens == free + 8
+    finally:
+        service.stop()
+    service.check_integrity()

@@ -106,10 +106,10 @@ class StorageTier:
 
     def poll(self) -> int:
         """Apply the jobs the workers finished; returns how many (none on an agreed tier:
-        its step applies them, :meth:`agreed_round`)."""
+        its step applies them, :meth:`apply_round`)."""
         jobs = self.backup_worker.finished() + self.prefetch_worker.finished()
+        self.stats.worker_errors = self.prefetch_worker.errors + self.backup_worker.errors
         if self.held is not None:
-            self.stats.worker_errors = self.prefetch_worker.errors + self.backup_worker.errors
             return 0
         for job in jobs:
             if isinstance(job, PutJob):
@@ -117,7 +117,6 @@ class StorageTier:
             else:
                 assert isinstance(job, PrefetchJob)
                 self.prefetches.advance(job)
-        self.stats.worker_errors = self.prefetch_worker.errors + self.backup_worker.errors
         return len(jobs)
 
     @property
