@@ -12,13 +12,13 @@ running evicts another) and what the shared store answered, and when.
 With a :class:`RankAgreement` the service applies those only where every rank applies them:
 
 - ``step()`` makes one collective, on every rank, whether or not anything finished: an
-  all-reduce (minimum) of how many finished writes and loads each rank holds and how many
-  leading store puts are back. Ops are issued in the same order on every rank (the
-  scheduler's calls issue them; the background thread issues none), so the first ``n`` of
-  each direction are the same ops everywhere, and every rank applies those ``n`` (by op
-  id) and holds the rest for a later step. With a shared store, a second collective, of a
-  length every rank knows from the first, agrees on those puts' results and on the
-  prefetches' progress (:mod:`hicache.l3.held_jobs`).
+  all-gather of how many finished writes and loads each rank holds and how many leading
+  store puts are back, of which every rank takes the minimum. Ops are issued in the same
+  order on every rank (the scheduler's calls issue them; the background thread issues
+  none), so the first ``n`` of each direction are the same ops everywhere, and every rank
+  applies those ``n`` (by op id) and holds the rest for a later step. With a shared store,
+  a second collective, of a length every rank knows from the first, agrees on those puts'
+  results and on the prefetches' progress (:mod:`hicache.l3.held_jobs`).
 - The first collective also compares what must be equal on every rank (free device and
   host tokens, store jobs held, open prefetches): ranks that differ there have diverged
   (an engine that made a call on one rank only, or a bug), and every rank raises
@@ -92,7 +92,7 @@ class RankAgreement:
         self._held: dict[Direction, collections.deque[Ack]] = {
             _WRITE: collections.deque(), _LOAD: collections.deque()}
         try:
-            self._all_reduce_min([0])
+            self._gather([0])
         except RuntimeError as error:
             raise ValueError(
                 f"tp_group: the group cannot reduce CPU tensors ({error}); make one with a "
@@ -124,11 +124,11 @@ class RankAgreement:
             RanksDivergedError: a value of ``same`` differs between ranks (nothing taken).
         """
         counts = [len(self._held[_WRITE]), len(self._held[_LOAD]), puts_back]
-        agreed = self._all_reduce_min(counts + list(same) + [-value for value in same])
+        by_rank = self._gather(counts + list(same))
         self.agreements += 1
-        lowest, highest = agreed[3:3 + len(same)], agreed[3 + len(same):]
-        differ = [f"{name} {low} to {-high}" for name, low, high in
-                  zip(_SAME, lowest, highest, strict=True) if low != -high]
+        agreed = [min(column) for column in zip(*by_rank, strict=True)]
+        differ = [f"{name} by rank: {', '.join(str(row[3 + i]) for row in by_rank)}"
+                  for i, name in enumerate(_SAME) if len({row[3 + i] for row in by_rank}) > 1]
         if differ:
             raise RanksDivergedError(
                 f"step: the tensor-parallel ranks' caches differ ({', '.join(differ)}, "
@@ -140,7 +140,12 @@ class RankAgreement:
     def agree_values(self, values: list[int]) -> list[int]:
         """A step's second collective: the minimum over ranks of each of ``values`` (of a
         length every rank knows); none when empty."""
-        return self._all_reduce_min(values) if values else []
+        if not values:
+            return []
+        by_rank = self._gather(values)
+        if len(values) <= 16:
+            return [min(column) for column in zip(*by_rank, strict=True)]
+        return torch.tensor(by_rank).amin(dim=0).tolist()  # type: ignore[no-any-return]
 
     def take_writes(self) -> list[Ack]:
         """Every held write: the caller waited for every write issued, on every rank."""
@@ -161,11 +166,14 @@ class RankAgreement:
         taken.sort(key=lambda ack: ack.op_id)
         return taken
 
-    def _all_reduce_min(self, values: list[int]) -> list[int]:
-        counts = torch.tensor(values, dtype=torch.int64)
-        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MIN,
-                                     group=self._group)  # type: ignore[arg-type]
-        return counts.tolist()  # type: ignore[no-any-return]
+    def _gather(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (of one length on every rank), by rank. An all-gather,
+        not an all-reduce: on gloo it takes about two thirds of the time of a minimum's
+        all-reduce for more than two values (``docs/performance-log.md``)."""
+        mine = torch.tensor(values, dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.size)]
+        torch.distributed.all_gather(everyone, mine, group=self._group)  # type: ignore[arg-type]
+        return [row.tolist() for row in everyone]
 
 
 def agreed_step(service: HiCacheService) -> int:

@@ -105,12 +105,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
         "bench", help="transfer bandwidth against the ceiling (GPU); 'bench scheduler': the "
         "scheduler thread's costs (CPU); 'bench storage': the shared store; 'bench fleet': "
         "a trace through several instances sharing it; 'bench e2e': time to first token of "
-        "a host hit against recompute (GPU)", description=DESCRIPTION)
+        "a host hit against recompute (GPU); 'bench ranks': the tensor-parallel agreement's "
+        "cost a step (CPU)", description=DESCRIPTION)
     add_bench_arguments(parser)
     parser.set_defaults(run=run_bench)
-    from . import e2e, fleet_cli, scheduler_cli, storage_cli
+    from . import e2e, fleet_cli, ranks_cli, scheduler_cli, storage_cli
 
-    kinds = parser.add_subparsers(dest="bench_kind", metavar="scheduler|storage|fleet|e2e")
+    kinds = parser.add_subparsers(dest="bench_kind",
+                                  metavar="scheduler|storage|fleet|e2e|ranks")
     scheduler = kinds.add_parser("scheduler", help=scheduler_cli.DESCRIPTION,
                                  description=scheduler_cli.DESCRIPTION)
     scheduler_cli.add_arguments(scheduler)
@@ -127,6 +129,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
                                   description=e2e.cli.DESCRIPTION)
     e2e.add_arguments(end_to_end)
     end_to_end.set_defaults(run=e2e.run)
+    ranks = kinds.add_parser("ranks", help=ranks_cli.DESCRIPTION,
+                             description=ranks_cli.DESCRIPTION)
+    ranks_cli.add_arguments(ranks)
+    ranks.set_defaults(run=ranks_cli.run)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
