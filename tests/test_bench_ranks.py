@@ -13,8 +13,11 @@ from hicache.cli import main
 CASES = [
     "reference: all-gather of 8 int64", "reference: all-reduce min, 8",
     "step idle, alone", "step idle, alone, store", "step idle, rank of a group",
-    "step idle, rank of a group, store", "step busy, alone", "step busy, alone, store",
-    "step busy, rank of a group", "step busy, rank of a group, store",
+    "step idle, rank of a group, store",
+    "step busy, alone", "request + step busy, alone",
+    "step busy, alone, store", "request + step busy, alone, store",
+    "step busy, rank of a group", "request + step busy, rank of a group",
+    "step busy, rank of a group, store", "request + step busy, rank of a group, store",
 ]
 
 

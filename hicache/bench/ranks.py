@@ -8,7 +8,8 @@ directory) and each builds its own services, one after the other, all ranks alik
   temporary directory), ``idle`` (nothing in flight: the agreement's own cost) and ``busy``
   (one chat request served before each step, whose backup the step issues and whose acks,
   and with a store its put and the prefetch of its tail, a later step applies; a rank's
-  step then also waits for the slowest rank's request, as its model's collectives would);
+  step then also waits for the slowest rank's request, as its model's collectives would,
+  so the busy cases also time the request's calls and its step together);
 - the reference, in the same processes: the group's bare collectives of 8 int64 (an
   all-gather, which the agreement makes, and a minimum's all-reduce), the floor of any
   agreement on this machine.
@@ -52,11 +53,11 @@ def measure_ranks(num_ranks: int, steps: int, workdir: Path) -> list[RankRow]:
 
 def render(rows: list[RankRow]) -> str:
     ranks = len(rows[0].median_us)
-    header = f"{'case (us)':<34}" + "".join(f"{f'rank {r} median':>15}{'p99':>9}"
+    header = f"{'case (us)':<46}" + "".join(f"{f'rank {r} median':>15}{'p99':>9}"
                                              for r in range(ranks))
     lines = [header, "-" * len(header)]
     for row in rows:
-        lines.append(f"{row.case:<34}" + "".join(
+        lines.append(f"{row.case:<46}" + "".join(
             f"{median:15.1f}{p99:9.1f}" for median, p99 in zip(row.median_us, row.p99_us,
                                                                 strict=True)))
     return "\n".join(lines)
@@ -75,12 +76,15 @@ def _rank_main(rank: int, size: int, workdir: str, steps: int) -> None:
         for busy in (False, True):
             for agreed in (False, True):
                 for store in (False, True):
-                    case = (f"step {'busy' if busy else 'idle'}, "
+                    case = (f"{'busy' if busy else 'idle'}, "
                             f"{'rank of a group' if agreed else 'alone'}"
                             f"{', store' if store else ''}")
                     path = Path(workdir, f"store-{rank}-{len(figures)}") if store else None
-                    figures[case] = _steps(group if agreed else None, rank, size, path,
-                                           busy, steps)
+                    step, cycle = _steps(group if agreed else None, rank, size, path, busy,
+                                         steps)
+                    figures[f"step {case}"] = step
+                    if busy:
+                        figures[f"request + step {case}"] = cycle
         Path(workdir, f"rank{rank}.json").write_text(json.dumps(figures))
     finally:
         dist.destroy_process_group()
@@ -103,7 +107,8 @@ def _collectives(group: object, steps: int) -> dict[str, tuple[float, float]]:
 
 
 def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
-           steps: int) -> tuple[float, float]:
+           steps: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The percentiles of ``step()`` and of a request's calls and its step together."""
     import torch.distributed as dist
 
     from hicache.factory import build_service
@@ -119,9 +124,11 @@ def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
     workload = ChatWorkload(seed=1, num_systems=8)
     prefetches: list[Prefetch] = []
     times: list[float] = []
+    cycles: list[float] = []
     try:
         dist.barrier()
         for _ in range(steps):
+            cycle_start = time.perf_counter_ns()
             if busy:
                 tokens = workload.request(workload.systems)
                 key, match, slots = admit(service, tokens)
@@ -132,7 +139,9 @@ def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
                 prefetches += [prefetch] if prefetch is not None else []
             start = time.perf_counter_ns()
             service.step()
-            times.append(time.perf_counter_ns() - start)
+            end = time.perf_counter_ns()
+            times.append(end - start)
+            cycles.append(end - cycle_start)
             for prefetch in [p for p in prefetches if service.prefetch_ready(p)]:
                 service.finish_prefetch(prefetch)
                 prefetches.remove(prefetch)
@@ -140,7 +149,7 @@ def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
             service.finish_prefetch(prefetch)
     finally:
         service.stop()
-    return _percentiles(times)
+    return _percentiles(times), _percentiles(cycles)
 
 
 def _config(store: Path | None) -> Any:
