@@ -143,6 +143,17 @@ def _cache_and_store(service: Any, sequences: list[list[int]]) -> None:
     raise AssertionError("the puts never finished")
 
 
+def _prefetch_from_store(service: Any, tokens: list[int]) -> Any:
+    """Cache ``tokens``, wait for the store to have them, evict them from device and host,
+    start their prefetch and wait for this rank's store to answer it (not yet agreed)."""
+    _cache_and_store(service, [tokens])
+    assert service.evict(len(tokens)) == len(tokens)
+    assert service.evict_host(len(tokens)) == len(tokens)
+    prefetch = service.prefetch(tokens, service.match(tokens))
+    assert prefetch is not None and prefetch.job.changed.wait(5.0)
+    return prefetch
+
+
 def test_a_steps_agreement_reads_each_jobs_values(one_rank_group: Any, tmp_path: Path
                                                   ) -> None:
     """One step agrees on a put and two queries at once (the store has all 4 pages of A and
@@ -193,11 +204,7 @@ def test_a_ranks_timeout_prefetch_is_ready_once_the_ranks_agree_its_deadline_pas
                                    tp_group=one_rank_group)
     tokens = [3, 1, 4, 1, 5, 9, 2, 6]
     try:
-        _cache_and_store(service, [tokens])
-        assert service.evict(8) == 8 and service.evict_host(8) == 8
-        prefetch = service.prefetch(tokens, service.match(tokens))
-        assert prefetch is not None
-        assert prefetch.job.changed.wait(5.0)  # answered on this rank
+        prefetch = _prefetch_from_store(service, tokens)  # answered on this rank
         service.step()  # agreed: 4 pages found; the read starts and waits at the gate
         assert prefetch.found_tokens == 8 and store.entered.wait(5.0)
         time.sleep(0.55)  # past the deadline here
@@ -244,10 +251,7 @@ def test_a_best_effort_finish_during_a_read_uses_the_pages_every_rank_has_read(
                                    tp_group=one_rank_group)
     tokens = list(range(200, 240))
     try:
-        _cache_and_store(service, [tokens])
-        assert service.evict(40) == 40 and service.evict_host(40) == 40
-        prefetch = service.prefetch(tokens, service.match(tokens))
-        assert prefetch is not None and prefetch.job.changed.wait(5.0)
+        prefetch = _prefetch_from_store(service, tokens)
         service.step()  # agreed: 20 pages found; the read starts
         assert store.entered.wait(5.0) and prefetch.job.arrived == 16
         assert not prefetch.job.agreed_arrived  # none agreed yet
@@ -273,10 +277,7 @@ def test_a_finish_leaves_unused_slots_held_until_every_rank_is_back(
     host = service.controller.host_pool.allocator
     tokens = [7, 7, 8, 8, 9, 9, 1, 1]
     try:
-        _cache_and_store(service, [tokens])
-        assert service.evict(8) == 8 and service.evict_host(8) == 8
-        prefetch = service.prefetch(tokens, service.match(tokens))
-        assert prefetch is not None and prefetch.job.changed.wait(5.0)
+        prefetch = _prefetch_from_store(service, tokens)
         service.step()  # agreed: 4 pages found; their read starts
         assert prefetch.job.changed.wait(5.0) and prefetch.job.done  # back on this rank
         free = host.num_free_tokens

@@ -116,11 +116,11 @@ def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
 
     from .scheduler import ChatWorkload, admit, free_tail
 
-    service = build_service(_config(store), tp_group=group,
-                            **({} if store is None else {
-                                "model_id": "bench/ranks", "model_revision": "r1",
-                                "tp_rank": rank if group is None else 0,
-                                "tp_size": size if group is None else 1}))
+    # a service of its own names its pages by the arguments, a rank's by its group
+    alone = group is None and store is not None
+    service = build_service(_config(store), tp_group=group, model_id="bench/ranks",
+                            model_revision="r1", tp_rank=rank if alone else 0,
+                            tp_size=size if alone else 1)
     workload = ChatWorkload(seed=1, num_systems=8)
     prefetches: list[Prefetch] = []
     times: list[float] = []
@@ -155,18 +155,9 @@ def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
 def _config(store: Path | None) -> Any:
     from hicache.config import config_from_dict
 
-    from .scheduler import PAGE
+    from .scheduler import service_config
 
-    mapping: dict[str, Any] = {
-        "page_size_tokens": PAGE,
-        "model": {"num_layers": 1, "attention": "mha", "num_kv_heads": 1, "head_dim": 2,
-                  "dtype": "float32"},
-        "device_pool": {"num_tokens": 16384, "device": "cpu"},
-        "host": {"ratio": 2.0, "ram_reserve_gib": 0.0},
-        "controller": {"io_backend": "torch", "write_policy": "write_through",
-                       "load_back_threshold_tokens": 0},
-        "service": {"metrics_enabled": False, "integrity_check_interval_s": 3600.0},
-    }
+    mapping = service_config(16384, host_ratio=2.0)
     if store is not None:
         mapping["storage"] = {"backend": "file", "path": str(store)}
     return config_from_dict(mapping)

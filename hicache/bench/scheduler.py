@@ -22,6 +22,7 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -63,7 +64,14 @@ def make_service(capacity_tokens: int, host_ratio: float = 1.0, interval_s: floa
                  page_size: int = PAGE) -> HiCacheService:
     """A plain CPU service, one layer of 2-element rows, write-through; the background
     thread (when started) checks integrity every ``interval_s`` while idle."""
-    return build_service(config_from_dict({
+    return build_service(config_from_dict(
+        service_config(capacity_tokens, host_ratio, interval_s, page_size)))
+
+
+def service_config(capacity_tokens: int, host_ratio: float = 1.0, interval_s: float = 3600.0,
+                   page_size: int = PAGE) -> dict[str, Any]:
+    """:func:`make_service`'s config, as a mapping."""
+    return {
         "page_size_tokens": page_size,
         "model": {"num_layers": 1, "attention": "mha", "num_kv_heads": 1, "head_dim": 2,
                   "dtype": "float32"},
@@ -72,7 +80,7 @@ def make_service(capacity_tokens: int, host_ratio: float = 1.0, interval_s: floa
         "controller": {"io_backend": "torch", "write_policy": "write_through",
                        "load_back_threshold_tokens": 0},
         "service": {"metrics_enabled": False, "integrity_check_interval_s": interval_s},
-    }))
+    }
 
 
 class ChatWorkload:

@@ -98,8 +98,8 @@ class HeldJobs:
         """Puts back from the worker before the first still queued or running (they finish
         in the order submitted, on one thread)."""
         count = 0
-        for job in self.puts:
-            if not job.done:
+        for put in self.puts:
+            if not put.done:
                 break
             count += 1
         return count
@@ -112,9 +112,9 @@ class HeldJobs:
         round_ = StoreRound([self.puts[i] for i in range(puts_back)], list(self.prefetch_jobs),
                             [])
         values = round_.values
-        for job in round_.puts:
-            assert job.result is not None
-            values.append(int(all(status is PageStatus.OK for status in job.result.statuses)))
+        for put in round_.puts:
+            assert put.result is not None
+            values.append(int(all(status is PageStatus.OK for status in put.result.statuses)))
         # a query's pages count once every rank is back; a load's arrived pages are final
         for job in round_.prefetch_jobs:
             values += (int(job.done),
@@ -130,10 +130,10 @@ class HeldJobs:
         """Apply what the ranks agreed on (``agreed``: the minimum over ranks of each of
         ``round_.values``), in submission order."""
         at = 0
-        for job in round_.puts:
-            assert self.puts[0] is job
+        for put in round_.puts:
+            assert self.puts[0] is put
             self.puts.popleft()
-            backups.finish(job, stored_all=bool(agreed[at]))
+            backups.finish(put, stored_all=bool(agreed[at]))
             at += 1
         back: list[tuple[PrefetchJob, int]] = []
         for job in round_.prefetch_jobs:
@@ -153,9 +153,9 @@ class HeldJobs:
         """Every held job with this rank's values (at ``stop``: the workers stopped, every
         job is back)."""
         while self.puts:
-            job = self.puts.popleft()
-            assert job.done and job.result is not None
-            backups.finish(job)
+            put = self.puts.popleft()
+            assert put.done and put.result is not None
+            backups.finish(put)
         jobs, self.prefetch_jobs = self.prefetch_jobs, []  # a load submitted now is refused
         for job in jobs:
             assert job.done
