@@ -15,6 +15,7 @@ page's I/O, and returns only when no worker writes into its buffers any more.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import mmap
@@ -176,7 +177,7 @@ class FileStore(StorageBackend):
 
     def _read_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
         name = key.hex() + SUFFIX
-        path = self.directory / name[:2] / name
+        path = f"{self._root}/{name[:2]}/{name}"  # a string: Path's work holds the GIL
         direct = self.direct_io and aligned(segments)
         try:
             fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
@@ -197,8 +198,9 @@ class FileStore(StorageBackend):
 
     def _write_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
         name = key.hex() + SUFFIX
-        path = self.directory / name[:2] / name
-        if path.exists():
+        directory = f"{self._root}/{name[:2]}"
+        path = f"{directory}/{name}"
+        if os.path.exists(path):
             self._evict(self.lru.touch(name, self.format.object_len))
             self._stats.add(pages_skipped=1)
             return PageStatus.OK
@@ -208,7 +210,7 @@ class FileStore(StorageBackend):
         self._evict(victims)
         header = self.format.header(key, segments)
         try:
-            fd, tmp = self._create_tmp(path)
+            fd, tmp = self._create_tmp(directory, name)
         except OSError:
             self.lru.remove(name)
             raise
@@ -222,25 +224,28 @@ class FileStore(StorageBackend):
             os.replace(tmp, path)
         except OSError:
             self.lru.remove(name)
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
             raise
         self._stats.add(pages_written=1, bytes_written=self.format.payload_len)
         return PageStatus.OK
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _create_tmp(self, path: Path) -> tuple[int, Path]:
-        """A new temporary file beside ``path``, open for writing, that no other writer
-        uses: other stores (of this process, or of a host with the same pid) write the same
-        page under their own names. The page's directory, or the whole store directory if
-        it was removed while running (a cache cleaned by hand), is made again."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def _create_tmp(self, directory: str, name: str) -> tuple[int, str]:
+        """A new temporary file beside page ``name`` in ``directory``, open for writing,
+        that no other writer uses: other stores (of this process, or of a host with the
+        same pid) write the same page under their own names. The page's directory, or the
+        whole store directory if it was removed while running (a cache cleaned by hand), is
+        made again when the file cannot be made in it."""
         while True:
-            tmp = path.with_name(f".{path.name}.{self._tmp_prefix}.{next(self._tmp_ids)}.tmp")
+            tmp = f"{directory}/.{name}.{self._tmp_prefix}.{next(self._tmp_ids)}.tmp"
             try:
                 return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), tmp
             except FileExistsError:
                 continue  # someone else's: never ours to remove
+            except FileNotFoundError:
+                os.makedirs(directory, exist_ok=True)
 
     def _path(self, key: bytes) -> str:
         name = key.hex() + SUFFIX
@@ -258,7 +263,7 @@ class FileStore(StorageBackend):
     def _unlink(self, name: str) -> bool:
         self.lru.remove(name)
         try:
-            (self.directory / name[:2] / name).unlink()
+            os.unlink(f"{self._root}/{name[:2]}/{name}")
             return True
         except FileNotFoundError:
             return False
@@ -266,7 +271,7 @@ class FileStore(StorageBackend):
     def _evict(self, victims: list[tuple[str, int]]) -> None:
         for name, size in victims:
             try:
-                (self.directory / name[:2] / name).unlink()
+                os.unlink(f"{self._root}/{name[:2]}/{name}")
             except FileNotFoundError:
                 continue  # deleted by another process: not an eviction of ours
             self._stats.add(pages_evicted=1, bytes_evicted=size)
