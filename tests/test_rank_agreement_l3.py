@@ -81,14 +81,26 @@ def test_a_rank_that_made_a_call_the_others_did_not_fails_every_rank_at_its_step
         assert "same service calls" in result["error"]
 
 
-def _extra_call(rank: int, path: str) -> dict[str, Any]:
+def test_a_prefetch_on_one_rank_only_fails_every_rank_at_its_step(tmp_path: Path) -> None:
+    """Rank 1 asks its store for a prompt that rank 0 does not: the next step names the
+    store jobs and open prefetches each rank has."""
+    results = run_ranks(_extra_call, 2, tmp_path, str(tmp_path / "l3"), "prefetch")
+    for result in results:
+        assert "store prefetch jobs held by rank: 0, 1" in result["error"]
+        assert "open prefetches by rank: 0, 1" in result["error"]
+
+
+def _extra_call(rank: int, path: str, call: str = "alloc_device") -> dict[str, Any]:
     group = dist.new_group(backend="gloo")
     service = build_service(store_config(path), tp_group=group, **MODEL)
     error = None
     try:
         service.step()  # alike so far
-        if rank == 1:
+        if rank == 1 and call == "alloc_device":
             assert service.alloc_device(4) is not None
+        if rank == 1 and call == "prefetch":
+            tokens = [5, 6, 7, 8]
+            assert service.prefetch(tokens, service.match(tokens)) is not None
         service.step()
     except RanksDivergedError as exc:
         error = str(exc)
