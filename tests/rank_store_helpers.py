@@ -4,7 +4,9 @@ shares, each rank's pages under its own namespace): workloads for the spawned ra
 
 from __future__ import annotations
 
+import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -25,12 +27,15 @@ def store_config(path: str, *, policy: str = "write_through", write_policy: str 
                  prefetch_policy: str = "wait_complete", hybrid: bool = False,
                  timeout_s: float = 0.005, device: str = "cpu", backend: str = "torch",
                  device_tokens: int = 32) -> HiCacheConfig:
-    """:func:`rank_helpers.make_config` with a file store at ``path`` that every tail of a
-    page or more is asked about."""
+    """:func:`rank_helpers.make_config` with a store that every tail of a page or more is
+    asked about: a file store at ``path``, or the Redis server of ``path`` when it is a
+    ``redis://`` URL."""
     mapping = config_dict(policy, hybrid=hybrid, device=device, backend=backend,
                           device_tokens=device_tokens)
+    where = {"backend": "redis", "url": path, "timeout_s": 0.5} \
+        if path.startswith("redis://") else {"backend": "file", "path": path}
     mapping["storage"] = {
-        "backend": "file", "path": path, "write_policy": write_policy,
+        **where, "write_policy": write_policy,
         "prefetch_policy": prefetch_policy, "prefetch_threshold_tokens": 0,
         "prefetch_timeout_s": timeout_s, "prefetch_timeout_max_s": max(timeout_s, 0.05),
         "prefetch_timeout_per_1024_tokens_s": 0.0, "write_through_hits": 1}
@@ -88,14 +93,17 @@ def lost_pages(rank: int, agreed: bool, path: str) -> dict[str, Any]:
             "namespace_rank": namespace_rank}
 
 
-def store_traffic(rank: int, path: str, case: dict[str, Any], seed: int, num_requests: int
-                  ) -> dict[str, Any]:
+def store_traffic(rank: int, path: str | list[str], case: dict[str, Any], seed: int,
+                  num_requests: int, kill: tuple[int, int] | None = None) -> dict[str, Any]:
     """The same requests on every rank (``seed``), each prefetched from the store first
     (finished when the policy says so, stepping meanwhile), with the background thread
     running, sleeps of up to 2 ms different on each rank, and each rank's store losing
-    pages of its own choosing now and then. Returns every request's answers."""
+    pages of its own choosing now and then. ``path``: the store, or each rank's. ``kill``:
+    (request, pid): rank 1 kills that process (its store's server) before that request.
+    Returns every request's answers."""
     group = dist.new_group(backend="gloo")
-    service = build_service(store_config(path, **case), tp_group=group, **MODEL)
+    where = path if isinstance(path, str) else path[rank]
+    service = build_service(store_config(where, **case), tp_group=group, **MODEL)
     storage = service.storage
     assert storage is not None and service._poller.agreement is not None
     service.start()
@@ -105,7 +113,9 @@ def store_traffic(rank: int, path: str, case: dict[str, Any], seed: int, num_req
     answers: list[list[Any]] = []
     diverged = None
     try:
-        for _ in range(num_requests):
+        for index in range(num_requests):
+            if kill is not None and rank == 1 and index == kill[0]:
+                os.kill(kill[1], signal.SIGKILL)  # this rank's store dies; rank 0's lives
             tokens = requests.choice(systems) + [
                 requests.randrange(1000) for _ in range(requests.randrange(1, 8))]
             if skew.random() < 0.1:  # this rank's store loses a prompt's pages
@@ -124,7 +134,7 @@ def store_traffic(rank: int, path: str, case: dict[str, Any], seed: int, num_req
     service.check_integrity()
     stats = storage.stats
     return {"answers": answers, "diverged": diverged, "stored": stats.backup_pages["stored"],
-            "dropped": stats.backup_pages["dropped"],
+            "dropped": stats.backup_pages["dropped"], "failed": stats.backup_pages["failed"],
             "prefetches": stats.prefetches, "used": stats.prefetch_tokens["used"],
             "held": storage.held.num_held if storage.held is not None else -1}
 

@@ -12,7 +12,9 @@ import pytest
 import torch.distributed as dist
 from rank_helpers import run_ranks
 from rank_store_helpers import MODEL, lost_pages, store_config, store_traffic
+from storage_helpers import needs_redis
 
+from hicache.bench.redis_local import RedisServer
 from hicache.factory import build_service
 from hicache.rank_agreement import RanksDivergedError
 
@@ -107,3 +109,29 @@ def _extra_call(rank: int, path: str, call: str = "alloc_device") -> dict[str, A
     finally:
         service.stop()
     return {"error": error}
+
+
+@needs_redis
+def test_ranks_whose_stores_die_apart_give_the_same_answers(tmp_path: Path) -> None:
+    """Each rank has a Redis server of its own; rank 1 kills its own (SIGKILL) after 40 of
+    120 requests, while rank 0's keeps answering. The ranks still answer alike: what rank
+    1's dead store cannot find, rank 0's is not used for either, and a put that failed on
+    rank 1 stores its node on no rank."""
+    servers = []
+    try:
+        for rank in range(2):
+            (tmp_path / f"redis{rank}").mkdir()
+            servers.append(RedisServer(tmp_path / f"redis{rank}").start())
+        process = servers[1].process
+        assert process is not None
+        urls = [f"redis://127.0.0.1:{server.port}" for server in servers]
+        first, second = run_ranks(store_traffic, 2, tmp_path, urls, {}, 3, 120,
+                                  (40, process.pid))
+    finally:
+        for server in servers:
+            server.stop()
+    for result in (first, second):
+        assert result["diverged"] is None and result["held"] == 0 and result["stored"] > 0
+    assert first["failed"] == 0 and second["failed"] > 0
+    assert first["answers"] == second["answers"]
+    assert any(answer[1] > 0 for answer in first["answers"][:40])  # the stores were used
