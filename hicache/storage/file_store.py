@@ -47,6 +47,7 @@ from .page_format import PageFormat
 logger = logging.getLogger(__name__)
 SUFFIX = ".kv"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+BYTES_PER_THREAD = 1 << 20  # pages of a call per I/O thread, at the least
 
 
 class FileStore(StorageBackend):
@@ -56,7 +57,8 @@ class FileStore(StorageBackend):
         root: a directory (made if missing); several processes may share it.
         namespace: whose pages these are.
         capacity_bytes: cap on this namespace's bytes on disk; ``None``: no cap.
-        num_threads: worker threads for ``get``/``put``.
+        num_threads: worker threads for ``get``/``put``, one per MiB of a call's pages at most
+            (a smaller call runs on the caller's thread).
         timeout_s: default deadline of a call.
         checksum: write and verify payload checksums.
         direct_io: read with O_DIRECT (bypassing the page cache) where the segments are
@@ -166,11 +168,17 @@ class FileStore(StorageBackend):
                     statuses[i] = PageStatus.ERROR
                     errors.append(f"{op} {page_hashes[i].hex()[:16]}: {exc}")
 
-        workers = min(self._num_threads, len(page_hashes))
-        futures = [self._pool.submit(chunk, range(w, len(page_hashes), workers))
-                   for w in range(workers)]
-        for future in futures:
-            future.result()  # each worker stops at the deadline by itself
+        # a thread per BYTES_PER_THREAD of pages: small pages' time is mostly Python, which
+        # threads would only contend for (the caller's thread does a call of under that)
+        payload = len(page_hashes) * self.format.payload_len
+        workers = min(self._num_threads, len(page_hashes), payload // BYTES_PER_THREAD)
+        if workers <= 1:
+            chunk(range(len(page_hashes)))
+        else:
+            futures = [self._pool.submit(chunk, range(w, len(page_hashes), workers))
+                       for w in range(workers)]
+            for future in futures:
+                future.result()  # each worker stops at the deadline by itself
         result = StorageResult(tuple(statuses), errors[0] if errors else None)
         self._stats.record(op, result, time.perf_counter() - started)
         return result
