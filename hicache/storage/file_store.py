@@ -168,8 +168,7 @@ class FileStore(StorageBackend):
                     statuses[i] = PageStatus.ERROR
                     errors.append(f"{op} {page_hashes[i].hex()[:16]}: {exc}")
 
-        # a thread per BYTES_PER_THREAD of pages: small pages' time is mostly Python, which
-        # threads would only contend for (the caller's thread does a call of under that)
+        # small pages' time is mostly Python, which more threads would only contend for
         payload = len(page_hashes) * self.format.payload_len
         workers = min(self._num_threads, len(page_hashes), payload // BYTES_PER_THREAD)
         if workers <= 1:
