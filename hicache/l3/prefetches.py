@@ -68,7 +68,6 @@ class Prefetch:
     finished: bool = False
     timed_out: bool = False  # a tensor-parallel rank's: every rank's deadline passed
 
-
     @property
     def num_tokens(self) -> int:
         return len(self.key) // TOKEN_BYTES

@@ -47,7 +47,7 @@ from .page_format import PageFormat
 logger = logging.getLogger(__name__)
 SUFFIX = ".kv"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-BYTES_PER_THREAD = 1 << 20  # pages of a call per I/O thread, at the least
+BYTES_PER_THREAD = 1 << 20  # a call's pages per I/O thread (small pages' time is Python)
 
 
 class FileStore(StorageBackend):
@@ -168,7 +168,6 @@ class FileStore(StorageBackend):
                     statuses[i] = PageStatus.ERROR
                     errors.append(f"{op} {page_hashes[i].hex()[:16]}: {exc}")
 
-        # small pages' time is mostly Python, which more threads would only contend for
         payload = len(page_hashes) * self.format.payload_len
         workers = min(self._num_threads, len(page_hashes), payload // BYTES_PER_THREAD)
         if workers <= 1:
@@ -184,7 +183,7 @@ class FileStore(StorageBackend):
 
     def _read_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
         name = key.hex() + SUFFIX
-        path = f"{self._root}/{name[:2]}/{name}"  # a string: Path's work holds the GIL
+        path = self._file(name)
         direct = self.direct_io and aligned(segments)
         try:
             fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0))
@@ -205,8 +204,7 @@ class FileStore(StorageBackend):
 
     def _write_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
         name = key.hex() + SUFFIX
-        directory = f"{self._root}/{name[:2]}"
-        path = f"{directory}/{name}"
+        path = self._file(name)
         if os.path.exists(path):
             self._evict(self.lru.touch(name, self.format.object_len))
             self._stats.add(pages_skipped=1)
@@ -217,7 +215,7 @@ class FileStore(StorageBackend):
         self._evict(victims)
         header = self.format.header(key, segments)
         try:
-            fd, tmp = self._create_tmp(directory, name)
+            fd, tmp = self._create_tmp(name)
         except OSError:
             self.lru.remove(name)
             raise
@@ -239,12 +237,12 @@ class FileStore(StorageBackend):
 
     # ---- helpers --------------------------------------------------------------------------
 
-    def _create_tmp(self, directory: str, name: str) -> tuple[int, str]:
-        """A new temporary file beside page ``name`` in ``directory``, open for writing,
-        that no other writer uses: other stores (of this process, or of a host with the
-        same pid) write the same page under their own names. The page's directory, or the
-        whole store directory if it was removed while running (a cache cleaned by hand), is
-        made again when the file cannot be made in it."""
+    def _create_tmp(self, name: str) -> tuple[int, str]:
+        """A new temporary file beside page ``name``, open for writing, that no other
+        writer uses (other stores, of this process or a host with the same pid, write the
+        same page under their own names). The page's directory, or the whole store
+        directory if it was removed (a cache cleaned by hand), is made again if needed."""
+        directory = f"{self._root}/{name[:2]}"
         while True:
             tmp = f"{directory}/.{name}.{self._tmp_prefix}.{next(self._tmp_ids)}.tmp"
             try:
@@ -255,7 +253,9 @@ class FileStore(StorageBackend):
                 os.makedirs(directory, exist_ok=True)
 
     def _path(self, key: bytes) -> str:
-        name = key.hex() + SUFFIX
+        return self._file(key.hex() + SUFFIX)
+
+    def _file(self, name: str) -> str:  # a string: Path's work would hold the GIL
         return f"{self._root}/{name[:2]}/{name}"
 
     def _header_buffer(self) -> memoryview:
@@ -270,7 +270,7 @@ class FileStore(StorageBackend):
     def _unlink(self, name: str) -> bool:
         self.lru.remove(name)
         try:
-            os.unlink(f"{self._root}/{name[:2]}/{name}")
+            os.unlink(self._file(name))
             return True
         except FileNotFoundError:
             return False
@@ -278,7 +278,7 @@ class FileStore(StorageBackend):
     def _evict(self, victims: list[tuple[str, int]]) -> None:
         for name, size in victims:
             try:
-                os.unlink(f"{self._root}/{name[:2]}/{name}")
+                os.unlink(self._file(name))
             except FileNotFoundError:
                 continue  # deleted by another process: not an eviction of ours
             self._stats.add(pages_evicted=1, bytes_evicted=size)
