@@ -53,6 +53,7 @@ from .config.sizing import (
     token_bytes,
 )
 from .l3 import StorageTier
+from .l3.shared_copy import probe_shared_store
 from .radix import HiRadixCache
 from .rank_agreement import RankAgreement
 from .service import HiCacheService
@@ -80,7 +81,9 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             give the same answers (:mod:`hicache.rank_agreement`; one collective a ``step``,
             two with a store, and one here, made by every rank). ``None``: a service of its
             own. With a store and ``tp_size`` left at 1, each rank's pages are named by the
-            group's rank and size (an MHA shard); an MLA model's ranks share one copy.
+            group's rank and size (an MHA shard); an MLA model's ranks share one copy, each
+            rank writing part of its pages if every rank sees one store
+            (:mod:`hicache.l3.shared_copy`; two more collectives here).
 
     Raises:
         ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
@@ -133,7 +136,11 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
                                       tp_rank=tp_rank, tp_size=tp_size, salt=salt)
         store = open_configured_store(config, namespace)
         assert store is not None
-        storage = StorageTier(tree, store, config.storage, agreed=agreement is not None)
+        # ranks that name their pages alike (MLA) write one copy if they see one store
+        share = (probe_shared_store(store, agreement)
+                 if agreement is not None and agreement.size > 1 and tp_size == 1 else None)
+        storage = StorageTier(tree, store, config.storage, agreed=agreement is not None,
+                              share=share)
     return HiCacheService(
         tree=tree, device_pool=device_pool, host_pools=host_pools,
         integrity_check_interval_s=service_config.integrity_check_interval_s,

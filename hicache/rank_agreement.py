@@ -92,7 +92,7 @@ class RankAgreement:
         self._held: dict[Direction, collections.deque[Ack]] = {
             _WRITE: collections.deque(), _LOAD: collections.deque()}
         try:
-            self._gather([0])
+            self.gather([0])
         except RuntimeError as error:
             raise ValueError(
                 f"tp_group: the group cannot reduce CPU tensors ({error}); make one with a "
@@ -124,7 +124,7 @@ class RankAgreement:
             RanksDivergedError: a value of ``same`` differs between ranks (nothing taken).
         """
         counts = [len(self._held[_WRITE]), len(self._held[_LOAD]), puts_back]
-        by_rank = self._gather(counts + list(same))
+        by_rank = self.gather(counts + list(same))
         self.agreements += 1
         agreed = [min(column) for column in zip(*by_rank, strict=True)]
         differ = [f"{name} by rank: {', '.join(str(row[3 + i]) for row in by_rank)}"
@@ -142,7 +142,7 @@ class RankAgreement:
         length every rank knows); none when empty."""
         if not values:
             return []
-        by_rank = self._gather(values)
+        by_rank = self.gather(values)
         if len(values) <= 16:
             return [min(column) for column in zip(*by_rank, strict=True)]
         return torch.tensor(by_rank).amin(dim=0).tolist()  # type: ignore[no-any-return]
@@ -166,7 +166,7 @@ class RankAgreement:
         taken.sort(key=lambda ack: ack.op_id)
         return taken
 
-    def _gather(self, values: list[int]) -> list[list[int]]:
+    def gather(self, values: list[int]) -> list[list[int]]:
         """Every rank's ``values`` (of one length on every rank), by rank. An all-gather,
         not an all-reduce: on gloo it takes about two thirds of the time of a minimum's
         all-reduce for more than two values (``docs/performance-log.md``)."""

@@ -26,12 +26,16 @@ MODEL = {"model_id": "test/tp-model", "model_revision": "r1"}
 def store_config(path: str, *, policy: str = "write_through", write_policy: str = "write_through",
                  prefetch_policy: str = "wait_complete", hybrid: bool = False,
                  timeout_s: float = 0.005, device: str = "cpu", backend: str = "torch",
-                 device_tokens: int = 32) -> HiCacheConfig:
+                 device_tokens: int = 32, mla: bool = False) -> HiCacheConfig:
     """:func:`rank_helpers.make_config` with a store that every tail of a page or more is
     asked about: a file store at ``path``, or the Redis server of ``path`` when it is a
-    ``redis://`` URL."""
+    ``redis://`` URL. ``mla``: the model's layers keep one latent row a token (the ranks
+    then share one copy in the store)."""
     mapping = config_dict(policy, hybrid=hybrid, device=device, backend=backend,
                           device_tokens=device_tokens)
+    if mla:
+        mapping["model"] = {"num_layers": 2, "attention": "mla", "latent_dim": 3,
+                            "dtype": "float32"}
     where = {"backend": "redis", "url": path, "timeout_s": 0.5} \
         if path.startswith("redis://") else {"backend": "file", "path": path}
     mapping["storage"] = {
@@ -136,7 +140,8 @@ def store_traffic(rank: int, path: str | list[str], case: dict[str, Any], seed: 
     return {"answers": answers, "diverged": diverged, "stored": stats.backup_pages["stored"],
             "dropped": stats.backup_pages["dropped"], "failed": stats.backup_pages["failed"],
             "prefetches": stats.prefetches, "used": stats.prefetch_tokens["used"],
-            "held": storage.held.num_held if storage.held is not None else -1}
+            "held": storage.held.num_held if storage.held is not None else -1,
+            "share": None if storage.backups.share is None else list(storage.backups.share)}
 
 
 def _prefetched(service: HiCacheService, tokens: list[int]) -> list[Any]:

@@ -40,11 +40,15 @@ def test_ranks_whose_copies_finish_apart(tmp_path: Path, agreed: bool) -> None:
     assert not first["second_refused"] and not second["second_refused"]
 
 
-@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
-def test_ranks_with_stores_on_a_gpu_give_the_same_answers(tmp_path: Path, write_policy: str
-                                                          ) -> None:
-    case = {"device": "cuda", "backend": "staged", "write_policy": write_policy}
+@pytest.mark.parametrize(("write_policy", "mla"), [("write_through", False),
+                                                   ("write_back", False),
+                                                   ("write_back", True)])
+def test_ranks_with_stores_on_a_gpu_give_the_same_answers(tmp_path: Path, write_policy: str,
+                                                          mla: bool) -> None:
+    """``mla``: the ranks share one copy in the store, each writing its share of it."""
+    case = {"device": "cuda", "backend": "staged", "write_policy": write_policy, "mla": mla}
     first, second = run_ranks(store_traffic, 2, tmp_path, str(tmp_path / "l3"), case, 5, 120)
     for result in (first, second):
         assert result["diverged"] is None and result["held"] == 0 and result["stored"] > 0
+        assert (result["share"] is not None) is mla
     assert first["answers"] == second["answers"]

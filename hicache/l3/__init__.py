@@ -6,6 +6,8 @@ of them, on two worker threads, under the ``storage`` section's policies.
   (:class:`Prefetch`);
 - :mod:`~hicache.l3.backups`: host pages copied to the store under the write policy;
 - :mod:`~hicache.l3.jobs`, :mod:`~hicache.l3.worker`: what the worker threads run;
+- :mod:`~hicache.l3.held_jobs`, :mod:`~hicache.l3.shared_copy`: a tensor-parallel rank's
+  jobs held until the ranks agree, and its share of the writes to a copy they share;
 - :mod:`~hicache.l3.hashes`: the chained page hashes of tree nodes;
 - :mod:`~hicache.l3.stats`: the tier's counters.
 

@@ -28,6 +28,7 @@ from hicache.storage import PageStatus
 
 from .hashes import node_page_hashes, split_hashes
 from .jobs import PutJob
+from .shared_copy import WriteShare
 from .stats import FailureLog, PageObserver, StorageTierStats
 
 if TYPE_CHECKING:
@@ -40,8 +41,9 @@ class StoreBackups:
 
     def __init__(self, tree: HiRadixCache, submit: Callable[[PutJob], bool],
                  policy: WritePolicy, hits: int, stats: StorageTierStats,
-                 notify: PageObserver) -> None:
+                 notify: PageObserver, share: WriteShare | None = None) -> None:
         self.tree = tree
+        self.share = share  # a tensor-parallel rank's part of a copy the ranks share
         self.submit = submit
         self.policy = policy
         self.hits = hits
@@ -82,24 +84,36 @@ class StoreBackups:
         assert node.host is not None
         pending = PendingStore([node], evict_after)
         hashes = split_hashes(node_page_hashes(self.tree, node))
-        host, swa = node.host.tensor, None
-        if node.host_swa is not None:  # hybrid: only pages whose SWA rows are all on the host
-            page = self.tree.page_size
-            whole = (node.host_swa.tensor.view(-1, page) != 0).all(dim=1)
-            self.stats.backup_pages["no_swa_rows"] += int((~whole).sum())
-            hashes = [h for h, kept in zip(hashes, whole.tolist(), strict=True) if kept]
-            host = host.view(-1, page)[whole].reshape(-1)
-            swa = node.host_swa.tensor.view(-1, page)[whole].reshape(-1)
+        host, swa = node.host.tensor, None if node.host_swa is None else node.host_swa.tensor
+        if swa is not None:  # hybrid: only pages whose SWA rows are all on the host
+            whole = (swa.view(-1, self.tree.page_size) != 0).all(dim=1).tolist()
+            self.stats.backup_pages["no_swa_rows"] += whole.count(False)
+            hashes, host, swa = self._pages(whole, hashes, host, swa)
             if not hashes:
                 node.in_storage = True  # nothing of it can go to the store
                 return False
-        job = PutJob(pending, hashes, host.clone(), swa)
+        if self.share is not None:  # the pages this rank writes (it may be none: still a
+            # job, held like every rank's, whose result is agreed with theirs)
+            hashes, host, swa = self._pages([self.share.writes(h) for h in hashes], hashes,
+                                            host, swa)
+        job = PutJob(pending, hashes, host.clone(), None if swa is None else swa.clone())
         if not self.submit(job):
             self.stats.backup_pages["dropped"] += len(hashes)
             return False
         node.store_op = pending
         self.notify("put", hashes, job.host, job.swa)
         return True
+
+    def _pages(self, kept: list[bool], hashes: list[bytes], host: torch.Tensor,
+               swa: torch.Tensor | None) -> tuple[list[bytes], torch.Tensor, torch.Tensor | None]:
+        """The ``kept`` pages of a put's hashes and (per token) host slots."""
+        if all(kept):
+            return hashes, host, swa
+        page = self.tree.page_size
+        rows = torch.tensor(kept, dtype=torch.bool)
+        return ([h for h, keep in zip(hashes, kept, strict=True) if keep],
+                host.view(-1, page)[rows].reshape(-1),
+                None if swa is None else swa.view(-1, page)[rows].reshape(-1))
 
     def free_host_after_store(self, node: TreeNode, host: Indices) -> None:
         assert node.store_op is not None

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from hicache.config.storage import PrefetchPolicy
-from hicache.storage import PageStatus
+from hicache.storage import PageStatus, StorageResult
 
 from .jobs import PrefetchJob, PrefetchPhase, PutJob
 from .worker import StorageWorker
@@ -73,8 +73,13 @@ class HeldJobs:
 
     def submit_put(self, job: PutJob) -> bool:
         """Queue ``job`` on the backup worker; ``False`` when the held puts reach the limit
-        (or the worker closed)."""
-        if len(self.puts) >= self._max_puts or not self._backup_worker.submit(job):
+        (or the worker closed). A put of no pages (another rank writes them all,
+        :mod:`hicache.l3.shared_copy`) is back at once, held like the others."""
+        if len(self.puts) >= self._max_puts or self._backup_worker.closed:
+            return False
+        if not job.hashes:
+            job.result, job.done = StorageResult(()), True
+        elif not self._backup_worker.submit(job):
             return False
         self.puts.append(job)
         return True

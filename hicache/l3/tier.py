@@ -31,6 +31,7 @@ from .held_jobs import HeldJobs, StoreRound
 from .jobs import PrefetchJob, PutJob
 from .page_buffers import HostPools
 from .prefetches import Prefetch, Prefetches
+from .shared_copy import WriteShare
 from .stats import PageObserver, StorageTierStats
 from .worker import StorageWorker
 
@@ -52,10 +53,15 @@ class StorageTier:
         config: the ``storage`` section (policies, timeouts).
         agreed: a tensor-parallel rank's tier: its jobs are applied only where the ranks
             agree (:mod:`hicache.l3.held_jobs`; :attr:`held`), at the service's ``step``.
+        share: on such a rank, the pages it writes of a copy the ranks share
+            (:mod:`hicache.l3.shared_copy`); ``None``: every page it backs up.
     """
 
     def __init__(self, tree: HiRadixCache, store: StorageBackend, config: StorageConfig, *,
-                 agreed: bool = False) -> None:
+                 agreed: bool = False, share: WriteShare | None = None) -> None:
+        if share is not None and not agreed:
+            raise ValueError("StorageTier: a share of the writes needs agreed=True (the "
+                             "ranks agree on each put's result)")
         self.tree = tree
         self.store = store
         self.config = config
@@ -78,7 +84,7 @@ class StorageTier:
             config, self.stats, self._notify, agreed=agreed)
         self.backups = StoreBackups(
             tree, self.backup_worker.submit if held is None else held.submit_put,
-            config.write_policy, config.write_through_hits, self.stats, self._notify)
+            config.write_policy, config.write_through_hits, self.stats, self._notify, share)
         self._closed = False
         tree.storage = self
 

@@ -59,6 +59,11 @@ class StorageWorker:
         """Jobs waiting (not the one running)."""
         return self._queue.qsize()
 
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called: every job submitted from now on is refused."""
+        return self._closed
+
     def submit(self, job: Job) -> bool:
         """Queue ``job``; ``False`` (nothing queued) when the queue is full or closed."""
         if self._closed:
