@@ -18,6 +18,10 @@ CASES = [
     "step busy, alone, store", "request + step busy, alone, store",
     "step busy, rank of a group", "request + step busy, rank of a group",
     "step busy, rank of a group, store", "request + step busy, rank of a group, store",
+    "step busy, rank of a group, MLA, own store",
+    "request + step busy, rank of a group, MLA, own store",
+    "step busy, rank of a group, MLA, shared store",
+    "request + step busy, rank of a group, MLA, shared store",
 ]
 
 

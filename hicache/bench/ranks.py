@@ -10,6 +10,9 @@ directory) and each builds its own services, one after the other, all ranks alik
   and with a store its put and the prefetch of its tail, a later step applies; a rank's
   step then also waits for the slowest rank's request, as its model's collectives would,
   so the busy cases also time the request's calls and its step together);
+- busy ranks of an MLA model, whose ranks name their pages alike, each with a file store of
+  its own (every rank writes every page) and with one file store they all see (each rank
+  writes its share of the pages: :mod:`hicache.l3.shared_copy`);
 - the reference, in the same processes: the group's bare collectives of 8 int64 (an
   all-gather, which the agreement makes, and a minimum's all-reduce), the floor of any
   agreement on this machine.
@@ -53,11 +56,11 @@ def measure_ranks(num_ranks: int, steps: int, workdir: Path) -> list[RankRow]:
 
 def render(rows: list[RankRow]) -> str:
     ranks = len(rows[0].median_us)
-    header = f"{'case (us)':<46}" + "".join(f"{f'rank {r} median':>15}{'p99':>9}"
+    header = f"{'case (us)':<58}" + "".join(f"{f'rank {r} median':>15}{'p99':>9}"
                                              for r in range(ranks))
     lines = [header, "-" * len(header)]
     for row in rows:
-        lines.append(f"{row.case:<46}" + "".join(
+        lines.append(f"{row.case:<58}" + "".join(
             f"{median:15.1f}{p99:9.1f}" for median, p99 in zip(row.median_us, row.p99_us,
                                                                 strict=True)))
     return "\n".join(lines)
@@ -85,6 +88,13 @@ def _rank_main(rank: int, size: int, workdir: str, steps: int) -> None:
                     figures[f"step {case}"] = step
                     if busy:
                         figures[f"request + step {case}"] = cycle
+        # an MLA model's ranks name their pages alike: stores of their own (every rank
+        # writes every page), or one store they all see (each writes its share)
+        for where in ("own", "shared"):
+            path = Path(workdir, f"store-mla-{rank if where == 'own' else 'shared'}")
+            step, cycle = _steps(group, rank, size, path, True, steps, mla=True)
+            figures[f"step busy, rank of a group, MLA, {where} store"] = step
+            figures[f"request + step busy, rank of a group, MLA, {where} store"] = cycle
         Path(workdir, f"rank{rank}.json").write_text(json.dumps(figures))
     finally:
         dist.destroy_process_group()
@@ -107,8 +117,9 @@ def _collectives(group: object, steps: int) -> dict[str, tuple[float, float]]:
 
 
 def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
-           steps: int) -> tuple[tuple[float, float], tuple[float, float]]:
-    """The percentiles of ``step()`` and of a request's calls and its step together."""
+           steps: int, *, mla: bool = False) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The percentiles of ``step()`` and of a request's calls and its step together
+    (``mla``: a model of one latent row a token instead of K and V)."""
     import torch.distributed as dist
 
     from hicache.factory import build_service
@@ -118,7 +129,7 @@ def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
 
     # a service of its own names its pages by the arguments, a rank's by its group
     alone = group is None and store is not None
-    service = build_service(_config(store), tp_group=group, model_id="bench/ranks",
+    service = build_service(_config(store, mla), tp_group=group, model_id="bench/ranks",
                             model_revision="r1", tp_rank=rank if alone else 0,
                             tp_size=size if alone else 1)
     workload = ChatWorkload(seed=1, num_systems=8)
@@ -152,12 +163,15 @@ def _steps(group: object, rank: int, size: int, store: Path | None, busy: bool,
     return _percentiles(times), _percentiles(cycles)
 
 
-def _config(store: Path | None) -> Any:
+def _config(store: Path | None, mla: bool = False) -> Any:
     from hicache.config import config_from_dict
 
     from .scheduler import service_config
 
     mapping = service_config(16384, host_ratio=2.0)
+    if mla:
+        mapping["model"] = {"num_layers": 1, "attention": "mla", "latent_dim": 4,
+                            "dtype": "float32"}
     if store is not None:
         mapping["storage"] = {"backend": "file", "path": str(store)}
     return config_from_dict(mapping)
