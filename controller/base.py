@@ -159,6 +159,7 @@ class TransferOp:
     finish_event: Event | None = None
     layer_events: list[Event] = field(default_factory=list)
     event_set: int | None = None
+    event_ticket: int = 0  # the ring's ticket for event_set (LayerEventRing.release)
     held: list[HeldCall] = field(default_factory=list)
     after: list[Event] = field(default_factory=list)  # marks of the queuing callers' streams
     tokens_by_pool: dict[str, int] = field(default_factory=dict)
@@ -175,7 +176,7 @@ class TransferOp:
         self.backend, self.executor = backend, executor
         self.moved, self.keep_alive, self.layer_events = [], [], []
         self.start_event = self.finish_event = None
-        self.event_set = None
+        self.event_set, self.event_ticket = None, 0
         self.held = [] if held is None else held
         self.after = [] if after is None else after
         self.tokens_by_pool = {} if tokens_by_pool is None else tokens_by_pool

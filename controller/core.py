@@ -257,7 +257,7 @@ class TransferCore(OpIssue):
 
     def _acknowledge(self, op: TransferOp) -> Ack:
         if op.event_set is not None:
-            self.layer_events.release(op.event_set)
+            self.layer_events.release(op.event_set, op.event_ticket)
         ack = acknowledgement(op)
         self.stats.on_ack(ack)
         return ack

@@ -142,6 +142,7 @@ class LayerEventRing:
             for _ in range(num_sets)
         ]
         self._in_use = [False] * num_sets
+        self._taken = [0] * num_sets  # times each set was handed out: whose load holds it
         self.num_sets = num_sets
         self._next = 0
         self.consumer: int | None = None
@@ -166,11 +167,21 @@ class LayerEventRing:
 
     def _take(self, index: int, events: list[Event]) -> tuple[int, list[Event]]:
         self._in_use[index] = True
+        self._taken[index] += 1
         self._next = (index + 1) % len(self._sets)
         return index, events
 
-    def release(self, index: int) -> None:
-        self._in_use[index] = False
+    def taken(self, index: int) -> int:
+        """How many times set ``index`` was handed out: right after :meth:`acquire`, the
+        ticket its load releases it with."""
+        return self._taken[index]
+
+    def release(self, index: int, ticket: int) -> None:
+        """The load that took set ``index`` as ``ticket`` is acknowledged. A set whose last
+        event fired may be handed out again before that load's ack is polled: the older
+        ack then leaves the newer load's hold alone."""
+        if self._taken[index] == ticket:
+            self._in_use[index] = False
 
     def wait_until(self, layer: int) -> None:
         """Make the current stream wait for ``layer`` of the consumer set (GPU-side); the

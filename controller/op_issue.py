@@ -124,4 +124,5 @@ class OpIssue:
         op = self._ops.merge(Direction.HOST_TO_DEVICE, self.backend)
         assert op is not None
         op.event_set, op.layer_events = set_id, events
+        op.event_ticket = self.layer_events.taken(set_id)
         return set_id, op

@@ -72,6 +72,30 @@ def test_a_ring_set_whose_load_runs_is_not_taken_again() -> None:
     assert ring.acquire()[0] == first, "free again once its last layer arrived"
 
 
+def test_a_late_ack_of_a_sets_earlier_load_does_not_free_it_from_its_running_load() -> None:
+    """Set 0's first load finished (its last event fired) but its ack was not polled yet
+    when the ring came round to set 0 again and a second, slow load took it. The first
+    load's ack, polled then, must not mark set 0 free: the next turn of the ring still
+    finds it in flight."""
+    ring = LayerEventRing(2, 4, CUDA)
+    side = torch.cuda.Stream()
+    value = torch.zeros(1, device="cuda")
+    first, events = ring.acquire()
+    first_ticket = ring.taken(first)
+    with torch.cuda.stream(side):
+        for event in events:
+            event.record(side)
+    side.synchronize()
+    second, _ = ring.acquire()
+    ring.release(second, ring.taken(second))
+    assert load_with_the_last_layer_late(ring, side, value) == first
+    ring.release(first, first_ticket)  # the first load's ack, polled late
+    assert ring.acquire()[0] == second
+    with pytest.raises(RuntimeError, match=f"layer event set {first} is still in flight"):
+        ring.acquire()
+    side.synchronize()
+
+
 @pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
 def test_a_write_waits_for_every_producer_stream(backend: TransferBackend) -> None:
     """Two registered producers; the rows are written late on the second one."""
