@@ -26,7 +26,7 @@ from hicache.pools import Indices
 from hicache.radix.node import PendingStore, TreeNode
 from hicache.storage import PageStatus
 
-from .hashes import node_page_hashes, split_hashes
+from .hashes import RecentHashes, node_page_hashes, split_hashes
 from .jobs import PutJob
 from .shared_copy import WriteShare
 from .stats import FailureLog, PageObserver, StorageTierStats
@@ -41,8 +41,10 @@ class StoreBackups:
 
     def __init__(self, tree: HiRadixCache, submit: Callable[[PutJob], bool],
                  policy: WritePolicy, hits: int, stats: StorageTierStats,
-                 notify: PageObserver, share: WriteShare | None = None) -> None:
+                 notify: PageObserver, recent: RecentHashes,
+                 share: WriteShare | None = None) -> None:
         self.tree = tree
+        self.recent = recent  # finished prefetches' page hashes, for their tokens' nodes
         self.share = share  # a tensor-parallel rank's part of a copy the ranks share
         self.submit = submit
         self.policy = policy
@@ -83,7 +85,7 @@ class StoreBackups:
             return False
         assert node.host is not None
         pending = PendingStore([node], evict_after)
-        hashes = split_hashes(node_page_hashes(self.tree, node))
+        hashes = split_hashes(node_page_hashes(self.tree, node, self.recent))
         host, swa = node.host.tensor, None if node.host_swa is None else node.host_swa.tensor
         if swa is not None:  # hybrid: only pages whose SWA rows are all on the host
             whole = (swa.view(-1, self.tree.page_size) != 0).all(dim=1).tolist()

@@ -3,11 +3,13 @@ the tree's keys, computed once per node and kept on it (``TreeNode.page_hashes``
 per page; a split cuts them at its page).
 
 A node's hashes need its parent's last hash, so a node without them gets them after its
-ancestors that lack them, root side first. Scheduler thread only (nodes are the tree's).
+ancestors that lack them, root side first. Scheduler thread only (nodes are the tree's),
+but for :func:`key_page_hashes`, a function of its arguments that a prefetch's worker calls.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,8 +30,46 @@ def key_page_hashes(key: bytes, page_size: int, parent: bytes) -> bytes:
     return b"".join(chain_page_hashes(tokens, page_size, parent=parent))
 
 
-def node_page_hashes(tree: RadixTree, node: TreeNode) -> bytes:
-    """``node``'s page hashes, computing those of it and of its ancestors that lack them."""
+class RecentHashes:
+    """The page hashes that recent prefetches' queries computed, for the nodes their tokens
+    become: a request's tail is asked of the store, then computed and inserted, and its
+    node's backup to the store needs the same hashes (the same tokens after the same
+    page). Looked up by the hash of the page before and the first page's tokens; at most
+    ``limit`` tails, the oldest dropped first. Scheduler thread only."""
+
+    def __init__(self, page_size: int, limit: int = 256) -> None:
+        self._page_bytes = page_size * TOKEN_BYTES
+        self._limit = limit
+        self._tails: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._tails)
+
+    def add(self, parent: bytes, tail: bytes, joined: bytes) -> None:
+        """``joined``: the hashes of ``tail``'s whole pages after the page ``parent``."""
+        if len(tail) < self._page_bytes:
+            return
+        self._tails[parent + tail[:self._page_bytes]] = (tail, joined)
+        if len(self._tails) > self._limit:
+            self._tails.popitem(last=False)
+
+    def find(self, parent: bytes, key: bytes) -> bytes | None:
+        """The hashes of ``key``'s pages (whole pages) after the page ``parent``, if a tail
+        kept here starts with ``key``; else ``None``."""
+        found = self._tails.get(parent + key[:self._page_bytes])
+        if found is None:
+            return None
+        tail, joined = found
+        pages = len(key) // self._page_bytes
+        if not tail.startswith(key) or pages * PAGE_HASH_BYTES > len(joined):
+            return None
+        return joined[:pages * PAGE_HASH_BYTES]
+
+
+def node_page_hashes(tree: RadixTree, node: TreeNode, recent: RecentHashes | None = None
+                     ) -> bytes:
+    """``node``'s page hashes, computing those of it and of its ancestors that lack them
+    (taking them from ``recent`` where it has them)."""
     missing = []
     current = node
     while current is not tree.root and current.page_hashes is None:
@@ -38,18 +78,20 @@ def node_page_hashes(tree: RadixTree, node: TreeNode) -> bytes:
         current = current.parent
     parent = ROOT_HASH if current is tree.root else last_hash_of(current)
     for each in reversed(missing):
-        each.page_hashes = key_page_hashes(each.key, tree.page_size, parent)
+        known = None if recent is None else recent.find(parent, each.key)
+        each.page_hashes = known if known is not None else \
+            key_page_hashes(each.key, tree.page_size, parent)
         parent = each.page_hashes[-PAGE_HASH_BYTES:]
     assert node.page_hashes is not None
     return node.page_hashes
 
 
-def last_hash(tree: RadixTree, node: TreeNode) -> bytes:
+def last_hash(tree: RadixTree, node: TreeNode, recent: RecentHashes | None = None) -> bytes:
     """The hash of ``node``'s last page (:data:`ROOT_HASH` for the root): the parent of the
     chain of whatever follows it."""
     if node is tree.root:
         return ROOT_HASH
-    return node_page_hashes(tree, node)[-PAGE_HASH_BYTES:]
+    return node_page_hashes(tree, node, recent)[-PAGE_HASH_BYTES:]
 
 
 def last_hash_of(node: TreeNode) -> bytes:

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache.radix.key import TOKEN_BYTES
 from hicache.radix.node import PendingStore
 from hicache.storage import PageStatus, StorageBackend, StorageResult
 
+from .hashes import key_page_hashes, split_hashes
 from .page_buffers import GetBuffers, HostPools, put_buffers
 
 
@@ -49,10 +51,19 @@ class PrefetchPhase(enum.Enum):
 
 @dataclass(eq=False)
 class PrefetchJob:
-    """One request's prefetch: ``hashes`` of the pages after its cached prefix."""
+    """One request's prefetch: the whole pages of ``tail`` (tree key bytes after its cached
+    prefix), the first after the page whose hash is ``parent``.
 
-    hashes: list[bytes]
+    The worker computes the pages' hashes before its query (a 32k-token tail's take about
+    a millisecond, off the scheduler thread): ``hashes`` and ``joined`` are set once, joined
+    last, and read by the scheduler only once the query is back."""
+
+    tail: bytes
+    parent: bytes
+    page_size: int
     batch_pages: int
+    hashes: list[bytes] = field(default_factory=list)  # one per page (set by the query)
+    joined: bytes | None = None  # the same, joined (set by the query, after ``hashes``)
     phase: PrefetchPhase = PrefetchPhase.QUERY
     found: int = 0  # leading pages the store has (set by the query)
     # why the query's run of pages ended: a miss, or the store's timeout or error (a dead
@@ -73,8 +84,16 @@ class PrefetchJob:
     agreed_arrived: int | None = None
     changed: threading.Event = field(default_factory=threading.Event)
 
+    @property
+    def num_pages(self) -> int:
+        return len(self.tail) // (TOKEN_BYTES * self.page_size)
+
     def run(self, store: StorageBackend, pools: HostPools) -> None:
         if self.phase is PrefetchPhase.QUERY:
+            if self.joined is None:
+                joined = key_page_hashes(self.tail, self.page_size, self.parent)
+                self.hashes = split_hashes(joined)
+                self.joined = joined
             result = store.exists(self.hashes)
             self.error = result.error
             self.found = result.num_leading_ok

@@ -29,7 +29,7 @@ from hicache.radix.node import MatchResult, TreeNode
 from hicache.storage import PageStatus
 from hicache.storage.keys import PAGE_HASH_BYTES
 
-from .hashes import key_page_hashes, last_hash, split_hashes
+from .hashes import RecentHashes, last_hash
 from .jobs import PrefetchJob, PrefetchPhase
 from .stats import FailureLog, PageObserver, StorageTierStats
 
@@ -62,7 +62,6 @@ class Prefetch:
 
     node: TreeNode
     key: bytes
-    page_hashes: bytes
     job: PrefetchJob
     deadline: float | None
     finished: bool = False
@@ -76,7 +75,7 @@ class Prefetch:
     def found_tokens(self) -> int | None:
         if self.job.phase is PrefetchPhase.QUERY or self.job.held_stage is PrefetchPhase.QUERY:
             return None
-        return self.job.found * (self.num_tokens // len(self.job.hashes))
+        return self.job.found * self.job.page_size
 
 
 class Prefetches:
@@ -88,9 +87,10 @@ class Prefetches:
     """
 
     def __init__(self, tree: HiRadixCache, submit: Callable[[PrefetchJob], bool],
-                 config: StorageConfig, stats: StorageTierStats, notify: PageObserver, *,
-                 agreed: bool = False) -> None:
+                 config: StorageConfig, stats: StorageTierStats, notify: PageObserver,
+                 recent: RecentHashes, *, agreed: bool = False) -> None:
         self.tree = tree
+        self.recent = recent  # finished prefetches' page hashes, for their tokens' nodes
         self.submit = submit
         self.agreed = agreed
         self.config = config
@@ -112,15 +112,16 @@ class Prefetches:
         if num_tokens < max(self.threshold_tokens, self.page_size):
             return None
         node = match.last_host_node
-        hashes = key_page_hashes(tail, self.page_size, last_hash(self.tree, node))
-        job = PrefetchJob(split_hashes(hashes), BATCH_PAGES)
+        # the tail's hashes are the worker's to compute: only the page before is needed now
+        job = PrefetchJob(tail, last_hash(self.tree, node, self.recent), self.page_size,
+                          BATCH_PAGES)
         if not self.submit(job):
             self.stats.prefetch_tokens["queue_full"] += num_tokens
             return None
         if node is not self.tree.root:
             self.tree.lock(node)
         now = time.monotonic()
-        prefetch = Prefetch(node, tail, hashes, job, self._deadline(now, num_tokens))
+        prefetch = Prefetch(node, tail, job, self._deadline(now, num_tokens))
         self._active[job] = prefetch
         self.stats.prefetches += 1
         self.stats.queried_tokens += num_tokens
@@ -200,15 +201,17 @@ class Prefetches:
         arrived = job.arrived if not self.agreed else job.agreed_arrived or 0
         attached = 0
         cut = arrived * page
+        if job.joined is not None:  # the query hashed the tail: its node's backup will too
+            self.recent.add(job.parent, job.tail, job.joined)
         if arrived:
-            assert job.host is not None
+            assert job.host is not None and job.joined is not None
             host = Indices(job.host[:cut], IndexSpace.HOST_FULL)
             swa = None if job.swa is None else Indices(job.swa[:cut], IndexSpace.HOST_SWA)
             self.notify("arrive", job.hashes[:arrived], host.tensor,
                         None if swa is None else swa.tensor)
             attached, duplicate, duplicate_swa = attach_host_run(
                 self.tree, prefetch.node, prefetch.key[:cut * TOKEN_BYTES],
-                prefetch.page_hashes[:arrived * PAGE_HASH_BYTES], host, swa)
+                job.joined[:arrived * PAGE_HASH_BYTES], host, swa)
             self._free(duplicate.tensor, None if duplicate_swa is None else duplicate_swa.tensor)
             self.stats.prefetch_tokens["used"] += attached
             self.stats.prefetch_tokens["cached"] += len(duplicate)
@@ -246,7 +249,7 @@ class Prefetches:
     def _count_rest(self, prefetch: Prefetch, arrived: int) -> None:
         """Outcomes of the pages after the ``arrived`` ones."""
         job, page, counts = prefetch.job, self.page_size, self.stats.prefetch_tokens
-        total = len(job.hashes)
+        total = job.num_pages
         if job.phase is PrefetchPhase.QUERY:
             counts["timeout"] += (total - arrived) * page
             return

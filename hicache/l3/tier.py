@@ -27,6 +27,7 @@ from hicache.radix.node import MatchResult, TreeNode, cat_indices
 from hicache.storage import StorageBackend
 
 from .backups import StoreBackups
+from .hashes import RecentHashes
 from .held_jobs import HeldJobs, StoreRound
 from .jobs import PrefetchJob, PutJob
 from .page_buffers import HostPools
@@ -79,12 +80,14 @@ class StorageTier:
                              max_prefetches=MAX_QUEUED_PREFETCHES,
                              max_puts=MAX_QUEUED_BACKUPS) if agreed else None
         held = self.held
+        recent = RecentHashes(tree.page_size)  # a prefetch's hashes, for its tokens' backup
         self.prefetches = Prefetches(
             tree, self.prefetch_worker.submit if held is None else held.submit_prefetch,
-            config, self.stats, self._notify, agreed=agreed)
+            config, self.stats, self._notify, recent, agreed=agreed)
         self.backups = StoreBackups(
             tree, self.backup_worker.submit if held is None else held.submit_put,
-            config.write_policy, config.write_through_hits, self.stats, self._notify, share)
+            config.write_policy, config.write_through_hits, self.stats, self._notify, recent,
+            share)
         self._closed = False
         tree.storage = self
 
