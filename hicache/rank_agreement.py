@@ -20,7 +20,8 @@ With a :class:`RankAgreement` the service applies those only where every rank ap
   a second collective, of a length every rank knows from the first, agrees on those puts'
   results and on the prefetches' progress (:mod:`hicache.l3.held_jobs`).
 - The first collective also compares what must be equal on every rank (free device and
-  host tokens, store jobs held, open prefetches): ranks that differ there have diverged
+  host tokens, store jobs held, open prefetches, whether the step raised on the rank, as
+  below): ranks that differ there have diverged
   (an engine that made a call on one rank only, or a bug), and every rank raises
   :class:`RanksDivergedError` at the same step, instead of the model's collectives hanging
   later.
@@ -35,9 +36,10 @@ With a :class:`RankAgreement` the service applies those only where every rank ap
 The collectives run on a ``torch.distributed`` process group that can reduce CPU tensors
 (gloo): ``torch.distributed.new_group(ranks, backend="gloo")`` beside the model's NCCL group.
 
-A ``step()`` that raises a CUDA bounds error still takes part in the collectives first (so
-no other rank waits for it), then raises with the agreed acks held back: that rank is then a
-step behind the others, and an engine should treat the error as fatal for the whole group.
+A ``step()`` that raises on one rank (a CUDA bounds error the device tripped, or a backup's
+issue that failed) still takes part in the first collective, which tells every rank:
+every rank then raises :class:`RanksDivergedError` at that step (on the rank that failed,
+with its own error as the cause), so none waits for it and none goes on a step ahead.
 ``start_loading`` on a rank waits for the event set it reuses if that set's load still runs
 (a service of its own raises instead): whether it still runs is each rank's timing.
 """
@@ -59,7 +61,7 @@ _WRITE, _LOAD = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
 
 # what every rank must have alike at a step (the first collective compares them)
 _SAME = ("free device tokens", "free host tokens", "store puts held", "store prefetch jobs held",
-         "open prefetches")
+         "open prefetches", "steps that raised")
 
 
 class RanksDivergedError(RuntimeError):
@@ -129,6 +131,11 @@ class RankAgreement:
         agreed = [min(column) for column in zip(*by_rank, strict=True)]
         differ = [f"{name} by rank: {', '.join(str(row[3 + i]) for row in by_rank)}"
                   for i, name in enumerate(_SAME) if len({row[3 + i] for row in by_rank}) > 1]
+        if len({row[-1] for row in by_rank}) > 1:  # "steps that raised" (the last of _SAME)
+            raise RanksDivergedError(
+                f"step: the step raised on a tensor-parallel rank ({', '.join(differ)}, at "
+                f"agreement {self.agreements}; that rank's error is the cause of its own "
+                f"RanksDivergedError): the group cannot go on (restart it)")
         if differ:
             raise RanksDivergedError(
                 f"step: the tensor-parallel ranks' caches differ ({', '.join(differ)}, "
@@ -154,11 +161,6 @@ class RankAgreement:
     def take_all(self) -> list[Ack]:
         """Everything held (at ``stop``, once every op finished)."""
         return self._take(len(self._held[_WRITE]), len(self._held[_LOAD]))
-
-    def put_back(self, acks: list[Ack]) -> None:
-        """Hold ``acks`` (taken by :meth:`agree`) again, before anything held after them."""
-        for ack in reversed(acks):
-            self._held[ack.direction].appendleft(ack)
 
     def _take(self, writes: int, loads: int) -> list[Ack]:
         taken = [self._held[_WRITE].popleft() for _ in range(writes)]
@@ -195,15 +197,18 @@ def agreed_step(service: HiCacheService) -> int:
         storage.poll()  # the workers' finished lists emptied; nothing applied
         held = storage.held
         assert held is not None
-    acks, puts_back = agreement.agree(0 if held is None else held.leading_puts_back(),
-                                      _same_values(service))
+    try:
+        acks, puts_back = agreement.agree(0 if held is None else held.leading_puts_back(),
+                                          (*_same_values(service), int(error is not None)))
+    except RanksDivergedError as diverged:
+        if error is not None:  # this rank's own error is why the others raise too
+            raise diverged from error
+        raise
     store_round = agreed = None
     if storage is not None:
         store_round = storage.round(puts_back)
         agreed = agreement.agree_values(store_round.values)
-    if error is not None:
-        agreement.put_back(acks)
-        raise error
+    assert error is None  # a rank whose step raised made every rank raise above
     poller.apply(acks)
     if storage is not None:
         assert store_round is not None and agreed is not None
@@ -219,7 +224,8 @@ def agreed_step(service: HiCacheService) -> int:
 
 
 def _same_values(service: HiCacheService) -> tuple[int, ...]:
-    """What every rank must have alike at a step (``_SAME``)."""
+    """What every rank must have alike at a step (``_SAME`` but the last, which the step
+    adds: whether it raised on this rank)."""
     controller, storage = service.controller, service.storage
     held = None if storage is None else storage.held
     return (controller.device_allocator.num_free_tokens,

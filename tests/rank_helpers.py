@@ -183,3 +183,31 @@ def late_copy(rank: int, agreed: bool, sleep_cycles: int) -> dict[str, Any]:
     service.check_integrity()
     return {"first_refused": first is None, "second_refused": second is None,
             "copy_still_running": copy_still_running}
+
+
+def bounds_trip(rank: int) -> dict[str, Any]:
+    """Two ranks on one GPU; rank 1 writes a row at a slot past its device pool (the CUDA
+    bounds check sends it to the padding slot and trips). Each then steps. Returns the
+    step's error and its cause, as ``"Type: message"``."""
+    from hicache.rank_agreement import RanksDivergedError
+
+    group = dist.new_group(backend="gloo")
+    service = build_service(make_config("write_through", device="cuda"), tp_group=group)
+    error = cause = None
+    try:
+        service.step()
+        if rank == 1:
+            pool = service.device_pool
+            bad = Indices(torch.tensor([pool.num_slots + 3], device="cuda"),
+                          IndexSpace.DEVICE_FULL)
+            row = torch.ones(1, 1, 2, device="cuda")
+            pool.set_kv(0, bad, row, row)
+            torch.cuda.synchronize()
+        service.step()
+    except RanksDivergedError as exc:
+        error = str(exc)
+        if exc.__cause__ is not None:
+            cause = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
+    finally:
+        service.stop()
+    return {"error": error, "cause": cause}

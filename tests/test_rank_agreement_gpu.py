@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpu_shapes import scaled
-from rank_helpers import late_copy, run_ranks
+from rank_helpers import bounds_trip, late_copy, run_ranks
 from rank_store_helpers import store_traffic
 
 pytestmark = [
@@ -52,3 +52,13 @@ def test_ranks_with_stores_on_a_gpu_give_the_same_answers(tmp_path: Path, write_
         assert result["diverged"] is None and result["held"] == 0 and result["stored"] > 0
         assert (result["share"] is not None) is mla
     assert first["answers"] == second["answers"]
+
+
+def test_a_bounds_error_on_one_rank_raises_on_every_rank_at_its_step(tmp_path: Path) -> None:
+    """Rank 1's forward wrote past its pool (the device's bounds check tripped): at the next
+    step every rank raises ``RanksDivergedError``, rank 1's caused by the ``BoundsError``."""
+    first, second = run_ranks(bounds_trip, 2, tmp_path)
+    for result in (first, second):
+        assert "steps that raised by rank: 0, 1" in result["error"]
+    assert first["cause"] is None
+    assert second["cause"].startswith("BoundsError: set_kv(layer=0): slot ")

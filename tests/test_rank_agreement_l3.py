@@ -92,23 +92,48 @@ def test_a_prefetch_on_one_rank_only_fails_every_rank_at_its_step(tmp_path: Path
         assert "open prefetches by rank: 0, 1" in result["error"]
 
 
+def test_a_step_that_raises_on_one_rank_raises_on_every_rank_at_that_step(
+        tmp_path: Path) -> None:
+    """Rank 1's step finds its device's bounds check tripped (the check made to raise
+    there): no rank waits for it, none goes on a step ahead; every rank raises
+    :class:`RanksDivergedError` at that step, rank 1's caused by its own error."""
+    results = run_ranks(_extra_call, 2, tmp_path, str(tmp_path / "l3"), "raise")
+    for rank, result in enumerate(results):
+        assert "the step raised on a tensor-parallel rank" in result["error"]
+        assert "steps that raised by rank: 0, 1" in result["error"]
+        assert result["steps"] == 1
+        assert result["cause"] == ("RuntimeError: out-of-bounds slot (injected)" if rank
+                                   else None)
+
+
 def _extra_call(rank: int, path: str, call: str = "alloc_device") -> dict[str, Any]:
     group = dist.new_group(backend="gloo")
     service = build_service(store_config(path), tp_group=group, **MODEL)
-    error = None
+    error = cause = None
+    steps = 0
     try:
         service.step()  # alike so far
+        steps += 1
         if rank == 1 and call == "alloc_device":
             assert service.alloc_device(4) is not None
         if rank == 1 and call == "prefetch":
             tokens = [5, 6, 7, 8]
             assert service.prefetch(tokens, service.match(tokens)) is not None
+        if rank == 1 and call == "raise":
+            def tripped() -> None:
+                raise RuntimeError("out-of-bounds slot (injected)")
+            service.controller.raise_if_tripped = tripped  # type: ignore[method-assign]
         service.step()
+        steps += 1
     except RanksDivergedError as exc:
         error = str(exc)
+        if exc.__cause__ is not None:
+            cause = f"{type(exc.__cause__).__name__}: {exc.__cause__}"
     finally:
+        if call == "raise" and rank == 1:
+            del service.controller.raise_if_tripped  # the class's again, for stop
         service.stop()
-    return {"error": error}
+    return {"error": error, "cause": cause, "steps": steps}
 
 
 @needs_redis
