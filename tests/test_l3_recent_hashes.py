@@ -73,6 +73,25 @@ def test_tails_after_one_page_are_kept_apart_and_the_oldest_leaves_first() -> No
     assert len(recent) == 3
 
 
+def test_what_is_kept_is_bounded_in_bytes_too() -> None:
+    """Long tails fill the byte bound before the count: the oldest go; a tail larger than
+    the bound is not kept at all; a tail kept again replaces the old entry's bytes."""
+    recent = RecentHashes(PAGE, limit=100, limit_bytes=1000)
+    tails = [[t] * 20 for t in range(5)]  # 160 bytes of tokens, 10 pages' hashes: 480
+    for tail in tails[:2]:
+        recent.add(PARENT, _key(tail), _joined(tail, PARENT))
+    assert len(recent) == 2 and recent.num_bytes == 960
+    recent.add(PARENT, _key(tails[1]), _joined(tails[1], PARENT))  # again: no more bytes
+    assert len(recent) == 2 and recent.num_bytes == 960
+    recent.add(PARENT, _key(tails[2]), _joined(tails[2], PARENT))
+    assert len(recent) == 2 and recent.num_bytes == 960
+    assert recent.find(PARENT, _key(tails[0])) is None
+    assert recent.find(PARENT, _key(tails[2])) is not None
+    huge = [7] * 200
+    recent.add(PARENT, _key(huge), _joined(huge, PARENT))
+    assert recent.find(PARENT, _key(huge)) is None and recent.num_bytes == 960
+
+
 @pytest.fixture
 def hashing_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """(thread name, tokens) of every page-hash computation of the cache's side."""

@@ -35,23 +35,38 @@ class RecentHashes:
     become: a request's tail is asked of the store, then computed and inserted, and its
     node's backup to the store needs the same hashes (the same tokens after the same
     page). Looked up by the hash of the page before and the first page's tokens; at most
-    ``limit`` tails, the oldest dropped first. Scheduler thread only."""
+    ``limit`` tails and ``limit_bytes`` of tails and hashes (a 32k-token tail and its
+    hashes take 320 KiB), the oldest dropped first. Scheduler thread only."""
 
-    def __init__(self, page_size: int, limit: int = 256) -> None:
+    def __init__(self, page_size: int, limit: int = 256, limit_bytes: int = 8 << 20) -> None:
         self._page_bytes = page_size * TOKEN_BYTES
         self._limit = limit
+        self._limit_bytes = limit_bytes
+        self._bytes = 0
         self._tails: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._tails)
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of the tails and hashes kept."""
+        return self._bytes
+
     def add(self, parent: bytes, tail: bytes, joined: bytes) -> None:
         """``joined``: the hashes of ``tail``'s whole pages after the page ``parent``."""
-        if len(tail) < self._page_bytes:
+        size = len(tail) + len(joined)
+        if len(tail) < self._page_bytes or size > self._limit_bytes:
             return
-        self._tails[parent + tail[:self._page_bytes]] = (tail, joined)
-        if len(self._tails) > self._limit:
-            self._tails.popitem(last=False)
+        where = parent + tail[:self._page_bytes]
+        old = self._tails.pop(where, None)
+        if old is not None:
+            self._bytes -= len(old[0]) + len(old[1])
+        self._tails[where] = (tail, joined)
+        self._bytes += size
+        while len(self._tails) > self._limit or self._bytes > self._limit_bytes:
+            _, (gone_tail, gone_joined) = self._tails.popitem(last=False)
+            self._bytes -= len(gone_tail) + len(gone_joined)
 
     def find(self, parent: bytes, key: bytes) -> bytes | None:
         """The hashes of ``key``'s pages (whole pages) after the page ``parent``, if a tail
