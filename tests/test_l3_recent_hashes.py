@@ -16,7 +16,7 @@ from test_l3_tier import MODEL, PAGE, make_config, put, settle
 import hicache.l3.hashes as hashes_module
 import hicache.l3.jobs as jobs_module
 from hicache.factory import build_service
-from hicache.l3.hashes import RecentHashes, key_page_hashes
+from hicache.l3.hashes import KnownTail, RecentHashes, key_page_hashes
 from hicache.radix.key import TOKEN_BYTES
 from hicache.service import HiCacheService
 from hicache.storage import chain_page_hashes
@@ -36,9 +36,13 @@ def _joined(tokens: list[int], parent: bytes) -> bytes:
 PARENT = bytes(range(32))
 
 
+def _known(tokens: list[int]) -> KnownTail:
+    return KnownTail(_key(tokens), PARENT, _joined(tokens, PARENT))
+
+
 def test_a_kept_tail_gives_the_hashes_of_a_key_it_starts_with() -> None:
     recent = RecentHashes(PAGE)
-    recent.add(PARENT, _key(TAIL), _joined(TAIL, PARENT))
+    recent.add(_known(TAIL))
     assert recent.find(PARENT, _key(TAIL)) == _joined(TAIL, PARENT)
     assert recent.find(PARENT, _key(TAIL[:4])) == _joined(TAIL[:4], PARENT)
 
@@ -50,13 +54,13 @@ def test_a_kept_tail_gives_the_hashes_of_a_key_it_starts_with() -> None:
 ])
 def test_a_key_the_kept_tail_does_not_start_with_is_not_found(key: list[int]) -> None:
     recent = RecentHashes(PAGE)
-    recent.add(PARENT, _key(TAIL), _joined(TAIL, PARENT))
+    recent.add(_known(TAIL))
     assert recent.find(PARENT, _key(key)) is None
 
 
 def test_the_same_tokens_after_another_page_are_not_found() -> None:
     recent = RecentHashes(PAGE)
-    recent.add(PARENT, _key(TAIL), _joined(TAIL, PARENT))
+    recent.add(_known(TAIL))
     assert recent.find(bytes(32), _key(TAIL)) is None
 
 
@@ -64,13 +68,23 @@ def test_tails_after_one_page_are_kept_apart_and_the_oldest_leaves_first() -> No
     recent = RecentHashes(PAGE, limit=3)
     tails = [[t, t + 1, t + 2, t + 3] for t in (10, 20, 30, 40)]
     for tail in tails:
-        recent.add(PARENT, _key(tail), _joined(tail, PARENT))
+        recent.add(_known(tail))
     assert len(recent) == 3
     assert recent.find(PARENT, _key(tails[0])) is None
     for tail in tails[1:]:
         assert recent.find(PARENT, _key(tail)) == _joined(tail, PARENT)
-    recent.add(PARENT, _key([5]), b"")  # shorter than a page: nothing to keep
+    recent.add(KnownTail(_key([5]), PARENT, b""))  # shorter than a page: nothing to keep
     assert len(recent) == 3
+
+
+def test_a_tail_whose_hashes_are_not_computed_yet_is_not_found_until_they_are() -> None:
+    """A prefetch's job is kept when it starts; its worker sets its hashes later."""
+    recent = RecentHashes(PAGE)
+    job = jobs_module.PrefetchJob(_key(TAIL), PARENT, PAGE, 16)
+    recent.add(job)
+    assert recent.find(PARENT, _key(TAIL)) is None
+    job.joined = _joined(TAIL, PARENT)
+    assert recent.find(PARENT, _key(TAIL[:2])) == _joined(TAIL[:2], PARENT)
 
 
 def test_what_is_kept_is_bounded_in_bytes_too() -> None:
@@ -79,16 +93,16 @@ def test_what_is_kept_is_bounded_in_bytes_too() -> None:
     recent = RecentHashes(PAGE, limit=100, limit_bytes=1000)
     tails = [[t] * 20 for t in range(5)]  # 160 bytes of tokens, 10 pages' hashes: 480
     for tail in tails[:2]:
-        recent.add(PARENT, _key(tail), _joined(tail, PARENT))
+        recent.add(_known(tail))
     assert len(recent) == 2 and recent.num_bytes == 960
-    recent.add(PARENT, _key(tails[1]), _joined(tails[1], PARENT))  # again: no more bytes
+    recent.add(_known(tails[1]))  # again: no more bytes
     assert len(recent) == 2 and recent.num_bytes == 960
-    recent.add(PARENT, _key(tails[2]), _joined(tails[2], PARENT))
+    recent.add(_known(tails[2]))
     assert len(recent) == 2 and recent.num_bytes == 960
     assert recent.find(PARENT, _key(tails[0])) is None
     assert recent.find(PARENT, _key(tails[2])) is not None
     huge = [7] * 200
-    recent.add(PARENT, _key(huge), _joined(huge, PARENT))
+    recent.add(_known(huge))
     assert recent.find(PARENT, _key(huge)) is None and recent.num_bytes == 960
 
 
@@ -109,26 +123,33 @@ def hashing_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     return calls
 
 
-def _prefetch_and_serve(service: HiCacheService, tokens: list[int]) -> int | None:
+def _prefetch_and_serve(service: HiCacheService, tokens: list[int],
+                        finish_first: bool = True) -> int | None:
     """An engine's request: match, prefetch the tail, finish it, compute the tokens and
-    insert them; then the backups and puts run. Returns the tokens the store had."""
+    insert them; then the backups and puts run (``finish_first=False``: the prefetch is
+    finished after them, its query back). Returns the tokens the store had."""
     prefetch = service.prefetch(tokens, service.match(tokens))
     assert prefetch is not None and service.wait_prefetch(prefetch, timeout_s=10.0)
     found = prefetch.found_tokens
-    service.finish_prefetch(prefetch)
+    if finish_first:
+        service.finish_prefetch(prefetch)
     put(service, tokens)
     settle(service)
+    if not finish_first:
+        service.finish_prefetch(prefetch)
     return found
 
 
+@pytest.mark.parametrize("finish_first", [True, False], ids=["finished", "open"])
 def test_the_scheduler_hashes_neither_a_prefetched_tail_nor_its_node(
-        tmp_path: Path, hashing_threads: list[tuple[str, Any]]) -> None:
+        tmp_path: Path, hashing_threads: list[tuple[str, Any]], finish_first: bool) -> None:
+    """Whether the prefetch is finished before its tokens' node is backed up or after."""
     service = build_service(make_config(tmp_path / "l3"), **MODEL)
     try:
         put(service, SYSTEM)
         settle(service)
         hashing_threads.clear()
-        assert _prefetch_and_serve(service, SYSTEM + TAIL) == 0
+        assert _prefetch_and_serve(service, SYSTEM + TAIL, finish_first) == 0
         assert hashing_threads == [("hicache-l3-prefetch", len(TAIL))]
         [node] = [n for n in service.tree.nodes() if n.tokens == tuple(TAIL)]
         assert node.in_storage

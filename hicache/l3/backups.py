@@ -44,7 +44,7 @@ class StoreBackups:
                  notify: PageObserver, recent: RecentHashes,
                  share: WriteShare | None = None) -> None:
         self.tree = tree
-        self.recent = recent  # finished prefetches' page hashes, for their tokens' nodes
+        self.recent = recent  # prefetches' page hashes, for their tokens' nodes
         self.share = share  # a tensor-parallel rank's part of a copy the ranks share
         self.submit = submit
         self.policy = policy

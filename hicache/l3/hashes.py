@@ -10,7 +10,7 @@ but for :func:`key_page_hashes`, a function of its arguments that a prefetch's w
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 
@@ -30,55 +30,76 @@ def key_page_hashes(key: bytes, page_size: int, parent: bytes) -> bytes:
     return b"".join(chain_page_hashes(tokens, page_size, parent=parent))
 
 
+class HashedTail(Protocol):
+    """Key bytes after the page ``parent`` and their pages' hashes, joined: ``None`` until
+    computed (by another thread, which sets them once)."""
+
+    tail: bytes
+    parent: bytes
+    joined: bytes | None
+
+
+class KnownTail(NamedTuple):
+    tail: bytes
+    parent: bytes
+    joined: bytes | None
+
+
 class RecentHashes:
-    """The page hashes that recent prefetches' queries computed, for the nodes their tokens
-    become: a request's tail is asked of the store, then computed and inserted, and its
-    node's backup to the store needs the same hashes (the same tokens after the same
-    page). Looked up by the hash of the page before and the first page's tokens; at most
-    ``limit`` tails and ``limit_bytes`` of tails and hashes (a 32k-token tail and its
-    hashes take 320 KiB), the oldest dropped first. Scheduler thread only."""
+    """The page hashes of recent prefetches' tails (:class:`HashedTail`: a prefetch's job,
+    whose query computes them), for the nodes their tokens become: a request's tail is
+    asked of the store, then computed and inserted, and its node's backup to the store
+    needs the same hashes (the same tokens after the same page). Looked up by the hash of
+    the page before and the first page's tokens; at most ``limit`` tails and
+    ``limit_bytes`` of tails and hashes (a 32k-token tail and its hashes take 320 KiB),
+    the oldest dropped first. Scheduler thread only (a tail's hashes are read once set)."""
 
     def __init__(self, page_size: int, limit: int = 256, limit_bytes: int = 8 << 20) -> None:
         self._page_bytes = page_size * TOKEN_BYTES
         self._limit = limit
         self._limit_bytes = limit_bytes
         self._bytes = 0
-        self._tails: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
+        self._tails: OrderedDict[bytes, HashedTail] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._tails)
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of the tails and hashes kept."""
+        """Bytes of the tails and their hashes kept (or to come)."""
         return self._bytes
 
-    def add(self, parent: bytes, tail: bytes, joined: bytes) -> None:
-        """``joined``: the hashes of ``tail``'s whole pages after the page ``parent``."""
-        size = len(tail) + len(joined)
-        if len(tail) < self._page_bytes or size > self._limit_bytes:
+    def add(self, entry: HashedTail) -> None:
+        """Keep ``entry`` (its hashes may come later)."""
+        size = self._size(entry)
+        if len(entry.tail) < self._page_bytes or size > self._limit_bytes:
             return
-        where = parent + tail[:self._page_bytes]
+        where = entry.parent + entry.tail[:self._page_bytes]
         old = self._tails.pop(where, None)
         if old is not None:
-            self._bytes -= len(old[0]) + len(old[1])
-        self._tails[where] = (tail, joined)
+            self._bytes -= self._size(old)
+        self._tails[where] = entry
         self._bytes += size
         while len(self._tails) > self._limit or self._bytes > self._limit_bytes:
-            _, (gone_tail, gone_joined) = self._tails.popitem(last=False)
-            self._bytes -= len(gone_tail) + len(gone_joined)
+            _, gone = self._tails.popitem(last=False)
+            self._bytes -= self._size(gone)
 
     def find(self, parent: bytes, key: bytes) -> bytes | None:
         """The hashes of ``key``'s pages (whole pages) after the page ``parent``, if a tail
-        kept here starts with ``key``; else ``None``."""
+        kept here starts with ``key`` and its hashes are computed; else ``None``."""
         found = self._tails.get(parent + key[:self._page_bytes])
         if found is None:
             return None
-        tail, joined = found
+        joined = found.joined  # read once: set by another thread, once
         pages = len(key) // self._page_bytes
-        if not tail.startswith(key) or pages * PAGE_HASH_BYTES > len(joined):
+        if joined is None or not found.tail.startswith(key) \
+                or pages * PAGE_HASH_BYTES > len(joined):
             return None
         return joined[:pages * PAGE_HASH_BYTES]
+
+    def _size(self, entry: HashedTail) -> int:
+        """The tail's bytes and its whole pages' hashes' (known or to come)."""
+        return len(entry.tail) + len(entry.tail) // self._page_bytes * PAGE_HASH_BYTES
 
 
 def node_page_hashes(tree: RadixTree, node: TreeNode, recent: RecentHashes | None = None

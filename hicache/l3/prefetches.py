@@ -90,7 +90,7 @@ class Prefetches:
                  config: StorageConfig, stats: StorageTierStats, notify: PageObserver,
                  recent: RecentHashes, *, agreed: bool = False) -> None:
         self.tree = tree
-        self.recent = recent  # finished prefetches' page hashes, for their tokens' nodes
+        self.recent = recent  # prefetches' page hashes, for their tokens' nodes
         self.submit = submit
         self.agreed = agreed
         self.config = config
@@ -118,6 +118,7 @@ class Prefetches:
         if not self.submit(job):
             self.stats.prefetch_tokens["queue_full"] += num_tokens
             return None
+        self.recent.add(job)  # its hashes, once the query made them, for the tail's node
         if node is not self.tree.root:
             self.tree.lock(node)
         now = time.monotonic()
@@ -201,8 +202,6 @@ class Prefetches:
         arrived = job.arrived if not self.agreed else job.agreed_arrived or 0
         attached = 0
         cut = arrived * page
-        if job.joined is not None:  # the query hashed the tail: its node's backup will too
-            self.recent.add(job.parent, job.tail, job.joined)
         if arrived:
             assert job.host is not None and job.joined is not None
             host = Indices(job.host[:cut], IndexSpace.HOST_FULL)
