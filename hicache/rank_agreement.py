@@ -39,7 +39,9 @@ The collectives run on a ``torch.distributed`` process group that can reduce CPU
 A ``step()`` that raises on one rank (a CUDA bounds error the device tripped, or a backup's
 issue that failed) still takes part in the first collective, which tells every rank:
 every rank then raises :class:`RanksDivergedError` at that step (on the rank that failed,
-with its own error as the cause), so none waits for it and none goes on a step ahead.
+with its own error as the cause), so none waits for it and none goes on a step ahead. A
+step that raises on every rank (the same bad slot in every rank's forward) raises each
+rank's own error, with what the step agreed held for the next, as on a service of its own.
 ``start_loading`` on a rank waits for the event set it reuses if that set's load still runs
 (a service of its own raises instead): whether it still runs is each rank's timing.
 """
@@ -162,6 +164,11 @@ class RankAgreement:
         """Everything held (at ``stop``, once every op finished)."""
         return self._take(len(self._held[_WRITE]), len(self._held[_LOAD]))
 
+    def put_back(self, acks: list[Ack]) -> None:
+        """Hold ``acks`` (taken by :meth:`agree`) again, before anything held after them."""
+        for ack in reversed(acks):
+            self._held[ack.direction].appendleft(ack)
+
     def _take(self, writes: int, loads: int) -> list[Ack]:
         taken = [self._held[_WRITE].popleft() for _ in range(writes)]
         taken += [self._held[_LOAD].popleft() for _ in range(loads)]
@@ -208,7 +215,9 @@ def agreed_step(service: HiCacheService) -> int:
     if storage is not None:
         store_round = storage.round(puts_back)
         agreed = agreement.agree_values(store_round.values)
-    assert error is None  # a rank whose step raised made every rank raise above
+    if error is not None:  # it raised on every rank alike (else every rank raised above)
+        agreement.put_back(acks)  # held on every rank, for the next step
+        raise error
     poller.apply(acks)
     if storage is not None:
         assert store_round is not None and agreed is not None

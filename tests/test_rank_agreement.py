@@ -150,7 +150,7 @@ def _ack(op_id: int, direction: Direction) -> Ack:
 def test_held_acks_are_taken_a_direction_at_a_time_in_op_order(one_rank_group: Any) -> None:
     """What :class:`RankAgreement` does with the acks it holds: a step takes as many of each
     direction as every rank holds (here: all), oldest first, returned in op order; a wait
-    for every write takes the writes only."""
+    for every write takes the writes only; acks put back come before those held after."""
     write, load = Direction.DEVICE_TO_HOST, Direction.HOST_TO_DEVICE
     agreement = RankAgreement(one_rank_group)
     agreement.hold([_ack(1, write), _ack(2, load), _ack(3, write)])
@@ -162,8 +162,10 @@ def test_held_acks_are_taken_a_direction_at_a_time_in_op_order(one_rank_group: A
     assert [a.op_id for a in agreed] == [2, 4, 5] and agreement.num_held == 0
     assert puts_back == 3
     assert agreement.agreements == 1
-    agreement.hold([_ack(6, load), _ack(7, write)])
-    assert [a.op_id for a in agreement.take_all()] == [6, 7]
+    agreement.hold([_ack(6, load)])
+    agreement.put_back(agreed)
+    assert agreement.num_held == 4
+    assert [a.op_id for a in agreement.take_all()] == [2, 4, 5, 6]
     assert agreement.num_held == 0 and agreement.agreements == 1
 
 

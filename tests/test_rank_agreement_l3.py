@@ -5,6 +5,7 @@ own timing), and the ranks' answers must not."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,51 @@ def test_a_step_that_raises_on_one_rank_raises_on_every_rank_at_that_step(
                                    else None)
 
 
+def test_a_step_that_raises_on_every_rank_raises_each_ranks_own_error(tmp_path: Path
+                                                                      ) -> None:
+    """Every rank's bounds check trips at the same step (the same bad slot in every rank's
+    forward): each raises its own error, as a service of its own would, and the group
+    goes on alike: the next step agrees and applies what that one held."""
+    results = run_ranks(_raise_on_every_rank, 2, tmp_path, str(tmp_path / "l3"))
+    for result in results:
+        assert result["raised"] == "RuntimeError: out-of-bounds slot (injected)"
+        assert result["after_raise"] == [1, False]  # the put agreed back, not applied
+        assert result["after_next"] == [0, True]
+
+
+def _raise_on_every_rank(rank: int, path: str) -> dict[str, Any]:
+    group = dist.new_group(backend="gloo")
+    service = build_service(store_config(path), tp_group=group, **MODEL)
+    storage = service.storage
+    assert storage is not None and storage.held is not None
+    tokens = [1, 2, 3, 4]
+
+    def state() -> list[Any]:
+        [node] = [n for n in service.tree.nodes() if n.tokens == tuple(tokens)]
+        return [storage.held.num_held, node.in_storage]  # type: ignore[union-attr]
+
+    try:
+        slots = service.alloc_device(4)
+        assert slots is not None
+        service.insert(tokens, slots)
+        service.step()  # the host backup, acknowledged at once on a CPU: its put queued
+        while not storage.held.puts[0].done:  # the put is back on this rank
+            time.sleep(0.001)
+        dist.barrier()  # and on the other
+        service.controller.raise_if_tripped = _tripped  # type: ignore[method-assign]
+        try:
+            service.step()  # agrees that the put is back, then raises
+        except RuntimeError as exc:
+            raised = f"{type(exc).__name__}: {exc}"
+        del service.controller.raise_if_tripped
+        after_raise = state()
+        service.step()
+        after_next = state()
+    finally:
+        service.stop()
+    return {"raised": raised, "after_raise": after_raise, "after_next": after_next}
+
+
 def _extra_call(rank: int, path: str, call: str = "alloc_device") -> dict[str, Any]:
     group = dist.new_group(backend="gloo")
     service = build_service(store_config(path), tp_group=group, **MODEL)
@@ -120,9 +166,7 @@ def _extra_call(rank: int, path: str, call: str = "alloc_device") -> dict[str, A
             tokens = [5, 6, 7, 8]
             assert service.prefetch(tokens, service.match(tokens)) is not None
         if rank == 1 and call == "raise":
-            def tripped() -> None:
-                raise RuntimeError("out-of-bounds slot (injected)")
-            service.controller.raise_if_tripped = tripped  # type: ignore[method-assign]
+            service.controller.raise_if_tripped = _tripped  # type: ignore[method-assign]
         service.step()
         steps += 1
     except RanksDivergedError as exc:
@@ -160,3 +204,7 @@ def test_ranks_whose_stores_die_apart_give_the_same_answers(tmp_path: Path) -> N
     assert first["failed"] == 0 and second["failed"] > 0
     assert first["answers"] == second["answers"]
     assert any(answer[1] > 0 for answer in first["answers"][:40])  # the stores were used
+
+
+def _tripped() -> None:
+    raise RuntimeError("out-of-bounds slot (injected)")
