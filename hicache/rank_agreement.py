@@ -21,10 +21,9 @@ With a :class:`RankAgreement` the service applies those only where every rank ap
   results and on the prefetches' progress (:mod:`hicache.l3.held_jobs`).
 - The first collective also compares what must be equal on every rank (free device and
   host tokens, store jobs held, open prefetches, whether the step raised on the rank, as
-  below): ranks that differ there have diverged
-  (an engine that made a call on one rank only, or a bug), and every rank raises
-  :class:`RanksDivergedError` at the same step, instead of the model's collectives hanging
-  later.
+  below): ranks that differ there have diverged (an engine that made a call on one rank
+  only, or a bug), and every rank raises :class:`RanksDivergedError` at the same step,
+  instead of the model's collectives hanging later.
 - Everywhere else no ack is applied: an allocation that evicted leaves them to the step,
   and what the background thread polls is held. After a wait for every write issued (an
   ``insert`` or ``free_device`` of pages whose sliding-window rows are being copied, an

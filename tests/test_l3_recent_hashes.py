@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -16,7 +16,7 @@ from test_l3_tier import MODEL, PAGE, make_config, put, settle
 import hicache.l3.hashes as hashes_module
 import hicache.l3.jobs as jobs_module
 from hicache.factory import build_service
-from hicache.l3.hashes import KnownTail, RecentHashes, key_page_hashes
+from hicache.l3.hashes import RecentHashes, key_page_hashes
 from hicache.radix.key import TOKEN_BYTES
 from hicache.service import HiCacheService
 from hicache.storage import chain_page_hashes
@@ -34,6 +34,14 @@ def _joined(tokens: list[int], parent: bytes) -> bytes:
 
 
 PARENT = bytes(range(32))
+
+
+class KnownTail(NamedTuple):
+    """A tail whose hashes are known (:class:`hicache.l3.hashes.HashedTail`)."""
+
+    tail: bytes
+    parent: bytes
+    joined: bytes | None
 
 
 def _known(tokens: list[int]) -> KnownTail:

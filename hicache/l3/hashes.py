@@ -10,7 +10,7 @@ but for :func:`key_page_hashes`, a function of its arguments that a prefetch's w
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -34,12 +34,6 @@ class HashedTail(Protocol):
     """Key bytes after the page ``parent`` and their pages' hashes, joined: ``None`` until
     computed (by another thread, which sets them once)."""
 
-    tail: bytes
-    parent: bytes
-    joined: bytes | None
-
-
-class KnownTail(NamedTuple):
     tail: bytes
     parent: bytes
     joined: bytes | None
