@@ -114,6 +114,21 @@ def test_what_is_kept_is_bounded_in_bytes_too() -> None:
     assert recent.find(PARENT, _key(huge)) is None and recent.num_bytes == 960
 
 
+def test_the_bounds_hold_what_reaches_them_exactly() -> None:
+    """A tail of one page is kept; kept bytes may reach the byte bound, not pass it; a
+    tail of exactly the byte bound is kept alone."""
+    one_page = [3, 4]  # 16 bytes of tokens and one hash of 32
+    recent = RecentHashes(PAGE, limit=10, limit_bytes=96)
+    recent.add(_known(one_page))
+    assert recent.find(PARENT, _key(one_page)) == _joined(one_page, PARENT)
+    other = [5, 6]
+    recent.add(_known(other))
+    assert len(recent) == 2 and recent.num_bytes == 96
+    recent.add(_known([8, 9, 10, 11]))  # 32 + 64 = 96: alone
+    assert len(recent) == 1 and recent.num_bytes == 96
+    assert recent.find(PARENT, _key([8, 9])) == _joined([8, 9], PARENT)
+
+
 @pytest.fixture
 def hashing_threads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
     """(thread name, tokens) of every page-hash computation of the cache's side."""

@@ -85,11 +85,9 @@ class RecentHashes:
         if found is None:
             return None
         joined = found.joined  # read once: set by another thread, once
-        pages = len(key) // self._page_bytes
-        if joined is None or not found.tail.startswith(key) \
-                or pages * PAGE_HASH_BYTES > len(joined):
+        if joined is None or not found.tail.startswith(key):
             return None
-        return joined[:pages * PAGE_HASH_BYTES]
+        return joined[:len(key) // self._page_bytes * PAGE_HASH_BYTES]
 
     def _size(self, entry: HashedTail) -> int:
         """The tail's bytes and its whole pages' hashes' (known or to come)."""
