@@ -110,6 +110,9 @@ def test_each_page_falls_to_one_rank_and_the_ranks_get_about_as_many(size: int) 
         assert len(writers) == 1
         counts[writers[0]] += 1
     assert min(counts) > 0.8 * len(hashes) / size
+    for rank in range(size):  # the whole put's pages at once: the same answer
+        share = WriteShare(rank, size)
+        assert share.written(hashes).tolist() == [share.writes(h) for h in hashes]
 
 
 def test_a_share_of_the_writes_without_an_agreement_is_refused(tmp_path: Path) -> None:

@@ -41,8 +41,14 @@ class WriteShare(NamedTuple):
     size: int
 
     def writes(self, page_hash: bytes) -> bool:
-        """Whether this rank writes the page of ``page_hash`` (exactly one rank does)."""
+        """Whether this rank writes the page of ``page_hash`` (exactly one rank does): the
+        first 8 bytes of the hash, little-endian, modulo the ranks."""
         return int.from_bytes(page_hash[:8], "little") % self.size == self.rank
+
+    def written(self, page_hashes: list[bytes]) -> np.ndarray:
+        """:meth:`writes` of each of ``page_hashes`` (32 bytes each), as a bool array."""
+        words = np.frombuffer(b"".join(page_hashes), dtype="<u8")[::PAGE_HASH_BYTES // 8]
+        return words % self.size == self.rank  # type: ignore[no-any-return]
 
 
 def probe_shared_store(store: StorageBackend, agreement: RankAgreement) -> WriteShare | None:
