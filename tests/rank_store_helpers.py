@@ -34,8 +34,9 @@ def store_config(path: str, *, policy: str = "write_through", write_policy: str 
     mapping = config_dict(policy, hybrid=hybrid, device=device, backend=backend,
                           device_tokens=device_tokens)
     if mla:
-        mapping["model"] = {"num_layers": 2, "attention": "mla", "latent_dim": 3,
-                            "dtype": "float32"}
+        model = mapping["model"]
+        del model["num_kv_heads"], model["head_dim"]
+        model.update(attention="mla", latent_dim=3)
     where = {"backend": "redis", "url": path, "timeout_s": 0.5} \
         if path.startswith("redis://") else {"backend": "file", "path": path}
     mapping["storage"] = {

@@ -87,12 +87,14 @@ def test_a_store_that_fails_the_probe_leaves_every_rank_writing_every_page(
     assert [r["share"] for r in results] == [None, None]
 
 
-def test_ranks_sharing_one_copy_give_the_same_answers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hybrid", [False, True], ids=["full", "hybrid"])
+def test_ranks_sharing_one_copy_give_the_same_answers(tmp_path: Path, hybrid: bool) -> None:
     """Random traffic (as in ``test_rank_agreement_l3``) of an MLA model on two ranks that
     share one store, each rank deleting pages of its own choosing now and then: the ranks
-    answer alike, and the store was used."""
-    results = run_ranks(store_traffic, 2, tmp_path, str(tmp_path / "l3"), {"mla": True}, 5,
-                        120)
+    answer alike, and the store was used. ``hybrid``: a sliding-window layer too (a page
+    goes to the store with its window rows, when it has them all)."""
+    results = run_ranks(store_traffic, 2, tmp_path, str(tmp_path / "l3"),
+                        {"mla": True, "hybrid": hybrid}, 5, 120)
     for result in results:
         assert result["diverged"] is None and result["held"] == 0
         assert result["share"] is not None and result["stored"] > 0
