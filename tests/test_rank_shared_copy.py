@@ -63,6 +63,8 @@ def test_ranks_with_stores_of_their_own_each_write_every_page(tmp_path: Path) ->
 
 @needs_redis
 def test_ranks_on_one_redis_server_write_each_page_once(tmp_path: Path) -> None:
+    """The same with a real Redis server for both ranks: each sends its share, no page
+    twice, and reads every page back."""
     server = RedisServer(tmp_path / "redis")
     (tmp_path / "redis").mkdir()
     server.start()
@@ -73,7 +75,10 @@ def test_ranks_on_one_redis_server_write_each_page_once(tmp_path: Path) -> None:
         server.stop()
     assert [r["share"] for r in results] == [[0, 2], [1, 2]]
     _served_alike(results)
-    assert sum(r["stored"] for r in results) == PAGES
+    stored = [r["stored"] for r in results]
+    assert sum(stored) == PAGES and all(0 < n < PAGES for n in stored)
+    assert [r["written"] for r in results] == [stored[0] + 1, stored[1]]  # and the probe
+    assert sum(r["skipped"] for r in results) == 0
 
 
 @needs_redis
