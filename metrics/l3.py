@@ -42,6 +42,7 @@ class L3Snapshot(NamedTuple):
     backup_pages: dict[str, int]
     queue_depths: dict[str, int]
     store: StorageStats
+    write_share_ranks: int = 0
 
 
 def snapshot(tier: StorageTierSource | None) -> L3Snapshot:
@@ -53,7 +54,7 @@ def snapshot(tier: StorageTierSource | None) -> L3Snapshot:
     return L3Snapshot(
         True, {name: int(getattr(stats, name)) for name in _TIER_SCALARS},
         dict(stats.prefetch_tokens), dict(stats.backup_pages), dict(tier.queue_depths),
-        tier.store.stats(),
+        tier.store.stats(), int(tier.write_share_ranks),
     )
 
 
@@ -68,6 +69,7 @@ def add_families(families: dict[str, Metric], snap: L3Snapshot) -> None:
     add(families[n.L3_BACKUP_PAGES], by_label(snap.backup_pages, BACKUP_OUTCOMES))
     add(families[n.L3_WRITTEN_BACK_NODES], {(): tier["backup_evictions"]})
     add(families[n.L3_WORKER_ERRORS], {(): tier["worker_errors"]})
+    add(families[n.L3_WRITE_SHARE_RANKS], {(): snap.write_share_ranks})
     add(families[n.L3_QUEUED_JOBS], by_label(snap.queue_depths, n.L3_QUEUES))
     add(families[n.L3_STORE_PAGES],
         {(status,): getattr(store, name) for status, name in _PAGE_FIELDS.items()})

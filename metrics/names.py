@@ -88,6 +88,7 @@ L3_QUEUED_JOBS = "hicache_l3_queued_jobs"
 L3_OPEN_CIRCUITS = "hicache_l3_open_circuits"
 L3_CIRCUIT_OPENS = "hicache_l3_circuit_opens_total"
 L3_WORKER_ERRORS = "hicache_l3_worker_errors_total"
+L3_WRITE_SHARE_RANKS = "hicache_l3_write_share_ranks"
 
 
 def _reasons(values: tuple[str, ...]) -> str:
@@ -138,6 +139,10 @@ _L3_METRICS: tuple[MetricSpec, ...] = (
                "Times a store server's circuit opened after a failure (Redis; opens)."),
     MetricSpec(L3_WORKER_ERRORS, "counter", (),
                "Exceptions a storage worker caught; the job ended as `error` (errors)."),
+    MetricSpec(L3_WRITE_SHARE_RANKS, "gauge", (),
+               "Ranks that split the writing of one copy in the store, this one writing the "
+               "pages whose hash falls to it (tensor-parallel ranks of an MLA model that see "
+               "one store); 0 when this rank writes every page it backs up (ranks)."),
 )
 
 METRICS: tuple[MetricSpec, ...] = (

@@ -158,6 +158,10 @@ class StorageTierSource(Protocol):
     def queue_depths(self) -> Mapping[str, int]:
         """Jobs waiting per queue (``prefetch``, ``backup``)."""
 
+    @property
+    def write_share_ranks(self) -> int:
+        """Ranks that split the writes of one copy (0: this rank writes every page)."""
+
 
 # Called on every scrape, under the source lock: the tier may come and go (``None`` after
 # the service stops).

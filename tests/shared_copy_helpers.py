@@ -11,6 +11,7 @@ import torch.distributed as dist
 from rank_store_helpers import MODEL, store_config
 
 from hicache.factory import build_service
+from hicache.metrics import MetricsExporter
 from hicache.service import HiCacheService
 
 PROMPTS = [list(range(1000 * p, 1000 * p + 16)) for p in range(1, 9)]  # 8 pages each
@@ -28,6 +29,9 @@ def one_copy(rank: int, paths: list[str]) -> dict[str, Any]:
     storage = service.storage
     assert storage is not None and storage.held is not None
     share = storage.backups.share
+    exported = MetricsExporter(service.controller.stats, storage=lambda: storage).render().decode()
+    [gauge] = [line for line in exported.splitlines()
+               if line.startswith("hicache_l3_write_share_ranks ")]
     try:
         for tokens in PROMPTS:
             slots = service.alloc_device(len(tokens))
@@ -50,6 +54,7 @@ def one_copy(rank: int, paths: list[str]) -> dict[str, Any]:
         service.stop()
     service.check_integrity()
     return {"share": None if share is None else list(share), "in_storage": in_storage,
+            "gauge": float(gauge.split()[1]),
             "stored": storage.stats.backup_pages["stored"], "written": stats.pages_written,
             "skipped": stats.pages_skipped, "found": found, "host_hits": host_hits}
 

@@ -219,6 +219,7 @@ class StubTier:
     stats: StorageTierStats
     store: StubStore
     queue_depths: dict[str, int]
+    write_share_ranks: int = 0
 
 
 def test_every_counter_lands_in_its_series() -> None:
@@ -233,7 +234,7 @@ def test_every_counter_lands_in_its_series() -> None:
               "bytes_read", "bytes_written", "bytes_evicted", "exists_calls", "get_calls",
               "put_calls", "delete_calls", "circuit_opens", "open_circuits")
     store = StorageStats(**{name: 10 + i for i, name in enumerate(fields)})
-    tier = StubTier(tier_stats, StubStore(store), {"prefetch": 30, "backup": 31})
+    tier = StubTier(tier_stats, StubStore(store), {"prefetch": 30, "backup": 31}, 32)
     exporter = MetricsExporter(TransferStats(), storage=lambda: tier)
     samples = {(s.name, frozenset(s.labels.items())): s.value
                for family in text_string_to_metric_families(exporter.render().decode())
@@ -249,4 +250,5 @@ def test_every_counter_lands_in_its_series() -> None:
         "store_bytes_total{kind=evicted}": 22, "store_ops_total{op=exists}": 23,
         "store_ops_total{op=get}": 24, "store_ops_total{op=put}": 25,
         "store_ops_total{op=delete}": 26, "circuit_opens_total": 27, "open_circuits": 28,
-        "queued_jobs{queue=prefetch}": 30, "queued_jobs{queue=backup}": 31}
+        "queued_jobs{queue=prefetch}": 30, "queued_jobs{queue=backup}": 31,
+        "write_share_ranks": 32}

@@ -41,6 +41,7 @@ def test_ranks_that_see_one_store_write_each_page_once(tmp_path: Path) -> None:
     store = str(tmp_path / "l3")
     results = run_ranks(one_copy, 2, tmp_path, [store, store])
     assert [r["share"] for r in results] == [[0, 2], [1, 2]]
+    assert [r["gauge"] for r in results] == [2.0, 2.0]  # hicache_l3_write_share_ranks
     _served_alike(results)
     stored = [r["stored"] for r in results]
     assert sum(stored) == PAGES and all(0 < n < PAGES for n in stored)
@@ -56,6 +57,7 @@ def test_ranks_with_stores_of_their_own_each_write_every_page(tmp_path: Path) ->
     stores = [str(tmp_path / "l3-0"), str(tmp_path / "l3-1")]
     results = run_ranks(one_copy, 2, tmp_path, stores)
     assert [r["share"] for r in results] == [None, None]
+    assert [r["gauge"] for r in results] == [0.0, 0.0]
     _served_alike(results)
     assert [r["stored"] for r in results] == [PAGES, PAGES]
     assert [_page_files(Path(s)) for s in stores] == [PAGES, PAGES]

@@ -129,6 +129,13 @@ class StorageTier:
         return len(jobs)
 
     @property
+    def write_share_ranks(self) -> int:
+        """Ranks that split the writes of one copy in the store (:mod:`.shared_copy`); 0
+        when this rank writes every page it backs up."""
+        share = self.backups.share
+        return 0 if share is None else share.size
+
+    @property
     def queue_depths(self) -> dict[str, int]:
         return {"prefetch": self.prefetch_worker.depth, "backup": self.backup_worker.depth}
 
