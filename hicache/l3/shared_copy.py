@@ -3,7 +3,7 @@
 The ranks of an MLA model hold the same latent rows, so they name their pages alike and
 read one copy. Were every rank to write every page, as a service of its own does, the
 store would take the same bytes under the same name once per rank. Instead each page is
-written by one rank, picked by its hash (:meth:`WriteShare.writes`, so a node's pages spread
+written by one rank, picked by its hash (:meth:`WriteShare.written`, so a node's pages spread
 over the ranks), and the others leave it out of their put. The ranks agree on a put's
 result as on any other (:mod:`hicache.l3.held_jobs`): each rank reports its own share, and
 a node is stored once every rank's share of its pages is.
@@ -40,13 +40,10 @@ class WriteShare(NamedTuple):
     rank: int
     size: int
 
-    def writes(self, page_hash: bytes) -> bool:
-        """Whether this rank writes the page of ``page_hash`` (exactly one rank does): the
-        first 8 bytes of the hash, little-endian, modulo the ranks."""
-        return int.from_bytes(page_hash[:8], "little") % self.size == self.rank
-
     def written(self, page_hashes: list[bytes]) -> np.ndarray:
-        """:meth:`writes` of each of ``page_hashes`` (32 bytes each), as a bool array."""
+        """Whether this rank writes each page of ``page_hashes`` (32 bytes each; exactly one
+        rank writes a page): a bool per page, the first 8 bytes of its hash, little-endian,
+        modulo the ranks, equal to this rank."""
         words = np.frombuffer(b"".join(page_hashes), dtype="<u8")[::PAGE_HASH_BYTES // 8]
         return words % self.size == self.rank  # type: ignore[no-any-return]
 
