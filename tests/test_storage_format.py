@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from storage_helpers import hashes, make_pool, namespace, views
+from storage_helpers import PAGE_SIZE, hashes, make_pool, namespace, views
 
 from hicache.pools import HostLayout, IndexSpace, Indices
 from hicache.storage import PageFormat, byte_view, host_page_views
@@ -70,6 +70,50 @@ def test_a_page_first_direct_page_is_one_segment_in_layer_order() -> None:
     assert len(page) == 1 and page[0].nbytes == namespace(pool).page_bytes
     rows = pool.read_rows(torch_slots(12, 16)).permute(1, 2, 0, 3).contiguous()
     assert bytes(page[0]) == rows.view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("layout", list(HostLayout))
+def test_host_page_views_are_each_pages_rows_in_component_then_layer_order(
+        layout: HostLayout) -> None:
+    """Pages in any order (not a run, not sorted): each page's segments, joined, are its rows
+    as [page_size, components, layers, row] for page_first, as [components, layers,
+    page_size, row] for the others; a layer_first page is one segment per component and
+    layer, of page_size rows."""
+    pool = make_pool(layout, num_layers=5)
+    order = [7, 2, 19, 3, 0, 23]
+    index = Indices(torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in order]),
+                    IndexSpace.HOST_FULL)
+    pages = host_page_views(pool, index)
+    row_bytes = pool.data.element_size() * pool.geometry.row_elems
+    components = pool.geometry.num_components
+    for page, segments in zip(order, pages, strict=True):
+        rows = pool.read_rows(torch_slots(page * PAGE_SIZE, (page + 1) * PAGE_SIZE))
+        if layout is not HostLayout.PAGE_FIRST:
+            rows = rows.permute(1, 2, 0, 3).contiguous()
+        expected = rows.view(torch.uint8).numpy().tobytes()
+        assert b"".join(bytes(s) for s in segments) == expected
+        if layout is HostLayout.LAYER_FIRST:
+            assert [s.nbytes for s in segments] == [PAGE_SIZE * row_bytes] * (components * 5)
+        else:
+            assert len(segments) == 1
+        assert all(s.format == "B" and s.ndim == 1 and not s.readonly for s in segments)
+
+
+def test_byte_views_that_are_not_contiguous_or_are_read_only_are_still_refused() -> None:
+    """The quick path for one-dimensional byte views leaves every refusal in place."""
+    pool = make_pool()
+    ns, key = namespace(pool), hashes(1)
+    good = views(pool, 1, 1)[0][0]
+    assert check_batch("get", ns, key, [[good]], writable=True) == [[good]]
+    read_only = memoryview(bytes(good))
+    assert check_batch("put", ns, key, [[read_only]], writable=False)
+    with pytest.raises(ValueError, match="read-only"):
+        check_batch("get", ns, key, [[read_only]], writable=True)
+    doubled = memoryview(bytearray(2 * ns.page_bytes))[::2]
+    with pytest.raises(ValueError, match="non-contiguous"):
+        check_batch("put", ns, key, [[doubled]], writable=False)
+    with pytest.raises(ValueError, match="holds 8 bytes"):
+        check_batch("put", ns, key, [[good[:8]]], writable=False)
 
 
 def torch_slots(start: int, end: int) -> Indices:
