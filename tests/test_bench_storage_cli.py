@@ -42,9 +42,9 @@ def test_the_defaults_are_the_documented_ones() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([])
-    assert (args.stores, args.page_tokens, args.batch_mib, args.repeats, args.redis,
-            args.cluster, args.dir, args.quick, args.json) == (
-        ["file", "redis", "cluster"], [2, 16, 32], 128, 5, None, None, None, False, None)
+    assert (args.stores, args.page_tokens, args.batch_mib, args.repeats, args.turns,
+            args.redis, args.cluster, args.dir, args.quick, args.json) == (
+        ["file", "redis", "cluster"], [2, 16, 32], 128, 5, 2000, None, None, None, False, None)
 
 
 def test_each_page_size_gets_a_batch_of_its_pages(
@@ -69,7 +69,17 @@ def test_quick_is_8_mib_and_two_repeats_at_most(
     assert measured == [("file", 128, 32, 1)]
 
 
-@pytest.mark.parametrize("option", ["--page-tokens", "--batch-mib", "--repeats"])
+def test_quick_times_200_turns_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    turns: list[int] = []
+    monkeypatch.setattr(storage_cli, "_measure", lambda store, urls, batch, args, stack:
+                        turns.append(args.turns) or [])
+    assert main(["--stores", "file", "--quick", "--page-tokens", "1"]) == 0
+    assert main(["--stores", "file", "--quick", "--page-tokens", "1", "--turns", "50"]) == 0
+    assert main(["--stores", "file", "--page-tokens", "1", "--batch-mib", "1"]) == 0
+    assert turns == [200, 50, 2000]
+
+
+@pytest.mark.parametrize("option", ["--page-tokens", "--batch-mib", "--repeats", "--turns"])
 def test_zero_is_refused(option: str, measured: list[tuple[str, int, int, int]],
                          capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--stores", "file", option, "0"]) == USAGE_ERROR
@@ -136,7 +146,8 @@ def test_the_file_store_figures_come_from_the_stores_they_name(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The file store's rows: the unchecked get from a store opened without checksums, the
     O_DIRECT get from stores opened with O_DIRECT (with and without checksums), each get
-    beside its raw read of the same files; the store is left empty."""
+    beside its raw read of the same files; the scheduler's turns beside a store of each
+    host layout, opened with the defaults; every store is left empty."""
     import hicache.storage as storage_package
 
     opened: list[dict[str, Any]] = []  # the options of every file store opened
@@ -156,19 +167,21 @@ def test_the_file_store_figures_come_from_the_stores_they_name(
 
     monkeypatch.setattr(bench_storage, "measure_sequential_read", spied_read)
     batch = Batch(page_tokens=2, num_pages=2)
-    args = argparse.Namespace(repeats=1)
+    args = argparse.Namespace(repeats=1, turns=4)
     try:
         with ExitStack() as stack:
             rows = storage_cli._measure("file", {"file": str(tmp_path)}, batch, args, stack)
     except OSError as exc:  # a file system without O_DIRECT (tmpfs)
         pytest.skip(f"O_DIRECT refused here: {exc}")
     assert opened == [{}, {"checksum": False}, {"direct_io": True},
-                      {"direct_io": True, "checksum": False}]
+                      {"direct_io": True, "checksum": False}, {}, {}]
     assert reads == [False, True]
     by_figure = {row.figure: row for row in rows}
+    turns = {f"{figure}, {layout}" for layout in ("layer_first", "page_first_direct")
+             for figure in ("turn mean us", "turn p50 us", "turn p99 us", "put+get GB/s")}
     assert set(by_figure) == {"get GB/s, no checksum", "checksum % of get", "put GB/s",
                               "get GB/s (page cache)", "get GB/s (O_DIRECT)",
-                              "exists of 128, ms"}
+                              "exists of 128, ms"} | turns
     assert by_figure["get GB/s (page cache)"].reference_name == \
         "sequential read of the same files"
     assert by_figure["get GB/s (O_DIRECT)"].reference_name == "O_DIRECT read of the same files"

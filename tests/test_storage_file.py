@@ -225,3 +225,19 @@ def test_page_first_direct_pages_of_16_and_64_slots_round_trip(tmp_path: Path,
         assert store.get(keys, views(pool, 5, 3)).statuses == (OK,) * 3
         assert torch.equal(rows(pool, 5, 3), rows(pool, 1, 3))
         assert (rows(pool, 4, 1) == -3.0).all() and (rows(pool, 8, 1) == -3.0).all()
+
+
+@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 1), (3, 1), (4, 2), (6, 3), (8, 4),
+                                               (64, 4)])
+def test_the_default_io_threads_are_half_the_cpus_from_1_to_4(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int, threads: int) -> None:
+    """More I/O threads than half the CPUs the process may run on take cores from the
+    engine's threads; a store built without ``num_threads`` gets that many."""
+    from hicache.storage.page_files import default_io_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    assert default_io_threads() == threads
+    with FileStore(tmp_path, namespace(make_pool())) as store:
+        assert store._num_threads == threads
+    with FileStore(tmp_path, namespace(make_pool()), num_threads=3) as store:
+        assert store._num_threads == 3

@@ -49,14 +49,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "before the run")
     parser.add_argument("--dir", type=Path, help="file store directory, made if missing "
                         "(default: a temporary one on the system's temp file system)")
+    parser.add_argument("--turns", type=int, default=2000,
+                        help="a scheduler's turns timed alone and while the file store works, "
+                        "per host layout (see hicache.bench.storage_turns)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 8 MiB batches, 2 repeats")
+                        help="smoke run: 8 MiB batches, 2 repeats, 200 turns")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the rows here")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.batch_mib, args.repeats = min(args.batch_mib, 8), min(args.repeats, 2)
+        args.turns = min(args.turns, 200)
     try:
         _check(args)
     except UsageError as exc:
@@ -117,6 +121,7 @@ def _measure(store_name: str, urls: dict[str, str], batch: Batch, args: argparse
              stack: ExitStack) -> list[Row]:
     from ..storage import FileStore, open_store
     from .storage import Row, file_paths, measure_redis_py, measure_sequential_read, measure_store
+    from .storage_turns import LAYOUTS, measure_turns
 
     kib, repeats = batch.page_bytes >> 10, args.repeats
     store = open_store(urls[store_name], batch.namespace)
@@ -136,6 +141,9 @@ def _measure(store_name: str, urls: dict[str, str], batch: Batch, args: argparse
                 direct_get = measure_store("file O_DIRECT", direct_store, direct_unchecked,
                                            batch, repeats)
             store.clear()
+            turns = [row for layout in LAYOUTS for row in measure_turns(
+                Path(urls["file"]) / "turns", layout, batch.namespace.page_size,
+                batch.num_pages, args.turns)]
             return [
                 *rows,
                 Row(store_name, kib, "put GB/s", got["put"], None, ""),
@@ -144,6 +152,7 @@ def _measure(store_name: str, urls: dict[str, str], batch: Batch, args: argparse
                 Row(store_name, kib, "get GB/s (O_DIRECT)", direct_get["get"], direct,
                     "O_DIRECT read of the same files"),
                 Row(store_name, kib, "exists of 128, ms", got["exists_ms"], None, ""),
+                *turns,
             ]
         store.clear()
     raw = measure_redis_py(_redis_py(urls[store_name]), batch, repeats)
@@ -170,16 +179,18 @@ def _redis_py(url: str) -> object:
 
 def render(rows: Sequence[Row]) -> str:
     """One line per figure: the store's value, the raw store's, their ratio (>1: better)."""
-    lines = [f"{'store':<8} {'page':>8} {'figure':<24} {'hicache':>9} {'raw':>9} "
-             f"{'ratio':>7}  raw store (same run)", "-" * 110]
+    lines = [f"{'store':<8} {'page':>8} {'figure':<30} {'hicache':>9} {'raw':>9} "
+             f"{'ratio':>7}  raw store (same run)", "-" * 116]
     for row in sorted(rows, key=lambda r: (r.store != "file", r.store, r.page_kib)):
         page = f"{row.page_kib} KiB" if row.page_kib < 1024 else f"{row.page_kib >> 10} MiB"
         raw = "" if row.reference is None else f"{row.reference:.3f}"
         ratio = "" if row.ratio is None else f"{row.ratio:.2f}x"
-        lines.append(f"{row.store:<8} {page:>8} {row.figure:<24} {row.value:>9.3f} {raw:>9} "
+        lines.append(f"{row.store:<8} {page:>8} {row.figure:<30} {row.value:>9.3f} {raw:>9} "
                      f"{ratio:>7}  {row.reference_name}")
     lines.append("(ratio: hicache over raw for GB/s, raw over hicache for ms: above 1 is "
-                 "better; checksum %: XXH3 of the pages read over the time of the get)")
+                 "better; checksum %: XXH3 of the pages read over the time of the get; turn: a "
+                 "scheduler's 0.5 ms wait and 0.1 ms of Python while the store puts and gets "
+                 "a host pool of that layout, against the same turn alone)")
     return "\n".join(lines)
 
 
@@ -196,6 +207,7 @@ def _check(args: argparse.Namespace) -> None:
     arg_checks.at_least("--page-tokens", args.page_tokens, 1)
     arg_checks.at_least("--batch-mib", args.batch_mib, 1)
     arg_checks.at_least("--repeats", args.repeats, 1)
+    arg_checks.at_least("--turns", args.turns, 1)
     if args.json is not None:
         check_output_path(args.json, "--json")
     if args.dir is not None:

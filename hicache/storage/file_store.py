@@ -6,11 +6,10 @@ the whole object or nothing, on any POSIX file system. The header is padded to 4
 payload can be read with O_DIRECT straight into the host slots (``direct_io``); buffered
 reads go through the page cache with ``preadv`` into the same slots, one copy either way.
 
-A size cap (``capacity_bytes``) evicts least recently used pages of this namespace (this
-process's view of use); a ``put`` never evicts a page it wrote in the same call and reports
-``ERROR`` for a page that cannot fit. A worker pool reads and writes pages in parallel; each
-worker checks the deadline before each page, so a call overruns its deadline by at most one
-page's I/O, and returns only when no worker writes into its buffers any more.
+A size cap (``capacity_bytes``) evicts this namespace's least recently used pages (this
+process's view of use); a ``put`` never evicts a page it wrote in the same call (``ERROR`` for
+one that cannot fit). Threads move a call's pages in parallel, each checking the deadline
+before each page; a call returns only when none of them writes into its buffers any more.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from .base import (
 from .file_lru import FileLRU
 from .host_views import check_batch
 from .keys import Namespace
-from .page_files import DIRECT_ALIGN, aligned, make_directory, write_all
+from .page_files import DIRECT_ALIGN, aligned, default_io_threads, make_directory, write_all
 from .page_format import PageFormat
 
 logger = logging.getLogger(__name__)
@@ -57,8 +56,8 @@ class FileStore(StorageBackend):
         root: a directory (made if missing); several processes may share it.
         namespace: whose pages these are.
         capacity_bytes: cap on this namespace's bytes on disk; ``None``: no cap.
-        num_threads: worker threads for ``get``/``put``, one per MiB of a call's pages at most
-            (a smaller call runs on the caller's thread).
+        num_threads: worker threads for ``get``/``put`` (default: half the CPUs, 1 to 4), one
+            per MiB of a call's pages at most (a smaller call runs on the caller's thread).
         timeout_s: default deadline of a call.
         checksum: write and verify payload checksums.
         direct_io: read with O_DIRECT (bypassing the page cache) where the segments are
@@ -68,9 +67,10 @@ class FileStore(StorageBackend):
     """
 
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace, *,
-                 capacity_bytes: int | None = None, num_threads: int = 4,
+                 capacity_bytes: int | None = None, num_threads: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, checksum: bool = True,
                  direct_io: bool = False, fsync: bool = False) -> None:
+        num_threads = default_io_threads() if num_threads is None else num_threads
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         if direct_io and not _O_DIRECT:

@@ -1,4 +1,5 @@
-"""Low-level helpers of the file store: its directory, O_DIRECT alignment, whole writes."""
+"""Low-level helpers of the file store: its directory, O_DIRECT alignment, whole writes, its
+I/O threads."""
 
 from __future__ import annotations
 
@@ -47,3 +48,14 @@ def write_all(fd: int, buffers: list[memoryview]) -> None:
             pending = pending[1:]
         if pending and written:
             pending = [pending[0][written:], *pending[1:]]
+
+
+def default_io_threads() -> int:
+    """Half the CPUs this process may run on, at least 1 and at most 4. More I/O threads than
+    that take cores from the engine's own threads: on 2 CPUs, 4 threads putting and getting
+    pages held a scheduler thread's turn (a 0.5 ms wait, then 0.1 ms of Python) at 5-8 ms
+    at its 99th percentile where 1 thread held it at 0.7-1.3 ms, and put at half the speed
+    of 1 thread (``hicache bench storage``'s turn rows; docs/performance-log.md)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+        os.cpu_count() or 1
+    return max(1, min(4, cpus // 2))
