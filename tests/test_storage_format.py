@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 from storage_helpers import PAGE_SIZE, hashes, make_pool, namespace, views
 
 from hicache.pools import HostLayout, IndexSpace, Indices
 from hicache.storage import PageFormat, byte_view, host_page_views
-from hicache.storage.host_views import check_batch
+from hicache.storage.host_views import PageSegments, check_batch
+from hicache.storage.page_format import payload_checksum
 
 
 def test_a_page_verifies_against_its_own_header() -> None:
@@ -99,6 +101,27 @@ def test_host_page_views_are_each_pages_rows_in_component_then_layer_order(
         assert all(s.format == "B" and s.ndim == 1 and not s.readonly for s in segments)
 
 
+def test_a_layer_first_pages_checksum_over_its_rows_is_its_segments_checksum() -> None:
+    """A layer_first page's checksum is taken over one copy of its rows (the view the page
+    carries); it equals the XXH3 of its segments in order, with and without a hybrid page's
+    SWA segment after them, so pages written either way verify either way."""
+    pool = make_pool(HostLayout.LAYER_FIRST, num_layers=5)
+    order = [9, 4, 17]
+    index = Indices(torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in order]),
+                    IndexSpace.HOST_FULL)
+    swa = memoryview(bytearray(range(200)))
+    for page in host_page_views(pool, index):
+        assert isinstance(page, PageSegments) and page.rows is not None
+        assert page.rows.tobytes() == b"".join(bytes(s) for s in page)
+        assert payload_checksum(page) == xxhash.xxh3_64_intdigest(b"".join(page)) \
+            == payload_checksum(list(page))
+        hybrid = page.with_segment(swa)
+        assert hybrid.rows is page.rows and list(hybrid) == [*page, swa]
+        assert payload_checksum(hybrid) == xxhash.xxh3_64_intdigest(b"".join([*page, swa]))
+    other = host_page_views(make_pool(HostLayout.PAGE_FIRST_DIRECT), index)[0]
+    assert not isinstance(other, PageSegments)
+
+
 def test_byte_views_that_are_not_contiguous_or_are_read_only_are_still_refused() -> None:
     """The quick path for one-dimensional byte views leaves every refusal in place."""
     pool = make_pool()
@@ -156,8 +179,6 @@ def test_a_header_holds_its_fields_where_the_format_puts_them() -> None:
     to the alignment; the page verifies."""
     import dataclasses
     import struct
-
-    import xxhash
 
     pool = make_pool()
     single = namespace(pool)

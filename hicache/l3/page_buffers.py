@@ -18,6 +18,7 @@ import torch
 
 from hicache.pools import HostKVPool, IndexSpace, Indices
 from hicache.storage import byte_view, host_page_views
+from hicache.storage.host_views import PageSegments
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def put_buffers(pools: HostPools, host: torch.Tensor, swa: torch.Tensor | None
     assert swa is not None and len(swa) == len(host)
     rows = pools.swa.read_rows(Indices(swa, IndexSpace.HOST_SWA))
     page = pools.full.page_size
-    return [[*segments, byte_view(rows[i * page:(i + 1) * page])]
+    return [_with_segment(segments, byte_view(rows[i * page:(i + 1) * page]))
             for i, segments in enumerate(pages)]
 
 
@@ -57,7 +58,7 @@ class GetBuffers:
             self._rows = torch.empty((len(host), geometry.num_components, pools.swa.num_layers,
                                       geometry.row_elems), dtype=geometry.dtype)
             page = pools.full.page_size
-            self.pages = [[*segments, byte_view(self._rows[i * page:(i + 1) * page])]
+            self.pages = [_with_segment(segments, byte_view(self._rows[i * page:(i + 1) * page]))
                           for i, segments in enumerate(self.pages)]
 
     def scatter(self, start: int, end: int) -> None:
@@ -67,3 +68,11 @@ class GetBuffers:
         page = self.pools.full.page_size
         slots = Indices(self.swa[start * page:end * page], IndexSpace.HOST_SWA)
         self.pools.swa.write_rows(slots, self._rows[start * page:end * page])
+
+
+def _with_segment(segments: list[memoryview], segment: memoryview) -> list[memoryview]:
+    """A page's full-row segments and its SWA rows after them (a layer_first page keeps
+    the view of its rows that its checksum copies at once)."""
+    if isinstance(segments, PageSegments):
+        return segments.with_segment(segment)
+    return [*segments, segment]

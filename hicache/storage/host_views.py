@@ -31,6 +31,23 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
+class PageSegments(list[memoryview]):
+    """A page's segments, and where they are the rows of one two-dimensional view (a
+    ``layer_first`` page: one row per component and layer, evenly spaced in the pool) that
+    view as ``rows``: its checksum copies the rows in one call and hashes the copy, neither
+    holding the GIL, where an update per segment holds it for the whole page
+    (:func:`hicache.storage.page_format.payload_checksum`)."""
+
+    rows: np.ndarray | None = None
+
+    def with_segment(self, segment: memoryview) -> PageSegments:
+        """These segments and ``segment`` after them (a hybrid page's SWA rows), the rows
+        view kept."""
+        joined = PageSegments([*self, segment])
+        joined.rows = self.rows
+        return joined
+
+
 def host_page_views(pool: HostKVPool, host_indices: Indices) -> list[list[memoryview]]:
     """The segments of the pages at ``host_indices`` of ``pool``, one list per page.
 
@@ -65,7 +82,13 @@ def host_page_views(pool: HostKVPool, host_indices: Indices) -> list[list[memory
         length = size * row_bytes
         runs = np.arange(components * layers, dtype=np.int64) * num_slots
         offsets = (runs[None, :] + starts[:, None]) * row_bytes
-        return [[flat[o:o + length] for o in page] for page in offsets.tolist()]
+        table = np.frombuffer(flat, dtype=np.uint8).reshape(components * layers, -1)
+        pages: list[list[memoryview]] = []
+        for page, start in zip(offsets.tolist(), (starts * row_bytes).tolist(), strict=True):
+            segments = PageSegments([flat[o:o + length] for o in page])
+            segments.rows = table[:, start:start + length]
+            pages.append(segments)
+        return pages
     slot_bytes = flat.nbytes // pool.num_slots  # page_first and page_first_direct alike
     length = size * slot_bytes
     return [[flat[o:o + length]] for o in (starts * slot_bytes).tolist()]
@@ -100,7 +123,7 @@ def check_batch(op: str, namespace: Namespace, page_hashes: Sequence[bytes],
             raise TypeError(f"{op}: pages[{i}] must be a list of segments, got one "
                             f"{type(page).__name__}; wrap it as [buffer]")
         if _byte_views(page, writable):  # host_page_views' segments: nothing to convert
-            segments = page if type(page) is list else list(page)
+            segments = page if isinstance(page, list) else list(page)
             total = sum(map(len, segments))
         else:
             segments = [_segment(op, namespace, i, s, writable) for s in page]
