@@ -9,8 +9,9 @@ from storage_helpers import PAGE_SIZE, hashes, make_pool, namespace, views
 
 from hicache.pools import HostLayout, IndexSpace, Indices
 from hicache.storage import PageFormat, byte_view, host_page_views
-from hicache.storage.host_views import PageSegments, check_batch
+from hicache.storage.host_views import check_batch
 from hicache.storage.page_format import payload_checksum
+from hicache.storage.page_segments import PageSegments
 
 
 def test_a_page_verifies_against_its_own_header() -> None:

@@ -18,7 +18,7 @@ import torch
 
 from hicache.pools import HostKVPool, IndexSpace, Indices
 from hicache.storage import byte_view, host_page_views
-from hicache.storage.host_views import PageSegments
+from hicache.storage.page_segments import PageSegments
 
 
 @dataclass(frozen=True)

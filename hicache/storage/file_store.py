@@ -40,8 +40,16 @@ from .base import (
 from .file_lru import FileLRU
 from .host_views import check_batch
 from .keys import Namespace
-from .page_files import DIRECT_ALIGN, aligned, default_io_threads, make_directory, write_all
+from .page_files import (
+    DIRECT_ALIGN,
+    aligned,
+    create_tmp,
+    default_io_threads,
+    make_directory,
+    write_all,
+)
 from .page_format import PageFormat
+from .page_segments import land, landing, payload
 
 logger = logging.getLogger(__name__)
 SUFFIX = ".kv"
@@ -106,7 +114,7 @@ class FileStore(StorageBackend):
             if deadline.expired():
                 statuses.append(PageStatus.TIMEOUT)
             else:
-                found = os.path.exists(self._path(key))
+                found = os.path.exists(self._file(key.hex() + SUFFIX))
                 statuses.append(PageStatus.OK if found else PageStatus.MISS)
         result = StorageResult(tuple(statuses))
         self._stats.record("exists", result, time.perf_counter() - started)
@@ -181,7 +189,8 @@ class FileStore(StorageBackend):
         self._stats.record(op, result, time.perf_counter() - started)
         return result
 
-    def _read_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
+    def _read_page(self, key: bytes, page: list[memoryview]) -> PageStatus:
+        segments = landing(page)  # a layer_first page lands in one buffer (page_segments)
         name = key.hex() + SUFFIX
         path = self._file(name)
         direct = self.direct_io and aligned(segments)
@@ -198,6 +207,7 @@ class FileStore(StorageBackend):
         if done != self.format.object_len or not self.format.verify(header, key, segments):
             self._unlink(name)
             return PageStatus.CORRUPT
+        land(page)
         self._stats.add(bytes_read=self.format.payload_len)
         self._evict(self.lru.touch(name, size))
         return PageStatus.OK
@@ -213,6 +223,7 @@ class FileStore(StorageBackend):
         if victims is None:
             raise OSError(f"store full: {self.lru.capacity_bytes} bytes cap held by this call")
         self._evict(victims)
+        segments = payload(segments)  # a layer_first page as one copy (page_segments)
         header = self.format.header(key, segments)
         try:
             fd, tmp = self._create_tmp(name)
@@ -238,22 +249,9 @@ class FileStore(StorageBackend):
     # ---- helpers --------------------------------------------------------------------------
 
     def _create_tmp(self, name: str) -> tuple[int, str]:
-        """A new temporary file beside page ``name``, open for writing, that no other
-        writer uses (other stores, of this process or a host with the same pid, write the
-        same page under their own names). The page's directory, or the whole store
-        directory if it was removed (a cache cleaned by hand), is made again if needed."""
-        directory = f"{self._root}/{name[:2]}"
-        while True:
-            tmp = f"{directory}/.{name}.{self._tmp_prefix}.{next(self._tmp_ids)}.tmp"
-            try:
-                return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), tmp
-            except FileExistsError:
-                continue  # someone else's: never ours to remove
-            except FileNotFoundError:
-                os.makedirs(directory, exist_ok=True)
-
-    def _path(self, key: bytes) -> str:
-        return self._file(key.hex() + SUFFIX)
+        """A new temporary file beside page ``name`` that no other writer uses."""
+        return create_tmp(f"{self._root}/{name[:2]}", f"{name}.{self._tmp_prefix}",
+                          self._tmp_ids)
 
     def _file(self, name: str) -> str:  # a string: Path's work would hold the GIL
         return f"{self._root}/{name[:2]}/{name}"

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .keys import PAGE_HASH_BYTES, Namespace
+from .page_segments import PageSegments
 
 if TYPE_CHECKING:
     from ..pools import HostKVPool, Indices
@@ -29,23 +30,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         raise ValueError(f"page buffer tensors must be contiguous, got strides {tensor.stride()}")
     flat = tensor.reshape(-1).view(torch.uint8)
     return flat.numpy().data
-
-
-class PageSegments(list[memoryview]):
-    """A page's segments, and where they are the rows of one two-dimensional view (a
-    ``layer_first`` page: one row per component and layer, evenly spaced in the pool) that
-    view as ``rows``: its checksum copies the rows in one call and hashes the copy, neither
-    holding the GIL, where an update per segment holds it for the whole page
-    (:func:`hicache.storage.page_format.payload_checksum`)."""
-
-    rows: np.ndarray | None = None
-
-    def with_segment(self, segment: memoryview) -> PageSegments:
-        """These segments and ``segment`` after them (a hybrid page's SWA rows), the rows
-        view kept."""
-        joined = PageSegments([*self, segment])
-        joined.rows = self.rows
-        return joined
 
 
 def host_page_views(pool: HostKVPool, host_indices: Indices) -> list[list[memoryview]]:

@@ -4,6 +4,7 @@ I/O threads."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,3 +60,19 @@ def default_io_threads() -> int:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
         os.cpu_count() or 1
     return max(1, min(4, cpus // 2))
+
+
+def create_tmp(directory: str, stem: str, ids: Iterator[int]) -> tuple[int, str]:
+    """A new temporary file ``directory/.stem.<next id>.tmp``, open for writing and made by
+    this call (``stem`` names the page and the writing store: other stores, of this process
+    or of a host with the same pid, write the same page under their own names). The
+    directory, or the whole store directory if it was removed (a cache cleaned by hand), is
+    made again if needed."""
+    while True:
+        tmp = f"{directory}/.{stem}.{next(ids)}.tmp"
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), tmp
+        except FileExistsError:
+            continue  # someone else's: never ours to remove
+        except FileNotFoundError:
+            os.makedirs(directory, exist_ok=True)

@@ -20,14 +20,12 @@ detects accidents (bit flips, truncation, torn writes), not an attacker: the sto
 from __future__ import annotations
 
 import struct
-import threading
 from collections.abc import Sequence
 
-import numpy as np
 import xxhash
 
-from .host_views import PageSegments
 from .keys import FORMAT_VERSION, NAMESPACE_BYTES, PAGE_HASH_BYTES, Namespace
+from .page_segments import PageSegments, payload
 
 MAGIC = b"HCKV"
 FLAG_CHECKSUM = 1
@@ -97,8 +95,8 @@ class PageFormat:
 
 def payload_checksum(segments: Sequence[memoryview]) -> int:
     """XXH3-64 of the segments' bytes in order."""
-    if type(segments) is PageSegments and segments.rows is not None:
-        return _rows_checksum(segments, segments.rows)
+    if type(segments) is PageSegments:  # its rows copied at once (see page_segments)
+        segments = payload(segments)
     if len(segments) == 1:
         return xxhash.xxh3_64_intdigest(segments[0])
     state = xxhash.xxh3_64()
@@ -106,20 +104,3 @@ def payload_checksum(segments: Sequence[memoryview]) -> int:
         state.update(segment)
     return state.intdigest()
 
-
-_scratch = threading.local()
-
-
-def _rows_checksum(segments: PageSegments, rows: np.ndarray) -> int:
-    """The checksum of a page whose first segments are the rows of ``rows``: the rows copied
-    into this thread's scratch buffer by one call, then hashed (neither holds the GIL)."""
-    buffer: np.ndarray | None = getattr(_scratch, "buffer", None)
-    if buffer is None or buffer.nbytes < rows.nbytes:
-        buffer = _scratch.buffer = np.empty(rows.nbytes, dtype=np.uint8)
-    joined = buffer[:rows.nbytes]
-    np.copyto(joined.reshape(rows.shape), rows)
-    state = xxhash.xxh3_64()
-    state.update(joined.data)
-    for segment in segments[rows.shape[0]:]:
-        state.update(segment)
-    return state.intdigest()

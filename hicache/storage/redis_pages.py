@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from .base import Deadline, PageStatus, StatsRecorder
 from .page_format import PageFormat
+from .page_segments import land, landing, payload
 from .resp import RespConnection, RespError, bulk_prefix, command
 
 logger = logging.getLogger(__name__)
@@ -71,8 +72,9 @@ class RedisPages:
         prefix_len = self.format.object_len
         for i in positions:
             prefix = bulk_prefix(b"SET", keys[i], value_len=prefix_len, trailing=1)
-            header = self.format.header(page_hashes[i], views[i])
-            connection.send([prefix, header, *views[i], _NX_SUFFIX], deadline)
+            page = payload(views[i])  # a layer_first page as one copy (page_segments)
+            header = self.format.header(page_hashes[i], page)
+            connection.send([prefix, header, *page, _NX_SUFFIX], deadline)
         for i in positions:
             try:
                 reply = connection.read_reply(deadline)
@@ -93,11 +95,13 @@ class RedisPages:
         if length != self.format.object_len:
             connection.skip(length + 2, deadline)
             return PageStatus.CORRUPT
-        connection.read_into([header, *segments], deadline)
+        target = landing(segments)  # a layer_first page lands in one buffer (page_segments)
+        connection.read_into([header, *target], deadline)
         connection.expect_crlf(deadline)
-        if self.format.verify(header, page_hash, segments):
-            return PageStatus.OK
-        return PageStatus.CORRUPT
+        if not self.format.verify(header, page_hash, target):
+            return PageStatus.CORRUPT
+        land(segments)
+        return PageStatus.OK
 
 
 def fill(statuses: Statuses, positions: list[int], status: PageStatus) -> None:
