@@ -11,7 +11,8 @@ once verified (:func:`land`). The copies and the checksum of one buffer run with
 GIL. Other pages (one segment: ``page_first``, ``page_first_direct``) are moved as they are.
 
 A thread's scratch holds one page: what :func:`payload` or :func:`landing` returns is valid
-until the same thread stages another page.
+until the same thread stages another page. It is as large as the largest such page the
+thread moved (a 2 MiB page of a 32-layer model: 2 MiB) and goes with the thread.
 """
 
 from __future__ import annotations
