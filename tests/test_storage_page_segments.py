@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from storage_helpers import fill, hashes, make_pool, namespace, needs_redis, rows, views
@@ -15,6 +16,7 @@ from storage_helpers import fill, hashes, make_pool, namespace, needs_redis, row
 from hicache.bench.redis_local import RedisServer
 from hicache.pools import HostLayout
 from hicache.storage import FileStore, PageStatus, open_store
+from hicache.storage.host_views import check_batch
 from hicache.storage.page_segments import PageSegments, land, landing, payload
 
 OK, CORRUPT = PageStatus.OK, PageStatus.CORRUPT
@@ -131,3 +133,22 @@ def test_redis_round_trips_layer_first_pages_and_keeps_a_damaged_one_out(
     assert torch.equal(rows(pool, 11, 1), rows(pool, 1, 1))
     assert torch.equal(rows(pool, 13, 1), rows(pool, 3, 1))
     assert (rows(pool, 12, 1) == -5.0).all()
+
+
+def test_the_batch_check_counts_a_layer_first_page_by_its_rows_and_refuses_read_only_ones(
+) -> None:
+    """A page whose rows are read-only is refused as a destination; one whose SWA segment
+    has the wrong size is refused naming its bytes; the pool's own pages pass as they are."""
+    pool = make_pool(HostLayout.LAYER_FIRST)
+    space, keys = namespace(pool), hashes(1)
+    page = views(pool, 1, 1)[0]
+    assert check_batch("get", space, keys, [page], writable=True)[0] is page
+    frozen_bytes = bytes(b"".join(page))
+    frozen = PageSegments([memoryview(frozen_bytes)])
+    frozen.rows = np.frombuffer(frozen_bytes, dtype=np.uint8).reshape(1, -1)
+    assert check_batch("put", space, keys, [frozen], writable=False)[0] is frozen
+    with pytest.raises(ValueError, match="read-only"):
+        check_batch("get", space, keys, [frozen], writable=True)
+    with pytest.raises(ValueError, match=f"holds {space.page_bytes + 3} bytes"):
+        check_batch("put", space, keys, [page.with_segment(memoryview(b"abc"))],
+                    writable=False)
