@@ -106,9 +106,9 @@ def test_a_layer_first_pages_checksum_over_its_rows_is_its_segments_checksum() -
     """A layer_first page's checksum is taken over one copy of its rows (the view the page
     carries); it equals the XXH3 of its segments in order, with and without a hybrid page's
     SWA segment after them, so pages written either way verify either way."""
-    pool = make_pool(HostLayout.LAYER_FIRST, num_layers=5)
+    pool = make_pool(HostLayout.LAYER_FIRST, num_layers=5, page_size=16, heads=8, head_dim=64)
     order = [9, 4, 17]
-    index = Indices(torch.cat([torch.arange(p * PAGE_SIZE, (p + 1) * PAGE_SIZE) for p in order]),
+    index = Indices(torch.cat([torch.arange(p * 16, (p + 1) * 16) for p in order]),
                     IndexSpace.HOST_FULL)
     swa = memoryview(bytearray(range(200)))
     for page in host_page_views(pool, index):
@@ -119,7 +119,8 @@ def test_a_layer_first_pages_checksum_over_its_rows_is_its_segments_checksum() -
         hybrid = page.with_segment(swa)
         assert hybrid.rows is page.rows and list(hybrid) == [*page, swa]
         assert payload_checksum(hybrid) == xxhash.xxh3_64_intdigest(b"".join([*page, swa]))
-    other = host_page_views(make_pool(HostLayout.PAGE_FIRST_DIRECT), index)[0]
+    other = host_page_views(make_pool(HostLayout.PAGE_FIRST_DIRECT, num_layers=5, page_size=16,
+                                      heads=8, head_dim=64), index)[0]
     assert not isinstance(other, PageSegments)
 
 

@@ -14,7 +14,7 @@ import torch
 from storage_helpers import fill, hashes, make_pool, namespace, needs_redis, rows, views
 
 from hicache.bench.redis_local import RedisServer
-from hicache.pools import HostLayout
+from hicache.pools import HostKVPool, HostLayout
 from hicache.storage import FileStore, PageStatus, open_store
 from hicache.storage.host_views import check_batch
 from hicache.storage.page_segments import PageSegments, land, landing, payload
@@ -22,8 +22,14 @@ from hicache.storage.page_segments import PageSegments, land, landing, payload
 OK, CORRUPT = PageStatus.OK, PageStatus.CORRUPT
 
 
+def copied_pool(layout: HostLayout = HostLayout.LAYER_FIRST, num_layers: int = 4) -> HostKVPool:
+    """Pages of 16 tokens of 8 x 64 bf16 rows: 2 x ``num_layers`` segments of 16 KiB, enough
+    for a layer_first page to go through one copy (``page_segments.worth_one_copy``)."""
+    return make_pool(layout, page_size=16, heads=8, head_dim=64, num_layers=num_layers)
+
+
 def test_a_layer_first_pages_payload_is_its_bytes_in_one_buffer() -> None:
-    pool = make_pool(HostLayout.LAYER_FIRST, num_layers=5)
+    pool = copied_pool(num_layers=5)
     page = views(pool, 3, 1)[0]
     assert isinstance(page, PageSegments) and len(page) == 2 * 5
     moved = payload(page)
@@ -32,7 +38,7 @@ def test_a_layer_first_pages_payload_is_its_bytes_in_one_buffer() -> None:
     moved = payload(page.with_segment(swa))
     assert len(moved) == 2 and bytes(moved[0]) == b"".join(page) and moved[1] is swa
     for layout in (HostLayout.PAGE_FIRST, HostLayout.PAGE_FIRST_DIRECT):
-        other = views(make_pool(layout), 3, 1)[0]
+        other = views(copied_pool(layout), 3, 1)[0]
         assert payload(other) is other and landing(other) is other
         before = bytes(other[0])
         land(other)  # nothing to land
@@ -40,7 +46,7 @@ def test_a_layer_first_pages_payload_is_its_bytes_in_one_buffer() -> None:
 
 
 def test_a_read_reaches_the_rows_only_when_landed() -> None:
-    pool = make_pool(HostLayout.LAYER_FIRST)
+    pool = copied_pool()
     page = views(pool, 2, 1)[0]
     before = rows(pool, 0, pool.num_slots // pool.page_size).clone()
     target = landing(page)
@@ -54,7 +60,7 @@ def test_a_read_reaches_the_rows_only_when_landed() -> None:
 
 
 def test_each_thread_stages_into_its_own_buffer() -> None:
-    pool = make_pool(HostLayout.LAYER_FIRST)
+    pool = copied_pool()
     first, second = views(pool, 1, 2)
     mine = payload(first)
     seen: list[bytes] = []
@@ -66,7 +72,7 @@ def test_each_thread_stages_into_its_own_buffer() -> None:
 
 def test_the_file_store_round_trips_layer_first_pages_and_keeps_a_damaged_one_out(
         tmp_path: Path) -> None:
-    pool = make_pool(HostLayout.LAYER_FIRST)
+    pool = copied_pool()
     keys = hashes(3)
     with FileStore(tmp_path, namespace(pool)) as store:
         assert store.put(keys, views(pool, 1, 3)).statuses == (OK,) * 3
@@ -102,7 +108,7 @@ def test_o_direct_reads_land_layer_first_pages_too(tmp_path: Path,
         return real_open(path, flags, *args)
 
     monkeypatch.setattr(file_store.os, "open", spied_open)
-    pool = make_pool(HostLayout.LAYER_FIRST, page_size=16, heads=4, head_dim=16, num_layers=2)
+    pool = copied_pool()
     keys = hashes(3)
     with FileStore(tmp_path, namespace(pool), direct_io=True) as store:
         store.put(keys, views(pool, 1, 3))
@@ -117,7 +123,7 @@ def test_redis_round_trips_layer_first_pages_and_keeps_a_damaged_one_out(
         redis_server: RedisServer) -> None:
     import redis
 
-    pool = make_pool(HostLayout.LAYER_FIRST)
+    pool = copied_pool()
     keys = hashes(3, seed=5)
     client = redis.Redis(port=redis_server.port)
     with open_store(f"redis://127.0.0.1:{redis_server.port}", namespace(pool, "segments")) \
@@ -139,7 +145,7 @@ def test_the_batch_check_counts_a_layer_first_page_by_its_rows_and_refuses_read_
 ) -> None:
     """A page whose rows are read-only is refused as a destination; one whose SWA segment
     has the wrong size is refused naming its bytes; the pool's own pages pass as they are."""
-    pool = make_pool(HostLayout.LAYER_FIRST)
+    pool = copied_pool()
     space, keys = namespace(pool), hashes(1)
     page = views(pool, 1, 1)[0]
     assert check_batch("get", space, keys, [page], writable=True)[0] is page
@@ -152,3 +158,12 @@ def test_the_batch_check_counts_a_layer_first_page_by_its_rows_and_refuses_read_
     with pytest.raises(ValueError, match=f"holds {space.page_bytes + 3} bytes"):
         check_batch("put", space, keys, [page.with_segment(memoryview(b"abc"))],
                     writable=False)
+
+
+def test_a_page_of_few_or_small_segments_is_moved_as_it_is() -> None:
+    """Fewer than 8 segments, or less than 64 KiB of them: the per-segment work is cheaper
+    than the copy's calls, and the page is a plain list of its segments."""
+    for pool in (copied_pool(num_layers=3), make_pool(HostLayout.LAYER_FIRST, num_layers=8)):
+        page = views(pool, 1, 1)[0]
+        assert type(page) is list and payload(page) is page and landing(page) is page
+    assert isinstance(views(copied_pool(num_layers=4), 1, 1)[0], PageSegments)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .keys import PAGE_HASH_BYTES, Namespace
-from .page_segments import PageSegments
+from .page_segments import PageSegments, worth_one_copy
 
 if TYPE_CHECKING:
     from ..pools import HostKVPool, Indices
@@ -66,6 +66,8 @@ def host_page_views(pool: HostKVPool, host_indices: Indices) -> list[list[memory
         length = size * row_bytes
         runs = np.arange(components * layers, dtype=np.int64) * num_slots
         offsets = (runs[None, :] + starts[:, None]) * row_bytes
+        if not worth_one_copy(components * layers, components * layers * length):
+            return [[flat[o:o + length] for o in page] for page in offsets.tolist()]
         table = np.frombuffer(flat, dtype=np.uint8).reshape(components * layers, -1)
         pages: list[list[memoryview]] = []
         for page, start in zip(offsets.tolist(), (starts * row_bytes).tolist(), strict=True):
