@@ -134,6 +134,12 @@ def test_byte_views_that_are_not_contiguous_or_are_read_only_are_still_refused()
     assert check_batch("put", ns, key, [[read_only]], writable=False)
     with pytest.raises(ValueError, match="read-only"):
         check_batch("get", ns, key, [[read_only]], writable=True)
+    floats = memoryview(bytearray(ns.page_bytes)).cast("f")  # not bytes: cast, then counted
+    assert [v.nbytes for v in check_batch("put", ns, key, [[floats]], writable=False)[0]] == \
+        [ns.page_bytes]
+    square = memoryview(bytearray(ns.page_bytes)).cast("B", (2, ns.page_bytes // 2))
+    assert [v.nbytes for v in check_batch("get", ns, key, [[square]], writable=True)[0]] == \
+        [ns.page_bytes]
     doubled = memoryview(bytearray(2 * ns.page_bytes))[::2]
     with pytest.raises(ValueError, match="non-contiguous"):
         check_batch("put", ns, key, [[doubled]], writable=False)

@@ -17,7 +17,13 @@ from hicache.bench.redis_local import RedisServer
 from hicache.pools import HostKVPool, HostLayout
 from hicache.storage import FileStore, PageStatus, open_store
 from hicache.storage.host_views import check_batch
-from hicache.storage.page_segments import PageSegments, land, landing, payload
+from hicache.storage.page_segments import (
+    PageSegments,
+    land,
+    landing,
+    payload,
+    worth_one_copy,
+)
 
 OK, CORRUPT = PageStatus.OK, PageStatus.CORRUPT
 
@@ -167,3 +173,7 @@ def test_a_page_of_few_or_small_segments_is_moved_as_it_is() -> None:
         page = views(pool, 1, 1)[0]
         assert type(page) is list and payload(page) is page and landing(page) is page
     assert isinstance(views(copied_pool(num_layers=4), 1, 1)[0], PageSegments)
+    edge = make_pool(HostLayout.LAYER_FIRST, page_size=16, heads=4, head_dim=64, num_layers=4)
+    assert isinstance(views(edge, 1, 1)[0], PageSegments)  # 8 segments of 8 KiB: 64 KiB
+    assert worth_one_copy(8, 64 << 10) and not worth_one_copy(8, (64 << 10) - 1)
+    assert not worth_one_copy(7, 1 << 30)
