@@ -1,16 +1,27 @@
-"""``hicache bench storage``'s turn figures: a scheduler's turn alone and while a file store
-puts and gets a host pool's pages, per host layout; the store's failure is the run's."""
+"""``hicache bench storage``'s turn figures: a scheduler's turn alone and while a store (a
+file store, a real Redis server) puts and gets a host pool's pages, per host layout; the
+store's failure is the run's."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
+from storage_helpers import needs_redis
 
 from hicache.bench import storage_turns
+from hicache.bench.redis_local import RedisServer
 from hicache.bench.storage_turns import LAYOUTS, REFERENCE, WAIT_S, measure_turns, scheduler_turns
 from hicache.pools import HostLayout
-from hicache.storage import FileStore, PageStatus, StorageResult
+from hicache.storage import (
+    FileStore,
+    Namespace,
+    PageStatus,
+    StorageResult,
+    chain_page_hashes,
+    open_store,
+)
 
 
 def test_a_turn_is_the_wait_and_the_python_after_it() -> None:
@@ -36,7 +47,7 @@ def test_the_turns_are_timed_alone_and_beside_a_store_moving_every_page(
             return result
 
         monkeypatch.setattr(FileStore, name, spied)
-    rows = measure_turns(tmp_path, layout, page_tokens=2, num_pages=3, turns=30)
+    rows = measure_turns("file", str(tmp_path), layout, page_tokens=2, num_pages=3, turns=30)
     assert [row.figure for row in rows] == [
         f"turn mean us, {layout.value}", f"turn p50 us, {layout.value}",
         f"turn p99 us, {layout.value}", f"put+get GB/s, {layout.value}"]
@@ -60,6 +71,22 @@ def test_a_store_that_fails_stops_the_run_naming_the_layout(
 
     monkeypatch.setattr(FileStore, "put", failing)
     with pytest.raises(RuntimeError, match="file store, page_first_direct: disk full"):
-        measure_turns(tmp_path, HostLayout.PAGE_FIRST_DIRECT, page_tokens=2, num_pages=2,
-                      turns=5)
+        measure_turns("file", str(tmp_path), HostLayout.PAGE_FIRST_DIRECT, page_tokens=2,
+                      num_pages=2, turns=5)
     assert storage_turns.LAYOUTS == (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST_DIRECT)
+
+
+@needs_redis
+def test_the_turns_beside_redis_leave_its_namespace_empty(redis_server: RedisServer) -> None:
+    url = f"redis://127.0.0.1:{redis_server.port}"
+    rows = measure_turns("redis", url, HostLayout.LAYER_FIRST, page_tokens=2, num_pages=2,
+                         turns=20)
+    assert [row.store for row in rows] == ["redis"] * 4
+    assert rows[3].figure == "put+get GB/s, layer_first" and rows[3].value > 0
+    pool = storage_turns._pool(HostLayout.LAYER_FIRST, 2, 2)
+    space = Namespace.for_host_pool(pool, model_id="bench/model",
+                                    model_revision="turns-layer_first")
+    with open_store(url, space) as store:
+        keys = chain_page_hashes(torch.randint(0, 100_000, (pool.num_slots,),
+                                               generator=torch.Generator().manual_seed(1)), 2)
+        assert store.exists(keys).num_leading_ok == 0

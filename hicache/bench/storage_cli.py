@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dir", type=Path, help="file store directory, made if missing "
                         "(default: a temporary one on the system's temp file system)")
     parser.add_argument("--turns", type=int, default=2000,
-                        help="a scheduler's turns timed alone and while the file store works, "
+                        help="a scheduler's turns timed alone and while each store works, "
                         "per host layout (see hicache.bench.storage_turns)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 8 MiB batches, 2 repeats, 200 turns")
@@ -121,7 +121,6 @@ def _measure(store_name: str, urls: dict[str, str], batch: Batch, args: argparse
              stack: ExitStack) -> list[Row]:
     from ..storage import FileStore, open_store
     from .storage import Row, file_paths, measure_redis_py, measure_sequential_read, measure_store
-    from .storage_turns import LAYOUTS, measure_turns
 
     kib, repeats = batch.page_bytes >> 10, args.repeats
     store = open_store(urls[store_name], batch.namespace)
@@ -141,9 +140,7 @@ def _measure(store_name: str, urls: dict[str, str], batch: Batch, args: argparse
                 direct_get = measure_store("file O_DIRECT", direct_store, direct_unchecked,
                                            batch, repeats)
             store.clear()
-            turns = [row for layout in LAYOUTS for row in measure_turns(
-                Path(urls["file"]) / "turns", layout, batch.namespace.page_size,
-                batch.num_pages, args.turns)]
+            turns = _turns("file", str(Path(urls["file"]) / "turns"), batch, args)
             return [
                 *rows,
                 Row(store_name, kib, "put GB/s", got["put"], None, ""),
@@ -163,7 +160,16 @@ def _measure(store_name: str, urls: dict[str, str], batch: Batch, args: argparse
         Row(store_name, kib, "get GB/s", got["get"], raw["get"], f"{name} GET, 1 connection"),
         Row(store_name, kib, "exists of 128, ms", got["exists_ms"], raw["exists_ms"],
             f"{name} pipeline of 128 EXISTS"),
+        *_turns(store_name, urls[store_name], batch, args),
     ]
+
+
+def _turns(store_name: str, location: str, batch: Batch, args: argparse.Namespace
+           ) -> list[Row]:
+    from .storage_turns import LAYOUTS, measure_turns
+
+    return [row for layout in LAYOUTS for row in measure_turns(
+        store_name, location, layout, batch.namespace.page_size, batch.num_pages, args.turns)]
 
 
 def _redis_py(url: str) -> object:

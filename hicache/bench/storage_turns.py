@@ -4,8 +4,9 @@ A store's worker threads share the interpreter with the engine's scheduler threa
 Python they run between their I/O, the scheduler waits for. A loop stands for the scheduler
 (a turn: a 0.5 ms wait that releases the GIL, as a wait for the GPU's step does, then about
 0.1 ms of Python, timed together) and runs alone, then while a worker thread puts, gets and
-deletes a host pool's pages through a file store, as the store tier's jobs do
-(:func:`hicache.storage.host_page_views` of the pool, checksums on). Per host layout: a
+deletes a host pool's pages through a store (the file store, Redis), as the store tier's
+jobs do (:func:`hicache.storage.host_page_views` of the pool, checksums on). Per host
+layout: a
 ``layer_first`` page is one segment per component and layer (64 for this 32-layer model),
 a ``page_first_direct`` page is one.
 """
@@ -15,12 +16,11 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from pathlib import Path
 
 import torch
 
 from ..pools import AttentionKind, HostKVPool, HostLayout, IndexSpace, Indices, RowGeometry
-from ..storage import FileStore, Namespace, PageStatus, chain_page_hashes, host_page_views
+from ..storage import Namespace, PageStatus, chain_page_hashes, host_page_views, open_store
 from .storage import HEAD_DIM, HEADS, LAYERS, Row
 
 LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST_DIRECT)
@@ -42,13 +42,14 @@ def scheduler_turns(count: int) -> list[float]:
     return times
 
 
-def measure_turns(directory: Path, layout: HostLayout, page_tokens: int, num_pages: int,
-                  turns: int) -> list[Row]:
-    """The turn's mean, median and 99th percentile alone and while the store moves
-    ``num_pages`` pages of a ``layout`` host pool, as three rows (the value with the store
-    working, the reference alone; their ratio is 1.00 when the store costs the scheduler
-    nothing), and a fourth: the bytes the store put and got a second meanwhile (whole rounds
-    of a put and a get of every page)."""
+def measure_turns(store_name: str, location: str, layout: HostLayout, page_tokens: int,
+                  num_pages: int, turns: int) -> list[Row]:
+    """The turn's mean, median and 99th percentile alone and while the store at
+    ``location`` (``open_store``'s: a directory or a Redis URL, opened with its defaults)
+    moves ``num_pages`` pages of a ``layout`` host pool, as three rows (the value with the
+    store working, the reference alone; their ratio is 1.00 when the store costs the
+    scheduler nothing), and a fourth: the bytes the store put and got a second meanwhile
+    (whole rounds of a put and a get of every page). The namespace is cleared after."""
     pool = _pool(layout, page_tokens, num_pages)
     namespace = Namespace.for_host_pool(pool, model_id="bench/model",
                                         model_revision=f"turns-{layout.value}")
@@ -59,7 +60,7 @@ def measure_turns(directory: Path, layout: HostLayout, page_tokens: int, num_pag
     stop = threading.Event()
     errors: list[str] = []
     rounds = [0]
-    with FileStore(directory, namespace) as store:
+    with open_store(location, namespace) as store:
         def work() -> None:
             while not stop.is_set():
                 for result in (store.put(keys, host_page_views(pool, slots), timeout_s=60),
@@ -82,13 +83,14 @@ def measure_turns(directory: Path, layout: HostLayout, page_tokens: int, num_pag
             worker.join()
         store.clear()
     if errors:
-        raise RuntimeError(f"file store, {layout.value}: {errors[0]}")
+        raise RuntimeError(f"{store_name} store, {layout.value}: {errors[0]}")
     kib = namespace.page_bytes >> 10
     moved = 2 * rounds[0] * len(keys) * namespace.page_bytes / 1e9 / elapsed
-    return [*(Row("file", kib, f"turn {name} us, {layout.value}", pick(working), pick(alone),
-                  REFERENCE) for name, pick in (("mean", statistics.fmean),
-                                                ("p50", statistics.median), ("p99", _p99))),
-            Row("file", kib, f"put+get GB/s, {layout.value}", moved, None, "")]
+    return [*(Row(store_name, kib, f"turn {name} us, {layout.value}", pick(working),
+                  pick(alone), REFERENCE) for name, pick in (("mean", statistics.fmean),
+                                                             ("p50", statistics.median),
+                                                             ("p99", _p99))),
+            Row(store_name, kib, f"put+get GB/s, {layout.value}", moved, None, "")]
 
 
 def _p99(times: list[float]) -> float:
