@@ -11,7 +11,7 @@ from hicache.pools import HostLayout, IndexSpace, Indices
 from hicache.storage import PageFormat, byte_view, host_page_views
 from hicache.storage.host_views import check_batch
 from hicache.storage.page_format import payload_checksum
-from hicache.storage.page_segments import PageSegments
+from hicache.storage.page_segments import PageRows
 
 
 def test_a_page_verifies_against_its_own_header() -> None:
@@ -112,7 +112,7 @@ def test_a_layer_first_pages_checksum_over_its_rows_is_its_segments_checksum() -
                     IndexSpace.HOST_FULL)
     swa = memoryview(bytearray(range(200)))
     for page in host_page_views(pool, index):
-        assert isinstance(page, PageSegments) and page.rows is not None
+        assert isinstance(page, PageRows) and page.rows is not None
         assert page.rows.tobytes() == b"".join(bytes(s) for s in page)
         assert payload_checksum(page) == xxhash.xxh3_64_intdigest(b"".join(page)) \
             == payload_checksum(list(page))
@@ -121,7 +121,7 @@ def test_a_layer_first_pages_checksum_over_its_rows_is_its_segments_checksum() -
         assert payload_checksum(hybrid) == xxhash.xxh3_64_intdigest(b"".join([*page, swa]))
     other = host_page_views(make_pool(HostLayout.PAGE_FIRST_DIRECT, num_layers=5, page_size=16,
                                       heads=8, head_dim=64), index)[0]
-    assert not isinstance(other, PageSegments)
+    assert not isinstance(other, PageRows)
 
 
 def test_byte_views_that_are_not_contiguous_or_are_read_only_are_still_refused() -> None:

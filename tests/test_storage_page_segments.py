@@ -18,7 +18,7 @@ from hicache.pools import HostKVPool, HostLayout
 from hicache.storage import FileStore, PageStatus, open_store
 from hicache.storage.host_views import check_batch
 from hicache.storage.page_segments import (
-    PageSegments,
+    PageRows,
     land,
     landing,
     payload,
@@ -37,7 +37,7 @@ def copied_pool(layout: HostLayout = HostLayout.LAYER_FIRST, num_layers: int = 4
 def test_a_layer_first_pages_payload_is_its_bytes_in_one_buffer() -> None:
     pool = copied_pool(num_layers=5)
     page = views(pool, 3, 1)[0]
-    assert isinstance(page, PageSegments) and len(page) == 2 * 5
+    assert isinstance(page, PageRows) and len(page) == 2 * 5
     moved = payload(page)
     assert len(moved) == 1 and bytes(moved[0]) == b"".join(page)
     swa = memoryview(bytearray(b"swa rows"))
@@ -155,9 +155,7 @@ def test_the_batch_check_counts_a_layer_first_page_by_its_rows_and_refuses_read_
     space, keys = namespace(pool), hashes(1)
     page = views(pool, 1, 1)[0]
     assert check_batch("get", space, keys, [page], writable=True)[0] is page
-    frozen_bytes = bytes(b"".join(page))
-    frozen = PageSegments([memoryview(frozen_bytes)])
-    frozen.rows = np.frombuffer(frozen_bytes, dtype=np.uint8).reshape(1, -1)
+    frozen = PageRows(np.frombuffer(bytes(b"".join(page)), dtype=np.uint8).reshape(1, -1))
     assert check_batch("put", space, keys, [frozen], writable=False)[0] is frozen
     with pytest.raises(ValueError, match="read-only"):
         check_batch("get", space, keys, [frozen], writable=True)
@@ -172,8 +170,32 @@ def test_a_page_of_few_or_small_segments_is_moved_as_it_is() -> None:
     for pool in (copied_pool(num_layers=3), make_pool(HostLayout.LAYER_FIRST, num_layers=8)):
         page = views(pool, 1, 1)[0]
         assert type(page) is list and payload(page) is page and landing(page) is page
-    assert isinstance(views(copied_pool(num_layers=4), 1, 1)[0], PageSegments)
+    assert isinstance(views(copied_pool(num_layers=4), 1, 1)[0], PageRows)
     edge = make_pool(HostLayout.LAYER_FIRST, page_size=16, heads=4, head_dim=64, num_layers=4)
-    assert isinstance(views(edge, 1, 1)[0], PageSegments)  # 8 segments of 8 KiB: 64 KiB
+    assert isinstance(views(edge, 1, 1)[0], PageRows)  # 8 segments of 8 KiB: 64 KiB
     assert worth_one_copy(8, 64 << 10) and not worth_one_copy(8, (64 << 10) - 1)
     assert not worth_one_copy(7, 1 << 30)
+
+
+def test_a_page_of_rows_is_a_sequence_of_its_segments_made_when_asked_for() -> None:
+    """Its segments are the layer_first page's segments in order (component, then layer),
+    byte views into the pool that write through; indexing, slicing and iteration agree; its
+    extra segments follow its rows."""
+    pool = copied_pool(num_layers=4)
+    page = views(pool, 2, 1)[0]
+    assert isinstance(page, PageRows) and len(page) == 8 and page.nbytes == 8 * (16 << 10)
+    data = pool.data  # [components, layers, slots, row]
+    expected = [data[c, layer, 32:48].contiguous().view(torch.uint8).numpy().tobytes()
+                for c in range(2) for layer in range(4)]
+    assert [bytes(segment) for segment in page] == expected
+    assert bytes(page[-1]) == expected[-1] and [bytes(s) for s in page[2:4]] == expected[2:4]
+    with pytest.raises(IndexError):
+        page[8]
+    with pytest.raises(IndexError):
+        page[-9]
+    page[3][:] = bytes(page[3].nbytes)
+    assert data[0, 3, 32:48].count_nonzero() == 0 and data[0, 2, 32:48].count_nonzero() > 0
+    swa = memoryview(bytearray(b"swa"))
+    hybrid = page.with_segment(swa)
+    assert len(hybrid) == 9 and hybrid[8] is swa and hybrid[-1] is swa
+    assert hybrid.nbytes == page.nbytes + 3 and len(page) == 8

@@ -12,13 +12,14 @@ Worker threads only (the jobs); reads and writes touch only the slots named.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from hicache.pools import HostKVPool, IndexSpace, Indices
 from hicache.storage import byte_view, host_page_views
-from hicache.storage.page_segments import PageSegments
+from hicache.storage.page_segments import PageRows
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class HostPools:
 
 
 def put_buffers(pools: HostPools, host: torch.Tensor, swa: torch.Tensor | None
-                ) -> list[list[memoryview]]:
+                ) -> list[Sequence[memoryview]]:
     """One segment list per page of ``host`` (whole full-pool pages), plus the gathered SWA
     rows of ``swa`` (aligned with ``host``, every entry a slot) for a hybrid model."""
     pages = host_page_views(pools.full, Indices(host, IndexSpace.HOST_FULL))
@@ -70,9 +71,10 @@ class GetBuffers:
         self.pools.swa.write_rows(slots, self._rows[start * page:end * page])
 
 
-def _with_segment(segments: list[memoryview], segment: memoryview) -> list[memoryview]:
-    """A page's full-row segments and its SWA rows after them (a layer_first page keeps
-    the view of its rows that its checksum copies at once)."""
-    if isinstance(segments, PageSegments):
+def _with_segment(segments: Sequence[memoryview], segment: memoryview
+                  ) -> Sequence[memoryview]:
+    """A page's full-row segments and its SWA rows after them (a layer_first page stays a
+    :class:`PageRows`, moved through one copy)."""
+    if isinstance(segments, PageRows):
         return segments.with_segment(segment)
     return [*segments, segment]

@@ -159,8 +159,8 @@ class FileStore(StorageBackend):
 
     # ---- one call, split over the workers ----------------------------------------------------
 
-    def _run(self, op: str, page_hashes: Sequence[bytes], views: list[list[memoryview]],
-             timeout_s: float | None, work: Callable[[bytes, list[memoryview]], PageStatus]
+    def _run(self, op: str, page_hashes: Sequence[bytes], views: list[Sequence[memoryview]],
+             timeout_s: float | None, work: Callable[[bytes, Sequence[memoryview]], PageStatus]
              ) -> StorageResult:
         started, deadline = time.perf_counter(), Deadline(timeout_s or self.timeout_s)
         statuses = [PageStatus.TIMEOUT] * len(page_hashes)
@@ -189,7 +189,7 @@ class FileStore(StorageBackend):
         self._stats.record(op, result, time.perf_counter() - started)
         return result
 
-    def _read_page(self, key: bytes, page: list[memoryview]) -> PageStatus:
+    def _read_page(self, key: bytes, page: Sequence[memoryview]) -> PageStatus:
         segments = landing(page)  # a layer_first page lands in one buffer (page_segments)
         name = key.hex() + SUFFIX
         path = self._file(name)
@@ -212,7 +212,7 @@ class FileStore(StorageBackend):
         self._evict(self.lru.touch(name, size))
         return PageStatus.OK
 
-    def _write_page(self, key: bytes, segments: list[memoryview]) -> PageStatus:
+    def _write_page(self, key: bytes, segments: Sequence[memoryview]) -> PageStatus:
         name = key.hex() + SUFFIX
         path = self._file(name)
         if os.path.exists(path):

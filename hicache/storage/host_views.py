@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from .keys import PAGE_HASH_BYTES, Namespace
-from .page_segments import PageSegments, worth_one_copy
+from .page_segments import PageRows, worth_one_copy
 
 if TYPE_CHECKING:
     from ..pools import HostKVPool, Indices
@@ -32,8 +32,11 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return flat.numpy().data
 
 
-def host_page_views(pool: HostKVPool, host_indices: Indices) -> list[list[memoryview]]:
-    """The segments of the pages at ``host_indices`` of ``pool``, one list per page.
+def host_page_views(pool: HostKVPool, host_indices: Indices) -> list[Sequence[memoryview]]:
+    """The segments of the pages at ``host_indices`` of ``pool``, one sequence per page: a
+    list of byte views, or for a ``layer_first`` page of 8 segments or more and 64 KiB or
+    more a :class:`~hicache.storage.page_segments.PageRows` (its rows' view; a segment's
+    byte view is made when asked for, and the stores move the page without them).
 
     Args:
         pool: the host pool (pinned or not).
@@ -65,16 +68,12 @@ def host_page_views(pool: HostKVPool, host_indices: Indices) -> list[list[memory
         row_bytes = data[0, 0, 0].nbytes
         length = size * row_bytes
         runs = np.arange(components * layers, dtype=np.int64) * num_slots
-        offsets = (runs[None, :] + starts[:, None]) * row_bytes
         if not worth_one_copy(components * layers, components * layers * length):
+            offsets = (runs[None, :] + starts[:, None]) * row_bytes
             return [[flat[o:o + length] for o in page] for page in offsets.tolist()]
         table = np.frombuffer(flat, dtype=np.uint8).reshape(components * layers, -1)
-        pages: list[list[memoryview]] = []
-        for page, start in zip(offsets.tolist(), (starts * row_bytes).tolist(), strict=True):
-            segments = PageSegments([flat[o:o + length] for o in page])
-            segments.rows = table[:, start:start + length]
-            pages.append(segments)
-        return pages
+        return [PageRows(table[:, start:start + length])
+                for start in (starts * row_bytes).tolist()]
     slot_bytes = flat.nbytes // pool.num_slots  # page_first and page_first_direct alike
     length = size * slot_bytes
     return [[flat[o:o + length]] for o in (starts * slot_bytes).tolist()]
@@ -86,8 +85,9 @@ def _steps(size: int) -> np.ndarray:
 
 def check_batch(op: str, namespace: Namespace, page_hashes: Sequence[bytes],
                 pages: Sequence[Sequence[Any]] | None, *, writable: bool
-                ) -> list[list[memoryview]]:
-    """Validate one call's keys and buffers; return the buffers as byte memoryviews.
+                ) -> list[Sequence[memoryview]]:
+    """Validate one call's keys and buffers; return the buffers as byte memoryviews (a
+    :class:`~hicache.storage.page_segments.PageRows` as it is).
 
     Raises:
         ValueError: a key that is not a 32-byte page hash, a count mismatch, a page whose
@@ -103,14 +103,14 @@ def check_batch(op: str, namespace: Namespace, page_hashes: Sequence[bytes],
     if len(pages) != len(page_hashes):
         raise ValueError(f"{op}: {len(page_hashes)} page hashes but {len(pages)} page buffers; "
                          "give one buffer list per page")
-    views = []
+    views: list[Sequence[memoryview]] = []
     for i, page in enumerate(pages):
         if isinstance(page, torch.Tensor | memoryview | bytes | bytearray | np.ndarray):
             raise TypeError(f"{op}: pages[{i}] must be a list of segments, got one "
                             f"{type(page).__name__}; wrap it as [buffer]")
         total = _quick_total(page, writable)
         if total is not None:  # host_page_views' segments: nothing to convert
-            segments = page if isinstance(page, list) else list(page)
+            segments = page if isinstance(page, list | PageRows) else list(page)
         else:
             segments = [_segment(op, namespace, i, s, writable) for s in page]
             total = sum(s.nbytes for s in segments)
@@ -125,14 +125,13 @@ def check_batch(op: str, namespace: Namespace, page_hashes: Sequence[bytes],
 def _quick_total(page: Sequence[Any], writable: bool) -> int | None:
     """The bytes of a page whose segments are all contiguous one-dimensional byte
     ``memoryview`` s (writable if asked): what :func:`_segment` would return for them, counted
-    in a fraction of its time; ``None`` for any other page. A ``layer_first`` page's rows are
-    counted by their view, which the stores move at once (:mod:`.page_segments`)."""
+    in a fraction of its time; ``None`` for any other page. A :class:`PageRows` is counted
+    by its rows' view, which the stores move at once (:mod:`.page_segments`)."""
     total = 0
-    rows = page.rows if type(page) is PageSegments else None
-    if rows is not None:
-        if writable and not rows.flags.writeable:
+    if type(page) is PageRows:
+        if writable and not page.rows.flags.writeable:
             return None
-        total, page = rows.nbytes, page[len(rows):]
+        total, page = int(page.rows.nbytes), page.extra
     for segment in page:
         if type(segment) is not memoryview or segment.format != "B" or segment.ndim != 1 \
                 or not segment.c_contiguous or (writable and segment.readonly):

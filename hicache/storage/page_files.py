@@ -4,7 +4,7 @@ I/O threads."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +29,7 @@ def make_directory(root: Path, namespace_hex: str) -> Path:
     return directory
 
 
-def aligned(segments: list[memoryview]) -> bool:
+def aligned(segments: Sequence[memoryview]) -> bool:
     """True if every segment's address and length are multiples of ``DIRECT_ALIGN``."""
     return all(s.nbytes % DIRECT_ALIGN == 0
                and np.frombuffer(s, dtype=np.uint8).ctypes.data % DIRECT_ALIGN == 0

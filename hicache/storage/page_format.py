@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import xxhash
 
 from .keys import FORMAT_VERSION, NAMESPACE_BYTES, PAGE_HASH_BYTES, Namespace
-from .page_segments import PageSegments, payload
+from .page_segments import PageRows, payload
 
 MAGIC = b"HCKV"
 FLAG_CHECKSUM = 1
@@ -95,7 +95,7 @@ class PageFormat:
 
 def payload_checksum(segments: Sequence[memoryview]) -> int:
     """XXH3-64 of the segments' bytes in order."""
-    if type(segments) is PageSegments:  # its rows copied at once (see page_segments)
+    if type(segments) is PageRows:  # its rows copied at once (see page_segments)
         segments = payload(segments)
     if len(segments) == 1:
         return xxhash.xxh3_64_intdigest(segments[0])

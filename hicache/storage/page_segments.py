@@ -4,7 +4,8 @@ A ``layer_first`` page is one segment per component and layer (64 for a 32-layer
 evenly spaced in the host pool: the rows of one two-dimensional view. Handled one by one,
 each is a Python object, a checksum update that holds the GIL and an entry in an I/O vector,
 and a store's threads spend their interpreter time on them while the scheduler thread waits
-for it. :class:`PageSegments` keeps that view (``rows``), and a store moves such a page
+for it. :func:`hicache.storage.host_page_views` gives such a page as a :class:`PageRows`
+(that view, and a sequence of its segments made only when asked for), and a store moves it
 through this thread's scratch buffer instead: the rows copied into it by one call before a
 write (:func:`payload`), or a read landing in it (:func:`landing`) and copied into the rows
 once verified (:func:`land`). The copies and the checksum of one buffer run without the
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import mmap
 import threading
+from collections.abc import Sequence
+from typing import overload
 
 import numpy as np
 
@@ -35,53 +38,72 @@ def worth_one_copy(num_segments: int, num_bytes: int) -> bool:
     return num_segments >= MIN_SEGMENTS and num_bytes >= MIN_BYTES
 
 
-class PageSegments(list[memoryview]):
-    """A page's segments and, where they are the rows of one two-dimensional view (a
-    ``layer_first`` page), that view as ``rows`` (the first ``len(rows)`` segments)."""
+class PageRows(Sequence[memoryview]):
+    """A page given by ``rows``, the rows of one two-dimensional view of a host pool (a
+    ``layer_first`` page: one row per component and layer, evenly spaced), and ``extra``
+    segments after them (a hybrid page's SWA rows). A sequence of its segments, each view
+    made when asked for; a store moves the page through one copy and never makes them."""
 
-    rows: np.ndarray | None = None
+    __slots__ = ("extra", "rows")
 
-    def with_segment(self, segment: memoryview) -> PageSegments:
-        """These segments and ``segment`` after them (a hybrid page's SWA rows), the rows
-        view kept."""
-        joined = PageSegments([*self, segment])
-        joined.rows = self.rows
-        return joined
+    def __init__(self, rows: np.ndarray, extra: tuple[memoryview, ...] = ()) -> None:
+        self.rows = rows
+        self.extra = extra
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.extra)
+
+    @overload
+    def __getitem__(self, index: int) -> memoryview: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[memoryview]: ...
+
+    def __getitem__(self, index: int | slice) -> memoryview | list[memoryview]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError(f"segment {index} of a page of {len(self)}")
+        if position < len(self.rows):
+            return self.rows[position].data
+        return self.extra[position - len(self.rows)]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes) + sum(segment.nbytes for segment in self.extra)
+
+    def with_segment(self, segment: memoryview) -> PageRows:
+        """This page with ``segment`` after its segments (a hybrid page's SWA rows)."""
+        return PageRows(self.rows, (*self.extra, segment))
 
 
 _scratch = threading.local()
 
 
-def payload(segments: list[memoryview]) -> list[memoryview]:
-    """The page's bytes in as few segments as it can: a page with ``rows`` as a copy of them
-    in this thread's scratch buffer and its segments after the rows; another as it is."""
-    rows = _rows(segments)
-    if rows is None:
-        return segments
-    staged = _staged(rows)
-    np.copyto(staged.reshape(rows.shape), rows)
-    return [staged.data, *segments[len(rows):]]
+def payload(page: Sequence[memoryview]) -> Sequence[memoryview]:
+    """The page's bytes in as few segments as it can: a :class:`PageRows` as a copy of its
+    rows in this thread's scratch buffer and its extra segments; another page as it is."""
+    if type(page) is not PageRows:
+        return page
+    staged = _staged(page.rows)
+    np.copyto(staged.reshape(page.rows.shape), page.rows)
+    return [staged.data, *page.extra]
 
 
-def landing(segments: list[memoryview]) -> list[memoryview]:
-    """Where a read of the page lands: for a page with ``rows`` this thread's scratch buffer
-    (then :func:`land`) and its segments after the rows; another page's own segments."""
-    rows = _rows(segments)
-    if rows is None:
-        return segments
-    return [_staged(rows).data, *segments[len(rows):]]
+def landing(page: Sequence[memoryview]) -> Sequence[memoryview]:
+    """Where a read of the page lands: for a :class:`PageRows` this thread's scratch buffer
+    (then :func:`land`) and its extra segments; another page's own segments."""
+    if type(page) is not PageRows:
+        return page
+    return [_staged(page.rows).data, *page.extra]
 
 
-def land(segments: list[memoryview]) -> None:
+def land(page: Sequence[memoryview]) -> None:
     """Copy a read that :func:`landing` put in this thread's scratch buffer into the page's
-    rows (nothing to do for a page without them)."""
-    rows = _rows(segments)
-    if rows is not None:
-        np.copyto(rows, _staged(rows).reshape(rows.shape))
-
-
-def _rows(segments: list[memoryview]) -> np.ndarray | None:
-    return segments.rows if type(segments) is PageSegments else None
+    rows (nothing to do for another page)."""
+    if type(page) is PageRows:
+        np.copyto(page.rows, _staged(page.rows).reshape(page.rows.shape))
 
 
 def _staged(rows: np.ndarray) -> np.ndarray:

@@ -40,7 +40,7 @@ class RedisPages:
         self._on_redirect = on_redirect
 
     def get(self, connection: RespConnection, positions: list[int],
-            page_hashes: Sequence[bytes], keys: list[bytes], views: list[list[memoryview]],
+            page_hashes: Sequence[bytes], keys: list[bytes], views: list[Sequence[memoryview]],
             statuses: Statuses, corrupt: list[int], deadline: Deadline) -> None:
         """``GET`` the pages at ``positions`` into their ``views``; sets their statuses and
         appends corrupt positions to ``corrupt``. Raises ``OSError``/``RespError`` when the
@@ -65,7 +65,7 @@ class RedisPages:
                 connection.send([command(b"GET", keys[positions[n + ahead]])], deadline)
 
     def put(self, connection: RespConnection, positions: list[int],
-            page_hashes: Sequence[bytes], keys: list[bytes], views: list[list[memoryview]],
+            page_hashes: Sequence[bytes], keys: list[bytes], views: list[Sequence[memoryview]],
             statuses: Statuses, deadline: Deadline) -> None:
         """``SET key value NX`` for the pages at ``positions``, all sent before any reply is
         read; a page another writer stored first is ``OK`` (counted as skipped)."""
@@ -88,7 +88,7 @@ class RedisPages:
                             bytes_written=self.format.payload_len * written)
 
     def _receive(self, connection: RespConnection, length: int, page_hash: bytes,
-                 header: memoryview, segments: list[memoryview], deadline: Deadline
+                 header: memoryview, segments: Sequence[memoryview], deadline: Deadline
                  ) -> PageStatus:
         if length < 0:
             return PageStatus.MISS
