@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from radix_helpers import expected_rows, read_rows, write_rows
+from storage_helpers import needs_redis
 from test_concurrency_stress import assert_drained, cat, frequent_switches, parse  # noqa: F401
 from test_l3_tier import PAGE, make_config
 from test_service import empty_everything
@@ -426,8 +427,8 @@ def run_schedulers(schedulers: list[L3Scheduler], num_ops: int,
     ("file", "write_back", "best_effort", False, 2),
     ("file", "write_through_selective", "timeout", False, 3),
     ("file", "write_through", "wait_complete", True, 4),
-    ("redis", "write_through", "best_effort", False, 5),
-    ("redis", "write_back", "wait_complete", True, 6),
+    pytest.param("redis", "write_through", "best_effort", False, 5, marks=needs_redis),
+    pytest.param("redis", "write_back", "wait_complete", True, 6, marks=needs_redis),
 ])
 @pytest.mark.usefixtures("frequent_switches")
 def test_two_engines_share_a_store_under_random_traffic(

@@ -333,3 +333,16 @@ def test_ports_run_from_1_to_65535_and_file_urls_are_local() -> None:
     assert parse_location("file://localhost/srv/pages").path == "/srv/pages"
     with pytest.raises(ValueError, match=r"^'h' is not host:port \(e\.g\. 127\.0\.0\.1:6379\)$"):
         parse_address("h")
+
+
+def test_a_cluster_of_ipv6_seeds_after_the_first_is_parsed_on_every_python() -> None:
+    """Newer Pythons' urlsplit refuses a bracket after the first host of a network location;
+    the seeds are split as written, with the password, the database and the refusals kept."""
+    location = parse_location("redis+cluster://:s%40cret@10.0.0.1:7000,[::1]:7001,[fe80::2]:7002/0")
+    assert location.seeds == (("10.0.0.1", 7000), ("::1", 7001), ("fe80::2", 7002))
+    assert location.password == "s@cret" and location.scheme == "redis+cluster"
+    assert parse_location("REDIS://[::1]:6379").seeds == (("::1", 6379),)
+    with pytest.raises(ValueError, match=r"the query \?db=1 is not supported"):
+        parse_location("redis+cluster://10.0.0.1:7000,[::1]:7001?db=1")
+    with pytest.raises(ValueError, match="only database 0 is supported"):
+        parse_location("redis+cluster://10.0.0.1:7000,[::1]:7001/3")

@@ -66,7 +66,7 @@ def parse_location(location: str) -> StoreLocation:
         raise ValueError(f"storage location must be a path or URL, got {location!r}")
     if "://" not in location:
         return StoreLocation("file", path=location)
-    parts = urlsplit(location)
+    parts = _split(location)
     if parts.scheme == "file":
         if parts.netloc not in ("", "localhost") or not parts.path:
             raise ValueError(f"{location!r}: write file URLs as file:///absolute/path")
@@ -86,6 +86,18 @@ def parse_location(location: str) -> StoreLocation:
         return StoreLocation(parts.scheme, seeds=seeds, password=password)
     raise ValueError(f"{location!r}: unknown storage scheme {parts.scheme!r}; use a directory "
                      f"path or one of {', '.join(s + '://' for s in SCHEMES)}")
+
+
+def _split(location: str) -> SplitResult:
+    """``urlsplit`` with the network location taken as written: a cluster's seeds are several
+    ``host:port`` items, IPv6 ones in brackets, which newer Pythons' ``urlsplit`` refuses
+    after the first item ("Invalid IPv6 URL"). The path, query and fragment are split by
+    ``urlsplit`` as usual."""
+    scheme, _, rest = location.partition("://")
+    ends = [i for i in (rest.find("/"), rest.find("?"), rest.find("#")) if i >= 0]
+    end = min(ends, default=len(rest))
+    tail = urlsplit(f"{scheme}://{rest[end:]}")
+    return SplitResult(scheme.lower(), rest[:end], tail.path, tail.query, tail.fragment)
 
 
 def _refuse_ignored_parts(location: str, parts: SplitResult) -> None:
