@@ -183,7 +183,7 @@ def test_a_page_of_rows_is_a_sequence_of_its_segments_made_when_asked_for() -> N
     extra segments follow its rows."""
     pool = copied_pool(num_layers=4)
     page = views(pool, 2, 1)[0]
-    assert isinstance(page, PageRows) and len(page) == 8 and page.nbytes == 8 * (16 << 10)
+    assert isinstance(page, PageRows) and len(page) == 8 and page.rows.shape == (8, 16 << 10)
     data = pool.data  # [components, layers, slots, row]
     expected = [data[c, layer, 32:48].contiguous().view(torch.uint8).numpy().tobytes()
                 for c in range(2) for layer in range(4)]
@@ -198,4 +198,4 @@ def test_a_page_of_rows_is_a_sequence_of_its_segments_made_when_asked_for() -> N
     swa = memoryview(bytearray(b"swa"))
     hybrid = page.with_segment(swa)
     assert len(hybrid) == 9 and hybrid[8] is swa and hybrid[-1] is swa
-    assert hybrid.nbytes == page.nbytes + 3 and len(page) == 8
+    assert hybrid.rows is page.rows and hybrid.extra == (swa,) and len(page) == 8

@@ -1,7 +1,9 @@
 """A page's bytes as the store sees them, from and into the host pools.
 
 Full rows are read and written in place: ``host_page_views`` gives the segments of a
-page of the full host pool, whose slots the host allocator hands out in whole pages. A
+page of the full host pool, whose slots the host allocator hands out in whole pages (a
+``layer_first`` page of many segments as the view of its rows, which the store moves through
+one copy: :mod:`hicache.storage.page_segments`). A
 hybrid model's page adds its SWA rows as one more segment, in token order
 (``[page_size, components, SWA layers, row]``): a node's SWA host slots are aligned with its
 tokens but not whole pages of the SWA pool, so they are gathered into a buffer to be put,

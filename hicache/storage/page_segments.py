@@ -69,10 +69,6 @@ class PageRows(Sequence[memoryview]):
             return self.rows[position].data
         return self.extra[position - len(self.rows)]
 
-    @property
-    def nbytes(self) -> int:
-        return int(self.rows.nbytes) + sum(segment.nbytes for segment in self.extra)
-
     def with_segment(self, segment: memoryview) -> PageRows:
         """This page with ``segment`` after its segments (a hybrid page's SWA rows)."""
         return PageRows(self.rows, (*self.extra, segment))
