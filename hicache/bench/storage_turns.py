@@ -6,9 +6,8 @@ Python they run between their I/O, the scheduler waits for. A loop stands for th
 0.1 ms of Python, timed together) and runs alone, then while a worker thread puts, gets and
 deletes a host pool's pages through a store (the file store, Redis), as the store tier's
 jobs do (:func:`hicache.storage.host_page_views` of the pool, checksums on). Per host
-layout: a
-``layer_first`` page is one segment per component and layer (64 for this 32-layer model),
-a ``page_first_direct`` page is one.
+layout: a ``layer_first`` page is one segment per component and layer (64 for this 32-layer
+model), a ``page_first_direct`` page is one.
 """
 
 from __future__ import annotations
