@@ -137,3 +137,32 @@ def test_a_namespace_is_one_shard_by_default_takes_one_byte_segments_and_is_froz
         namespace.salt = "other"  # type: ignore[misc]
     with pytest.raises(TypeError):  # every field by name, none by position
         Namespace(*[getattr(good, f.name) for f in dataclasses.fields(Namespace)])  # type: ignore[misc]
+
+
+def test_page_hashes_keep_their_values_across_versions() -> None:
+    """A store names pages by these hashes, so any change of them strands every stored page:
+    the values of pages of 4 tokens 0..11, at a sequence's start and after a parent with
+    extra keys, pinned, and the definition written out (blake2b of 32 bytes, personalised,
+    over the previous hash, the extra keys' digest and the page's ids as u32 little-endian)."""
+    import hashlib
+    import struct
+
+    from hicache.storage.keys import ROOT_HASH
+
+    assert [h.hex() for h in chain_page_hashes(list(range(12)), 4)] == [
+        "a30b5217cf56722d45b06de14715fa980875ee04c0f88cbf6703bff28655d6a7",
+        "9df4d998dda0d9f85de2b1409d3a493c9f3979733c073d1e1e7e0e6cd86fd76f",
+        "3ccefa88599aa8b9b1d0283181b96cb85230f9333e7a23ec6af02a689dd15e21"]
+    parent = bytes(range(32))
+    assert [h.hex() for h in chain_page_hashes(list(range(12)), 4, parent=parent,
+                                                extra_keys=("lora", 7))] == [
+        "876f721edf9c8851cee6be9562e9f628ca9cae16095d9c4d76fd45c2f25fa6a9",
+        "10aed0c606ed9bd0cf6da4ce0e932dcb9ca26a01aa225f174b06f8f586014b4d",
+        "c0440858071462ddfd279122bdc813258832db0651356a7e62ce540479eec045"]
+    previous, written_out = ROOT_HASH, []
+    for page in range(3):
+        ids = struct.pack("<4I", *range(4 * page, 4 * page + 4))
+        previous = hashlib.blake2b(previous + ids, digest_size=32,
+                                   person=b"hicache.page.v1").digest()
+        written_out.append(previous)
+    assert written_out == chain_page_hashes(list(range(12)), 4)
