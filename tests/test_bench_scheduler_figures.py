@@ -268,7 +268,7 @@ def test_thread_figures_are_p99s_of_2k_calls_on_two_services_alike(
 
 
 def test_p99_is_the_value_below_which_99_percent_of_the_calls_fall() -> None:
-    p99 = thread_module._p99
+    p99 = thread_module.p99
     assert p99([5.0]) == 5.0
     assert p99([float(v) for v in reversed(range(1000))]) == 990.0
     assert p99([float(v) for v in range(50)]) == 49.0

@@ -38,15 +38,15 @@ def measure_thread_latency(size: int, repeats: int, seed: int) -> dict[str, list
         gc.callbacks.append(_COLLECTIONS.count)
         match_off, match_on = _in_turns(sides, "match", repeats)
         cycle_off, cycle_on = _in_turns(sides, "cycle", repeats)
-        out = {"2k match, background thread off (p99)": [_p99(match_off)],
-               "2k match, background thread on (p99)": [_p99(match_on)],
+        out = {"2k match, background thread off (p99)": [p99(match_off)],
+               "2k match, background thread on (p99)": [p99(match_on)],
                "2k match, background thread on (max)": [max(match_on)]}
         for name, calls in (("off", cycle_off), ("on", cycle_on)):
-            out[f"one request's cycle, background thread {name} (p99)"] = [_p99(calls)]
+            out[f"one request's cycle, background thread {name} (p99)"] = [p99(calls)]
         for name, calls in (("off", cycle_off), ("on", cycle_on)):
             spared = [us for us, collected in zip(calls, calls.collected, strict=True)
                       if not collected]
-            out[f"the same, thread {name}, calls no collection stopped (p99)"] = [_p99(spared)]
+            out[f"the same, thread {name}, calls no collection stopped (p99)"] = [p99(spared)]
         return out
     finally:
         if _COLLECTIONS.count in gc.callbacks:
@@ -141,6 +141,7 @@ BLOCK_CALLS = 16
 service's thread would find it idle."""
 
 
-def _p99(values: list[float]) -> float:
+def p99(values: list[float]) -> float:
+    """The 99th percentile of ``values`` (their unit): the value at 99% of them, sorted."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]

@@ -20,6 +20,7 @@ import torch
 
 from ..pools import AttentionKind, HostKVPool, HostLayout, IndexSpace, Indices, RowGeometry
 from ..storage import Namespace, PageStatus, chain_page_hashes, host_page_views, open_store
+from .scheduler_thread import p99
 from .storage import HEAD_DIM, HEADS, LAYERS, Row
 
 LAYOUTS = (HostLayout.LAYER_FIRST, HostLayout.PAGE_FIRST_DIRECT)
@@ -88,13 +89,8 @@ def measure_turns(store_name: str, location: str, layout: HostLayout, page_token
     return [*(Row(store_name, kib, f"turn {name} us, {layout.value}", pick(working),
                   pick(alone), REFERENCE) for name, pick in (("mean", statistics.fmean),
                                                              ("p50", statistics.median),
-                                                             ("p99", _p99))),
+                                                             ("p99", p99))),
             Row(store_name, kib, f"put+get GB/s, {layout.value}", moved, None, "")]
-
-
-def _p99(times: list[float]) -> float:
-    ordered = sorted(times)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
 def _pool(layout: HostLayout, page_tokens: int, num_pages: int) -> HostKVPool:
