@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from hicache.pools import IndexSpace, Indices
+from hicache.pools.arg_checks import check_int
 
 
 def empty_indices(space: IndexSpace) -> Indices:
@@ -39,3 +40,17 @@ def scatter_aligned(part: Indices, mask: torch.Tensor, space: IndexSpace) -> Ind
     aligned[mask.numpy()] = part.tensor.numpy()
     return Indices(torch.from_numpy(aligned), space)
 
+
+def tail_start(num_tokens: int, swa_tail_tokens: int, page_size: int) -> int:
+    """First token of a load's window tail of ``swa_tail_tokens`` tokens rounded up to whole
+    pages, capped at ``num_tokens``.
+
+    Raises:
+        TypeError: ``swa_tail_tokens`` is not an int (a NaN would mean "every token").
+        ValueError: it is negative.
+    """
+    if type(swa_tail_tokens) is not int:
+        swa_tail_tokens = check_int(swa_tail_tokens, "swa_tail_tokens", "load")
+    if swa_tail_tokens < 0:
+        raise ValueError(f"load: swa_tail_tokens must be >= 0, got {swa_tail_tokens}")
+    return num_tokens - min(num_tokens, -(-swa_tail_tokens // page_size) * page_size)

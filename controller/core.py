@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, IndexSpace, Indices, PageAllocator
+from hicache.pools.arg_checks import check_int
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import Event, LayerEventRing
@@ -126,7 +127,16 @@ class TransferCore(OpIssue):
         self.layer_events.wait_until(layer)
 
     def set_consumer(self, event_set: int | None) -> None:
-        """Select which load batch :meth:`wait_until` waits on (overlap scheduling)."""
+        """Select which load batch :meth:`wait_until` waits on (overlap scheduling):
+        ``None`` or a set of the ring, ``0 .. event_ring_size - 1``.
+
+        Raises:
+            TypeError, ValueError: anything else (a negative set would alias the last)."""
+        if event_set is not None:
+            event_set = check_int(event_set, "event_set", "set_consumer")
+            if not 0 <= event_set < self.layer_events.num_sets:
+                raise ValueError(f"set_consumer: event_set must be None or in 0.."
+                                 f"{self.layer_events.num_sets - 1}, got {event_set}")
         self.layer_events.consumer = event_set
 
     # ---- completion ---------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
 
-from .aligned_slots import cat_space, empty_indices, in_tail, scatter_aligned
+from .aligned_slots import cat_space, empty_indices, in_tail, scatter_aligned, tail_start
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .core import TransferCore
 from .events import Event
@@ -146,7 +146,7 @@ class HybridCacheController(TransferCore):
             )
         # the tail is a suffix: slices (views), not masks (a masked read or store costs
         # 10-25 us each at a request's size)
-        start = self._tail_start(len(host_indices), swa_tail_tokens)
+        start = tail_start(len(host_indices), swa_tail_tokens, self.hybrid_pool.page_size)
         swa_tail_host = swa_host[start:]
         if swa_tail_host.numel() and bool((swa_tail_host.numpy() == 0).any()):
             raise ValueError(
@@ -264,14 +264,19 @@ class HybridCacheController(TransferCore):
     def evict_host(self, host_indices: Indices, host_swa: Indices | None = None) -> None:
         """Free host full slots and the aligned SWA host slots (0 entries skipped)."""
         self._checks.not_busy(host_indices, "evict_host")
-        swa = None
+        full, swa = self.host_pool.allocator, self.host_swa.allocator
+        pages = full.pages_of(host_indices, op="evict_host")
+        full.check_allocated(pages)  # both parts checked before either is freed
+        swa_pages = None
         if host_swa is not None:
             swa_slots = self._checks.cpu(host_swa, self.host_swa, "evict_host")
-            swa = Indices(swa_slots[swa_slots != 0], IndexSpace.HOST_SWA)
-            self._checks.not_busy(swa, "evict_host")
-        self.host_pool.allocator.free(host_indices)
-        if swa is not None:
-            self.host_swa.allocator.free(swa)
+            swa_indices = Indices(swa_slots[swa_slots != 0], IndexSpace.HOST_SWA)
+            self._checks.not_busy(swa_indices, "evict_host")
+            swa_pages = swa.pages_of(swa_indices, op="evict_host")
+            swa.check_allocated(swa_pages)
+        full.free_pages(pages)
+        if swa_pages is not None:
+            swa.free_pages(swa_pages)
 
     def host_swa_evict(self, host_swa: Indices) -> None:
         """Free SWA host slots on their own (whole pages; none in flight)."""
@@ -290,11 +295,3 @@ class HybridCacheController(TransferCore):
             device_pool=self.hybrid_pool.swa, host_indices=host, device_indices=device,
             layers=self.swa_layers,
         )
-
-    def _tail_start(self, num_tokens: int, swa_tail_tokens: int) -> int:
-        """First token of the tail of ``swa_tail_tokens`` rounded up to whole pages, capped
-        at ``num_tokens``."""
-        if swa_tail_tokens < 0:
-            raise ValueError(f"load: swa_tail_tokens must be >= 0, got {swa_tail_tokens}")
-        page = self.hybrid_pool.page_size
-        return num_tokens - min(num_tokens, -(-swa_tail_tokens // page) * page)

@@ -49,6 +49,10 @@ class SlotChecks:
     def pair(self, host_indices: Indices, device_indices: Indices, op: str
              ) -> tuple[HostKVPool, DeviceKVPool, torch.Tensor, torch.Tensor]:
         """The pools and raw tensors of aligned host and device slots (``cpu`` each)."""
+        for indices in (host_indices, device_indices):
+            if not isinstance(indices, Indices):
+                raise TypeError(f"{op}: expected hicache.pools.Indices, got "
+                                f"{type(indices).__name__}")
         host_pool = self.held.pool(host_indices.space, op)
         device_pool = self.held.pool(device_indices.space, op)
         if not isinstance(host_pool, HostKVPool) or not isinstance(device_pool, DeviceKVPool):

@@ -25,6 +25,8 @@ read, and whether it is ready, change only at a ``step()``, to what every rank a
 
 from __future__ import annotations
 
+import numbers
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -82,6 +84,8 @@ class PrefetchCalls:
         ready (every rank makes the same steps), and takes no ``timeout_s``: each rank's
         clock would end the wait at a different step (the ``timeout`` policy's deadline is
         agreed instead)."""
+        if timeout_s is not None:
+            _check_timeout(timeout_s)
         until = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._gate.call():
@@ -122,3 +126,14 @@ class PrefetchCalls:
             raise ValueError(f"{op}: this prefetch belongs to another service: pass it to "
                              f"the service whose prefetch() made it")
         return self.storage
+
+
+def _check_timeout(timeout_s: object) -> None:
+    """``wait_prefetch``'s ``timeout_s``: a number of seconds, 0 up to the longest wait
+    Python can make (a NaN would be no timeout, a string fails later naming nothing)."""
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+        raise TypeError(f"wait_prefetch: timeout_s must be a number of seconds or None, got "
+                        f"{type(timeout_s).__name__} {timeout_s!r:.20}")
+    if not 0 <= float(timeout_s) <= threading.TIMEOUT_MAX:
+        raise ValueError(f"wait_prefetch: timeout_s must be 0..{threading.TIMEOUT_MAX:g} "
+                         f"seconds or None, got {timeout_s!r}")

@@ -1,19 +1,19 @@
 """Page allocator shared by every pool (device full, device SWA, host full, host SWA).
 
-Bookkeeping only: plain CPU data, no stream, no device tensor. Requests are placed in runs
-of consecutive pages wherever the free list allows (see ``try_alloc``), so copies of a page
-set are long (the copy engine needs contiguous host runs). Page 0 is reserved for padding
-and is never handed out. An index of the free runs (:class:`FreeRuns`) finds the run to use
-without scanning the pool, so an allocation or a free costs per run it touches; an
-allocation that would touch more runs than it leaves (a large load into scattered holes) is
-chosen from the free map in bulk instead (:mod:`.free_map_take`), the same pages.
-"""
+Bookkeeping only: plain CPU data, no stream, no device tensor. Requests are placed in runs of
+consecutive pages wherever the free list allows (``try_alloc``), so copies of a page set are
+long (the copy engine needs contiguous host runs). Page 0 is reserved for padding, never
+handed out. An index of the free runs (:class:`FreeRuns`) finds the run to use without
+scanning the pool, so an allocation or a free costs per run it touches; one that would touch
+more runs than it leaves (a large load into scattered holes) is chosen from the free map in
+bulk (:mod:`.free_map_take`), the same pages."""
 
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from .arg_checks import check_int
 from .base import IndexSpace, Indices, check_page_multiple
 from .free_map_take import bulk_pays, take_longest_from_map
 from .free_runs import FreeRuns
@@ -113,6 +113,8 @@ class PageAllocator:
         """Allocate the pages of :meth:`try_alloc`: the first page of the one run they
         form, the ``(first page, length)`` runs of a few runs, ascending (none for no
         tokens), or the page ids of many (a new array); ``None`` when they are not free."""
+        if type(num_tokens) is not int:  # a float passes the page check, then corrupts
+            check_int(num_tokens, "num_tokens", f"alloc from pool '{self.name}'")
         if num_tokens < 0 or num_tokens % self.page_size:
             check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size

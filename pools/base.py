@@ -258,7 +258,9 @@ def bounds_message(op: str, pool_name: str, unit: str, value: int, bound: int) -
 
 def check_page_multiple(num_tokens: int, page_size: int, what: str) -> None:
     """Raise ``ValueError`` unless ``num_tokens`` is a non-negative multiple of ``page_size``."""
-    if num_tokens < 0 or num_tokens % page_size != 0:
+    if num_tokens < 0:
+        raise ValueError(f"{what}: num_tokens must be >= 0, got {num_tokens}")
+    if num_tokens % page_size != 0:
         raise ValueError(
             f"{what}: {num_tokens} tokens is not a whole number of pages of {page_size} tokens; "
             f"round to a multiple of page_size_tokens"

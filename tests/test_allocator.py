@@ -82,7 +82,7 @@ def test_non_page_multiple_alloc_raises(alloc: PageAllocator) -> None:
 
 def test_negative_alloc_raises(alloc: PageAllocator) -> None:
     """A negative token count is refused."""
-    with pytest.raises(ValueError, match=r"-4 tokens is not a whole number of pages"):
+    with pytest.raises(ValueError, match=r"num_tokens must be >= 0, got -4"):
         alloc.try_alloc(-4)
 
 
