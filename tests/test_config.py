@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -261,8 +262,10 @@ def test_invalid_setting_names_key_value_and_fix(key: str, value: object, messag
 
 
 BOUNDS = [("model.num_layers", 4096), ("controller.event_ring_size", 64),
-          ("host.ram_reserve_gib", 2.0**33), ("host.ratio", 2.0**63),
-          ("service.integrity_check_interval_s", 0), ("controller.staging_tokens", 1),
+          ("host.ram_reserve_gib", 2.0**33), ("host.ratio", 1e9),
+          ("service.integrity_check_interval_s", 0),
+          ("service.integrity_check_interval_s", threading.TIMEOUT_MAX),
+          ("controller.staging_tokens", 1),
           ("controller.write_through_hits", 1), ("controller.load_back_threshold_tokens", 0),
           ("service.metrics_port", 0), ("service.metrics_port", 65535),
           ("model.num_kv_heads", 1), ("model.head_dim", 1)]
@@ -273,6 +276,13 @@ def test_each_bound_itself_is_accepted(key: str, value: float) -> None:
     config = config_from_dict(edited(hybrid(), key, value), check_ram=False)
     section, _, name = key.rpartition(".")
     assert getattr(getattr(config, section) if section else config, name) == value
+
+
+def test_a_host_ratio_making_a_pool_of_2_63_bytes_is_refused() -> None:
+    """The ratio's own bound (2**63) makes a host pool no byte count holds."""
+    with pytest.raises(ConfigError, match=r"host\.ratio = .*its host pool 'full' would take "
+                                          r"\d+ bytes, more than 2\*\*63"):
+        config_from_dict(edited(hybrid(), "host.ratio", 2.0**63), check_ram=False)
 
 
 def test_an_mla_latent_row_of_one_is_accepted() -> None:

@@ -16,8 +16,10 @@ def check_output_path(path: str | os.PathLike[str], option: str) -> None:
     The check opens the file for appending (which changes nothing in an existing file) and
     removes it again if it did not exist, so it holds for every user, root included, and
     for read-only file systems. ``option`` names the option in the message (``--json``).
+    A symbolic link is written through, as the command will: the file it names is checked
+    (and removed if the check made it), the link is left alone.
     """
-    target = Path(path)
+    target = Path(os.path.realpath(path))
     if target.is_dir():
         raise UsageError(f"{option} {path}: is a directory; name a file to write")
     existed = target.exists()

@@ -93,7 +93,15 @@ class HiCacheConfig:
                         f"set it to at most {pool.num_tokens}")
 
     def _check_host_pages(self) -> None:
-        pool_sizes(self)  # raises when a host pool would be smaller than one page
+        """A host pool of less than one page (``pool_sizes`` raises), or any pool of 2**63
+        bytes or more (no byte count holds it: a typo), naming the key that sizes it."""
+        for size in pool_sizes(self):
+            if size.size_bytes >= 2**63:
+                key, value = (self.host.size_key if size.tier == "host" else
+                              (f"device_pool.{'swa_' if size.pool == 'swa' else ''}num_tokens",
+                               size.num_tokens))
+                raise fail(key, value, f"its {size.tier} pool '{size.pool}' would take "
+                           f"{size.size_bytes} bytes, more than 2**63", "give a real size")
 
     def _check_storage_cap(self) -> None:
         cap = self.storage.capacity_bytes

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import stat
 from importlib import resources
 from pathlib import Path
 
@@ -61,6 +62,7 @@ def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCa
                           f"the path of a YAML file, or leave it out to use the built-in "
                           f"default")
     try:
+        _check_file(path)
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file; write one to start from with "
@@ -70,6 +72,24 @@ def load_config(path: str | os.PathLike[str], *, check_ram: bool = True) -> HiCa
         reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
         raise ConfigError(f"{path}: cannot read the config file ({reason})") from None
     return config_from_yaml(text, str(path), check_ram=check_ram)
+
+
+MAX_CONFIG_BYTES = 16 * 2**20
+"""The largest config file read (one is a few KiB): a bigger one is the wrong file."""
+
+
+def _check_file(path: str | os.PathLike[str]) -> None:
+    """Refuse what is neither a regular file nor a directory (which the read names) before
+    reading it: a device such as ``/dev/zero`` would be read until memory runs out, and a
+    pipe would block forever; and a file past :data:`MAX_CONFIG_BYTES`."""
+    info = os.stat(path)
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+        raise ConfigError(f"{path}: not a regular file (a device, a pipe or a socket); give "
+                          f"the path of a YAML config file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {info.st_size} bytes, more than a config file holds "
+                          f"(at most {MAX_CONFIG_BYTES} bytes); give the path of a YAML "
+                          f"config file")
 
 
 def config_from_yaml(text: str, source: str, *, check_ram: bool = True) -> HiCacheConfig:
@@ -169,9 +189,15 @@ def _check_ram(config: HiCacheConfig, what: str, ram: int | None, reserve: int,
     most = math.floor(value * max(budget - device, 0) / host * 100) / 100
     if most > 0:
         raise fail(key, value, problem, f"lower {key} to at most {most}, {other_fix}")
-    raise fail("device_pool.num_tokens", config.device_pool.num_tokens, problem,
-               f"the device pool on the cpu alone leaves no room for a host pool: lower "
-               f"device_pool.num_tokens, {other_fix}")
+    if budget <= 0 < ram:  # no pool size can fix it: the reserve takes all the RAM there is
+        raise fail("host.ram_reserve_gib", config.host.ram_reserve_gib, problem,
+                   f"it leaves no RAM for any pool: lower host.ram_reserve_gib below "
+                   f"{_gib(ram)}, or free memory")
+    if device:
+        raise fail("device_pool.num_tokens", config.device_pool.num_tokens, problem,
+                   f"the device pool on the cpu alone leaves no room for a host pool: lower "
+                   f"device_pool.num_tokens, {other_fix}")
+    raise fail(key, value, problem, f"the RAM left holds no host pool of any size: {other_fix}")
 
 
 def _gib(size_bytes: int | None) -> str:

@@ -16,6 +16,7 @@ import difflib
 import enum
 import math
 import re
+import threading
 import types
 import typing
 from collections.abc import Hashable, Mapping
@@ -210,6 +211,12 @@ def check_min(key: str, value: float, low: float) -> None:
 def check_max(key: str, value: float, high: float, why: str) -> None:
     if value > high:
         raise fail(key, value, f"must be <= {high:g} ({why})", f"set it to {high:g} or less")
+
+
+def check_seconds(key: str, value: float) -> None:
+    """A duration Python can wait for (``threading.TIMEOUT_MAX``, about 292 years): a longer
+    one makes a lock's or a socket's wait raise ``OverflowError`` where it is used."""
+    check_max(key, value, threading.TIMEOUT_MAX, "the longest wait Python can make")
 
 
 def check_gib(key: str, value: float) -> None:

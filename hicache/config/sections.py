@@ -28,6 +28,7 @@ from .parse import (
     check_max,
     check_min,
     check_positive,
+    check_seconds,
     fail,
     forbid,
     require,
@@ -263,4 +264,5 @@ class ServiceConfig:
             raise fail("service.metrics_port", self.metrics_port, "not a TCP port",
                         "use 0..65535 (0 picks a free port)")
         check_min("service.integrity_check_interval_s", self.integrity_check_interval_s, 0)
+        check_seconds("service.integrity_check_interval_s", self.integrity_check_interval_s)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from hicache.storage import DEFAULT_TIMEOUT_S, StoreLocation, parse_address, parse_location
 
 from .choices import WritePolicy
-from .parse import ConfigError, check_gib, check_min, check_positive, fail
+from .parse import ConfigError, check_gib, check_min, check_positive, check_seconds, fail
 from .sizing import GIB
 
 _CLUSTER_SCHEME = "redis+cluster://"
@@ -88,6 +88,9 @@ class StorageConfig:
         check_positive("storage.prefetch_timeout_s", self.prefetch_timeout_s)
         check_min("storage.prefetch_timeout_per_1024_tokens_s",
                   self.prefetch_timeout_per_1024_tokens_s, 0)
+        for key in ("timeout_s", "prefetch_timeout_s", "prefetch_timeout_per_1024_tokens_s",
+                    "prefetch_timeout_max_s"):
+            check_seconds(f"storage.{key}", getattr(self, key))
         if self.prefetch_timeout_max_s < self.prefetch_timeout_s:
             raise fail("storage.prefetch_timeout_max_s", self.prefetch_timeout_max_s,
                         f"below storage.prefetch_timeout_s ({self.prefetch_timeout_s})",

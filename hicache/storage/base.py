@@ -164,8 +164,10 @@ class Deadline:
     """A point in monotonic time; ``remaining()`` is never negative."""
 
     def __init__(self, timeout_s: float) -> None:
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s!r}")
+        if not 0 < timeout_s <= threading.TIMEOUT_MAX:  # longer: a wait raises OverflowError
+            raise ValueError(f"timeout_s must be > 0 seconds and at most "
+                             f"{threading.TIMEOUT_MAX:g} (the longest wait Python can make), "
+                             f"got {timeout_s!r}")
         self.at = time.monotonic() + timeout_s
 
     def remaining(self) -> float:
