@@ -245,11 +245,11 @@ class BackgroundPoller:
                     self._tree.has_queued_backups or self._controller.has_queued_writes):
                 self._issue_writes()  # backups queued with no step after them
             acks = self._controller.poll_acks()  # bounds errors go to step(), not this thread
+            for ack in acks:  # under the lock: a call between would find them nowhere
+                self._acks.append(ack)
             self._stats.polls += 1
             if self._exporter is not None:
                 self._exporter.refresh()
-        for ack in acks:
-            self._acks.append(ack)
         return bool(acks)
 
     def _issue_writes(self) -> None:

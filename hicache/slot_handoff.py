@@ -169,6 +169,10 @@ def finish_window_backups(service: HiCacheService, device_indices: Indices) -> b
     tree = service.tree
     if tree.io.is_hybrid and tree.window_backups.in_flight(device_indices):
         apply_finished_writes(service)
+        if tree.window_backups.in_flight(device_indices):  # before the caller changes anything
+            raise RuntimeError("a window backup of these pages is still in flight after every "
+                               "write finished and its ack was applied: its ack was lost; "
+                               "stop the service")
         return True
     return False
 

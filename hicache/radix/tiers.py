@@ -120,10 +120,15 @@ class TieredRadixTree(RadixTree):
                     released.append(self._take_device(node))
                 elif self.write_policy is not WritePolicy.WRITE_BACK:
                     released.append(self._drop(node, "no_backup"))
-                elif backups.allocate_one(self, node, evict_after=True):
-                    scheduled += node.num_tokens
-                    continue
                 else:
+                    try:  # an observer's error or an interrupt: evictable at the next call
+                        started = backups.allocate_one(self, node, evict_after=True)
+                    except BaseException:
+                        self._touch(node)
+                        raise
+                    if started:
+                        scheduled += node.num_tokens
+                        continue
                     released.append(self._drop(node, "host_full"))
                 freed += node.num_tokens
         finally:
