@@ -110,7 +110,7 @@ def test_every_choice_and_number_is_kept() -> None:
     assert storage.timeout_s == 1.0 and isinstance(storage.timeout_s, float)
     assert not storage.checksum and storage.write_through_hits == 5
     # a cap of exactly one page (4 tokens x 2 layers x K and V x 2 heads x 8 dims x 2 bytes)
-    assert load(FILE | {"size_cap_gib": 512 / 2**30}).storage.capacity_bytes == 512
+    assert load(FILE | {"size_cap_gib": 4608 / 2**30}).storage.capacity_bytes == 4608
     # the README's default, and 0 (every tail asked for) at the bound
     assert load(FILE).storage.prefetch_threshold_tokens == 256
     assert load(FILE | {"prefetch_threshold_tokens": 0}).storage.prefetch_threshold_tokens == 0
@@ -161,15 +161,15 @@ ERRORS = [
     (FILE | {"path": "s3://bucket"}, r"storage\.path = 's3://bucket': unknown storage scheme "
      r"'s3'; use a directory path or one of"),
     (FILE | {"size_cap_gib": 0}, r"storage\.size_cap_gib = 0\.0: must be > 0"),
-    (FILE | {"size_cap_gib": 1e-9}, r"storage\.size_cap_gib = 1e-09: smaller than one page "
-     r"\(512 bytes\); raise it to at least 1e-06"),
+    (FILE | {"size_cap_gib": 1e-9}, r"storage\.size_cap_gib = 1e-09: smaller than one page's "
+     r"file \(4608 bytes: 512 of rows, a header of 4096\); raise it to at least 5e-06"),
     # redis locations
     ({"backend": "redis"}, r"storage\.url: missing, required for backend redis; add url: "
      r"redis://host:6379 \(or nodes: \[host:port, \.\.\.\] for a cluster\)"),
     (REDIS | {"nodes": ["h:1"]}, r"storage\.url = 'redis://127\.0\.0\.1:6379' and storage\.nodes "
      r"= \['h:1'\]: both given; keep url"),
     (REDIS | {"url": "redis://localhost"}, r"storage\.url = 'redis://localhost': 'localhost' is "
-     r"not host:port \(e\.g\. 127\.0\.0\.1:6379\)"),
+     r"not host:port \(e\.g\. 127\.0\.0\.1:6379, \[::1\]:6379\)"),
     (REDIS | {"url": "redis://a:1,b:2"}, r"storage\.url = 'redis://a:1,b:2': several hosts need "
      r"redis\+cluster://"),
     (REDIS | {"url": "redis://a:1/2"}, r"storage\.url = 'redis://a:1/2': only database 0"),
@@ -331,7 +331,8 @@ def test_ports_run_from_1_to_65535_and_file_urls_are_local() -> None:
     assert parse_location("redis://127.0.0.1:65535").seeds == (("127.0.0.1", 65535),)
     assert parse_address("[::1]:7000") == ("::1", 7000)
     assert parse_location("file://localhost/srv/pages").path == "/srv/pages"
-    with pytest.raises(ValueError, match=r"^'h' is not host:port \(e\.g\. 127\.0\.0\.1:6379\)$"):
+    with pytest.raises(ValueError,
+                       match=r"^'h' is not host:port \(e\.g\. 127\.0\.0\.1:6379, \[::1\]:6379\)$"):
         parse_address("h")
 
 

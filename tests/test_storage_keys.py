@@ -16,6 +16,8 @@ from hicache.pools import HostLayout
 from hicache.storage import Namespace, chain_page_hashes
 
 TOKENS = list(range(100, 116))
+# blake2b-256(previous || ids as u64, person "hicache.page.w1") of [1, 2**32], [2**62 + 5, 4]
+GOLDEN_WIDE = ["60b4ee895063e758", "fe94cbbd27c167c3"]
 
 
 def test_hashes_are_the_same_in_another_process_with_another_hash_seed() -> None:
@@ -62,7 +64,8 @@ def test_extra_keys_separate_chains() -> None:
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"token_ids": [-1, 2, 3, 4], "page_size": 4}, "token ids must lie"),
-    ({"token_ids": [2**32, 2, 3, 4], "page_size": 4}, "token ids must lie"),
+    ({"token_ids": np.array([2**63, 2, 3, 4], dtype=np.uint64), "page_size": 4},
+     r"token ids must lie in \[0, 2\*\*63\)"),
     ({"token_ids": [1.5, 2.0], "page_size": 2}, "integers"),
     ({"token_ids": [[1, 2]], "page_size": 2}, "1-D"),
     ({"token_ids": [1, 2], "page_size": 0}, "page_size"),
@@ -111,6 +114,28 @@ def test_the_edges_of_the_token_range_and_pages_of_one_token_are_hashed() -> Non
     ones = chain_page_hashes(edges, 1)
     assert len(ones) == 4 and len(set(ones)) == 4
     assert chain_page_hashes(edges[:2], 1) == ones[:2]
+
+
+def test_ids_of_2_32_or_more_are_hashed_page_by_page_as_u64() -> None:
+    """The tree takes ids up to 2**63 (a backup of such a prefix raised out of ``step``):
+    a page holding one is hashed as u64 under its own personalisation, the others as
+    ever, so each page's hash depends on its prefix only, not on what else a call hashes."""
+    small, wide, after = [1, 2], [3, 2**32], [5, 6]
+    hashes = chain_page_hashes(small + wide + after, 2)
+    assert hashes[0] == chain_page_hashes(small, 2)[0]  # before the wide page: unchanged
+    assert hashes[1:] == chain_page_hashes(wide + after, 2, parent=hashes[0])
+    assert hashes[2] == chain_page_hashes(after, 2, parent=hashes[1])[0]
+    # not the id's low 32 bits, nor any u32 page of the same bytes
+    assert hashes[1] != chain_page_hashes([*small, 3, 0], 2)[1]
+    assert len(set(chain_page_hashes([2**63 - 1, 2**40, 2**32, 2**62], 1))) == 4
+    assert chain_page_hashes(np.array([7, 2**40], dtype=np.int64), 2) == \
+        chain_page_hashes([7, 2**40], 2) == chain_page_hashes(torch.tensor([7, 2**40]), 2)
+
+
+def test_the_hashes_of_pages_with_ids_of_2_32_or_more_keep_their_values() -> None:
+    """Golden values: two instances of any version find each other's pages."""
+    hashes = chain_page_hashes([1, 2**32, 2**62 + 5, 4], 2)
+    assert [h.hex()[:16] for h in hashes] == GOLDEN_WIDE
 
 
 def test_a_bool_extra_key_is_refused() -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from hicache.storage.page_files import DIRECT_ALIGN as FILE_HEADER_BYTES
+
 from .choices import IOBackend, SWAHistory
 from .parse import ConfigError, check_min, fail, forbid
 from .sections import (
@@ -105,13 +107,15 @@ class HiCacheConfig:
 
     def _check_storage_cap(self) -> None:
         cap = self.storage.capacity_bytes
-        page_bytes = self.page_size_tokens * sum(token_bytes(self, name)
-                                                 for name in pool_names(self))
+        # a page's file: its rows and a header padded to 4 KiB (the store reads the rows
+        # with O_DIRECT), for the one or two segments a page has
+        rows = self.page_size_tokens * sum(token_bytes(self, name) for name in pool_names(self))
+        page_bytes = FILE_HEADER_BYTES + rows
         if cap is not None and cap < page_bytes:
             least = math.ceil(page_bytes / GIB * 1e6) / 1e6
             raise fail("storage.size_cap_gib", self.storage.size_cap_gib,
-                        f"smaller than one page ({page_bytes} bytes)",
-                        f"raise it to at least {least}")
+                        f"smaller than one page's file ({page_bytes} bytes: {rows} of rows, "
+                        f"a header of {FILE_HEADER_BYTES})", f"raise it to at least {least}")
 
     def _check_pages(self, key: str, num_tokens: int) -> None:
         page = self.page_size_tokens

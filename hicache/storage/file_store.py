@@ -9,8 +9,7 @@ reads go through the page cache with ``preadv`` into the same slots, one copy ei
 A size cap (``capacity_bytes``) evicts this namespace's least recently used pages (this
 process's view of use); a ``put`` never evicts a page it wrote in the same call (``ERROR`` for
 one that cannot fit). Threads move a call's pages in parallel, each checking the deadline
-before each page; a call returns only when none of them writes into its buffers any more.
-"""
+before each page; a call returns only when none of them writes into its buffers any more."""
 
 from __future__ import annotations
 
@@ -130,11 +129,12 @@ class FileStore(StorageBackend):
             timeout_s: float | None = None) -> StorageResult:
         views = check_batch("put", self.namespace, page_hashes, pages, writable=False)
         self._scan()
-        names = [key.hex() + SUFFIX for key in page_hashes]
+        pinned: list[str] = []  # by this call: a page skipped or failed is another's pin
         try:
-            return self._run("put", page_hashes, views, timeout_s, self._write_page)
+            return self._run("put", page_hashes, views, timeout_s,
+                             lambda key, page: self._write_page(key, page, pinned))
         finally:
-            self.lru.release(names)
+            self.lru.release(pinned)
 
     def delete(self, page_hashes: Sequence[bytes], timeout_s: float | None = None
                ) -> StorageResult:
@@ -212,7 +212,8 @@ class FileStore(StorageBackend):
         self._evict(self.lru.touch(name, size))
         return PageStatus.OK
 
-    def _write_page(self, key: bytes, segments: Sequence[memoryview]) -> PageStatus:
+    def _write_page(self, key: bytes, segments: Sequence[memoryview], pinned: list[str]
+                    ) -> PageStatus:
         name = key.hex() + SUFFIX
         path = self._file(name)
         if os.path.exists(path):
@@ -222,6 +223,7 @@ class FileStore(StorageBackend):
         victims = self.lru.reserve(name, self.format.object_len)
         if victims is None:
             raise OSError(f"store full: {self.lru.capacity_bytes} bytes cap held by this call")
+        pinned.append(name)
         self._evict(victims)
         segments = payload(segments)  # a layer_first page as one copy (page_segments)
         header = self.format.header(key, segments)

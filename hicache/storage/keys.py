@@ -2,7 +2,8 @@
 
 A page's hash identifies the whole prefix that ends with it: ``blake2b-256(parent hash ||
 extra-keys digest || this page's token ids as u32 little-endian)``, the first page's parent
-being 32 zero bytes. Every engine process, machine and Python version computes the same
+being 32 zero bytes (a page holding an id of ``2**32`` or more: its ids as u64, under another
+personalisation). Every engine process, machine and Python version computes the same
 hashes (no built-in ``hash``, no pickle, no random seed), so two instances share pages.
 
 The :class:`Namespace` digest covers everything that changes a page's bytes (model and its
@@ -31,6 +32,7 @@ NAMESPACE_BYTES = 16
 FORMAT_VERSION = 1
 ROOT_HASH = bytes(PAGE_HASH_BYTES)
 _PERSON = b"hicache.page.v1"
+_WIDE_PERSON = b"hicache.page.w1"  # pages with an id of 2**32 or more, as u64
 _MAX_TOKEN_ID = 2**32 - 1
 
 ExtraKey = str | int | bytes
@@ -46,7 +48,8 @@ def chain_page_hashes(
     """Hashes of the full pages of ``token_ids`` (a trailing partial page is not hashed).
 
     Args:
-        token_ids: ``[n]`` token ids in ``[0, 2**32)``; a list, NumPy array or CPU tensor.
+        token_ids: ``[n]`` token ids in ``[0, 2**63)`` (the tree's); a list, NumPy array or
+            CPU tensor.
         page_size: tokens per page (>= 1).
         parent: hash of the page before ``token_ids[0]`` when continuing a chain (a request's
             new pages after a cached prefix); ``None`` at the start of a sequence.
@@ -63,16 +66,20 @@ def chain_page_hashes(
     if parent is not None and (not isinstance(parent, bytes) or len(parent) != PAGE_HASH_BYTES):
         raise ValueError(f"parent must be a {PAGE_HASH_BYTES}-byte page hash or None, "
                          f"got {parent!r}")
-    tokens = _token_array(token_ids)
-    data = tokens.astype("<u4").tobytes()
+    tokens, high = _token_array(token_ids)
     extra = _extra_digest(extra_keys)
-    page_bytes = 4 * page_size
     previous = ROOT_HASH if parent is None else parent
+    num_pages = len(tokens) // page_size
+    if high > _MAX_TOKEN_ID:
+        return _wide_chain(tokens[:num_pages * page_size].reshape(num_pages, page_size),
+                           previous, extra)
+    data = tokens.astype("<u4").tobytes()
+    page_bytes = 4 * page_size
     hashes = []
     # each page's hash: blake2b(previous hash, extra digest, the page's token ids); a copy of
     # an empty personalised state costs less than making one (64 pages: 22 against 36 us)
     empty = hashlib.blake2b(digest_size=PAGE_HASH_BYTES, person=_PERSON)
-    for start in range(0, (len(tokens) // page_size) * page_bytes, page_bytes):
+    for start in range(0, num_pages * page_bytes, page_bytes):
         digest = empty.copy()
         digest.update(previous + extra + data[start:start + page_bytes])
         previous = digest.digest()
@@ -80,18 +87,36 @@ def chain_page_hashes(
     return hashes
 
 
-def _token_array(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+def _wide_chain(pages: np.ndarray, previous: bytes, extra: bytes) -> list[bytes]:
+    """:func:`chain_page_hashes` of ``[num_pages, page_size]`` tokens of which some are
+    ``2**32`` or more (the tree takes ids up to ``2**63``): a page of such ids is hashed as
+    u64 under its own personalisation (never equal to a u32 page's hash), any other page
+    as ever, so a page's hash depends on its prefix only, whatever else a call hashes."""
+    hashes = []
+    wides: list[bool] = np.asarray((pages > _MAX_TOKEN_ID).any(axis=1)).tolist()
+    for page, wide in zip(pages, wides, strict=True):
+        digest = hashlib.blake2b(digest_size=PAGE_HASH_BYTES,
+                                 person=_WIDE_PERSON if wide else _PERSON)
+        digest.update(previous + extra + page.astype("<u8" if wide else "<u4").tobytes())
+        previous = digest.digest()
+        hashes.append(previous)
+    return hashes
+
+
+def _token_array(token_ids: Sequence[int] | np.ndarray | torch.Tensor
+                 ) -> tuple[np.ndarray, int]:
+    """The ids as a 1-D integer array, checked, and the largest of them (0 when none)."""
     tokens = np.asarray(token_ids)
     if tokens.ndim != 1:
         raise ValueError(f"token_ids must be 1-D, got shape {tokens.shape}")
     if tokens.size == 0:
-        return tokens.astype(np.int64)
+        return tokens.astype(np.int64), 0
     if tokens.dtype.kind not in "iu":
         raise ValueError(f"token_ids must be integers, got dtype {tokens.dtype}")
     low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high > _MAX_TOKEN_ID:
-        raise ValueError(f"token ids must lie in [0, 2**32), got min {low}, max {high}")
-    return tokens
+    if low < 0 or high >= 2**63:
+        raise ValueError(f"token ids must lie in [0, 2**63), got min {low}, max {high}")
+    return tokens, high
 
 
 def _extra_digest(extra_keys: Sequence[ExtraKey]) -> bytes:

@@ -151,7 +151,11 @@ class RedisStore(StorageBackend):
     def clear(self, timeout_s: float | None = None) -> int:
         deadline = Deadline(timeout_s or self.timeout_s)
         removed = 0
-        for address in self.nodes.masters(deadline):
+        masters = self.nodes.masters(deadline)
+        if not masters:  # no slot map: no node answered (nothing was cleared)
+            raise StorageUnavailable(f"no node of the redis cluster answers (seeds "
+                                     f"{self.nodes.seeds})")
+        for address in masters:
             connection = self.nodes.connection(address, deadline)
             if connection is None:
                 raise StorageUnavailable(f"redis {address[0]}:{address[1]} does not answer")

@@ -114,10 +114,17 @@ def _refuse_ignored_parts(location: str, parts: SplitResult) -> None:
 
 
 def parse_address(item: str, location: str | None = None) -> Address:
-    """``(host, port)`` from ``host:port`` (``[::1]:port`` for IPv6); ``ValueError`` naming
-    ``location`` (the string ``item`` came from) otherwise."""
+    """``(host, port)`` from ``host:port`` (``[::1]:port`` for IPv6, a zone written ``%25``
+    as in a URL: ``[fe80::1%25eth0]:port``); ``ValueError`` naming ``location`` (the string
+    ``item`` came from) otherwise: a port not of ASCII digits in 1..65535, brackets that do
+    not enclose an IPv6 address, a colon outside them, white space."""
     host, sep, port = item.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    bracketed = host.startswith("[") and host.endswith("]") and ":" in host
+    inner = host[1:-1] if bracketed else host
+    if (not sep or not inner or not (port.isascii() and port.isdigit())
+            or not 0 < int(port) < 65536 or any(c in inner for c in "[]")
+            or (not bracketed and ":" in inner) or any(c.isspace() for c in inner)):
         where = f"{location!r}: " if location is not None else ""
-        raise ValueError(f"{where}{item!r} is not host:port (e.g. 127.0.0.1:6379)")
-    return host.strip("[]"), int(port)
+        raise ValueError(f"{where}{item!r} is not host:port (e.g. 127.0.0.1:6379, "
+                         f"[::1]:6379)")
+    return (inner.replace("%25", "%") if bracketed else inner), int(port)
