@@ -121,7 +121,7 @@ class MetricsExporter:
         except BaseException:
             self.stop()
             raise
-        logger.info("serving metrics on http://%s:%d/metrics", host, server.server_port)
+        logger.info("serving metrics on http://%s/metrics", host_port(host, server.server_port))
         return server.server_port
 
     @property
@@ -198,8 +198,13 @@ def _bind(host: str, port: int) -> _MetricsServer:
         raise MetricsBindError(exc.errno, _bind_message(host, port, exc)) from exc
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (as a URL writes it)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _bind_message(host: str, port: int, exc: OSError) -> str:
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    address = host_port(host, port)
     reason = exc.strerror or "cannot bind"
     if exc.errno == errno.EADDRNOTAVAIL:
         return (f"metrics endpoint: cannot bind {address} ({reason}: {host} is no address of "

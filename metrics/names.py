@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal, NamedTuple
 
 from hicache.l3.stats import BACKUP_OUTCOMES, PREFETCH_OUTCOMES
+from hicache.radix.node import BACKUP_REFUSALS
 from hicache.storage.base import TIMED_OPS
 
 MetricType = Literal["counter", "gauge", "histogram"]
@@ -22,7 +23,7 @@ DROP_REASONS: tuple[str, ...] = ("no_backup", "host_full", "orphaned")
 LOAD_BACK_REFUSAL_REASONS: tuple[str, ...] = (
     "below_threshold", "over_quota", "device_full", "swa_tail_missing",
 )
-BACKUP_REFUSAL_REASONS: tuple[str, ...] = ("host_full",)
+BACKUP_REFUSAL_REASONS: tuple[str, ...] = BACKUP_REFUSALS  # the tree's, where it counts them
 
 # The shared store (L3): the tier's outcomes (``hicache.l3.stats``), the store's page
 # statuses and byte counts (``hicache.storage.StorageStats``), its calls and the queues.

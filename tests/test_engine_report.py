@@ -89,7 +89,7 @@ def test_a_report_with_nothing_wrong_passes() -> None:
     assert fresh.passed and fresh.failure() is None
     counts = {name: value for name, value in fresh.to_json().items()
               if name.endswith(("_tokens", "_requests", "_checked"))}
-    assert len(counts) == 14 and set(counts.values()) == {0}
+    assert len(counts) == 15 and set(counts.values()) == {0}
     assert fresh.format().endswith("result             PASS")
     assert "(0.0%)" in fresh.format()  # no prompt tokens: no division by zero
 
@@ -139,12 +139,14 @@ def test_the_store_lines_give_the_second_instances_share(second: int, from_store
                                                          share: str) -> None:
     made = blank()
     made.l3 = {"store": "file:///x", "stored_pages": 4, "second_prompt_tokens": second,
-               "second_from_store_tokens": from_store, "second_pages_checked": 3}
+               "second_from_store_tokens": from_store, "second_pages_checked": 3,
+               "second_store_pages_checked": 2}
     made.l3_from_store_tokens = 16
     text = made.format()
     assert ("file:///x: 4 pages stored; 16 prompt tokens came back from it after host "
             "eviction") in text
-    assert f"{from_store} of {second} prompt tokens ({share}) from the store; 3 loaded" in text
+    assert (f"{from_store} of {second} prompt tokens ({share}) from the store; 2 loaded pages "
+            f"from the store verified against the first instance's backups, 3 in all") in text
 
 
 def test_the_timer_has_no_rate_before_an_op_and_closes_cleanly() -> None:

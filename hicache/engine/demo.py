@@ -21,7 +21,7 @@ import torch
 from hicache.config import HiCacheConfig, WritePolicy
 from hicache.controller import HybridCacheController
 from hicache.factory import build_service
-from hicache.metrics.exporter import MetricsBindError, probe_bind
+from hicache.metrics.exporter import MetricsBindError, host_port, probe_bind
 from hicache.radix import CacheStats
 from hicache.service import HiCacheService
 
@@ -168,6 +168,7 @@ def serve_twice(
         "second_device_hit_tokens": second_report.device_hit_tokens,
         "second_host_hit_tokens": second_report.host_hit_tokens,
         "second_pages_checked": second_report.pages_checked,
+        "second_store_pages_checked": second_report.pages_from_store_checked,
         "arrived_pages": pages.arrived_pages, "unknown_pages": pages.unknown_pages,
     }
     return first
@@ -254,6 +255,7 @@ def _fill(
                       "host_used_bytes": used * host_swa.geometry.token_bytes(
                           len(controller.swa_layers))}
     report.pages_checked = audit.checked_pages
+    report.pages_from_store_checked = audit.checked_from_store
     report.page_mismatches = list(audit.mismatches)
     report.corrupted_host_slot = audit.corrupted_slot
 
@@ -262,7 +264,7 @@ def _metrics_line(service: HiCacheService, config: HiCacheConfig, wanted_port: i
     exporter = service.exporter
     if exporter is None or exporter.port is None:
         return "off (service.metrics_enabled is false)"
-    url = f"http://{config.service.metrics_host}:{exporter.port}/metrics"
+    url = f"http://{host_port(config.service.metrics_host, exporter.port)}/metrics"
     if wanted_port and exporter.port != wanted_port:
         url += f" (port {wanted_port} was taken)"
     return url

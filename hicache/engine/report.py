@@ -129,6 +129,7 @@ class DemoReport:
     transfers: list[TransferLine] = field(default_factory=list)
     timing_method: str = ""
     pages_checked: int = 0
+    pages_from_store_checked: int = 0  # of them, pages that came from the shared store
     page_mismatches: list[str] = field(default_factory=list)
     token_mismatch: str | None = None
     corruption_requested: bool = False
@@ -233,8 +234,8 @@ def _store_lines(l3: dict[str, Any], first_from_store: int) -> list[str]:
         f"{first_from_store} prompt tokens came back from it after host eviction",
         f"  second instance    empty device and host, same store, same requests: "
         f"{l3['second_from_store_tokens']} of {second} prompt tokens ({pct:.1f}%) from the "
-        f"store; {l3['second_pages_checked']} loaded pages verified against the first "
-        f"instance's backups",
+        f"store; {l3['second_store_pages_checked']} loaded pages from the store verified "
+        f"against the first instance's backups, {l3['second_pages_checked']} in all",
     ]
 
 

@@ -59,8 +59,9 @@ class StorePageAudit:
 
     @property
     def stored_pages(self) -> int:
-        """Pages the store took (their put succeeded), over every instance watched."""
-        return sum(tier.stats.backup_pages["stored"] for tier in self._tiers)
+        """Pages written to the store, over every instance watched (a put of a page the
+        store already holds writes nothing: the tier counts it stored, the store skipped)."""
+        return sum(tier.store.stats().pages_written for tier in self._tiers)
 
     @property
     def failed_pages(self) -> int:
@@ -99,8 +100,10 @@ class StorePageAudit:
                         swa_digests.pop(slot, None)
                     continue
                 full.update(zip(mine, known[0], strict=True))
+                audit.from_store["full"].update(mine)
                 if mine_swa is not None and known[1] is not None:
                     swa_digests.update(zip(mine_swa, known[1], strict=True))
+                    audit.from_store["swa"].update(mine_swa)
 
         tier.observers.append(observe)
 

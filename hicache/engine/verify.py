@@ -54,6 +54,8 @@ class TransferAudit:
         self.request = "-"
         self.mismatches: list[str] = []
         self.checked_pages = 0
+        self.checked_from_store = 0  # of them, pages whose digests came with the store's page
+        self.from_store: dict[str, set[int]] = {"full": set(), "swa": set()}  # such host slots
         self.corrupted_slot: int | None = None
         self._corrupt = corrupt_host_byte
         self._digests: dict[str, dict[int, bytes]] = {"full": {}, "swa": {}}
@@ -100,6 +102,8 @@ class TransferAudit:
                 )
         num_pages = -(-len(got) // page)
         self.checked_pages += num_pages
+        stored = self.from_store[load.pool]
+        self.checked_from_store += sum(int(slot) in stored for slot in load.host_slots[::page])
         return num_pages
 
     # ---- the controller's observer --------------------------------------------------
@@ -127,7 +131,9 @@ class TransferAudit:
         """Digest device rows at ``device`` under host slots ``host`` (0 pairs skipped)."""
         keep = (device != 0) & (host != 0)
         digests = _row_digests(self._device_pool(pool), device[keep])
-        self._digests[pool].update(zip(host[keep].tolist(), digests, strict=True))
+        slots = host[keep].tolist()
+        self._digests[pool].update(zip(slots, digests, strict=True))
+        self.from_store[pool].difference_update(slots)  # this instance's own rows now
 
     def _device_pool(self, pool: str) -> DeviceKVPool:
         controller = self.controller

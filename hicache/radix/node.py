@@ -196,6 +196,10 @@ class LoadBack(NamedTuple):
         return self.refused is None
 
 
+# the reasons ``CacheStats.refused_backups`` counts (the metrics export each from the start)
+BACKUP_REFUSALS: tuple[str, ...] = ("host_full", "host_swa_full")
+
+
 @dataclass
 class CacheStats:
     """Cumulative tree counters in tokens (plain numbers; ``hicache.metrics`` exports them).
