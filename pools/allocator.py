@@ -257,12 +257,11 @@ class PageAllocator:
 
     def _take_longest_runs(self, num_pages: int) -> list[tuple[int, int]] | np.ndarray:
         """Allocate ``num_pages`` pages from the longest runs (no run holds them all): the
-        lowest ``num_pages`` pages of the fewest longest runs that cover them. The few runs
-        of most allocations come back as ``(first page, length)`` runs ascending, each
-        marked with a slice store; the many of a fragmented pool as their page ids
-        (ascending, int64), marked with one indexed store. When the runs taken outnumber
-        those left (a large load into scattered holes) the choice is made from the free map
-        in bulk and the run index rebuilt from what stays (:mod:`.free_map_take`)."""
+        lowest ``num_pages`` pages of the fewest longest runs that cover them: ``(first page,
+        length)`` runs ascending for the few runs of most allocations (a slice store each),
+        page ids (ascending, int64) for the many of a fragmented pool (one indexed store).
+        When the runs taken outnumber those left (a large load into scattered holes) the
+        choice is made from the free map in bulk, the run index rebuilt from what stays."""
         index = self._runs
         taken = index.runs_to_take(num_pages)
         if bulk_pays(taken, len(index) - taken, self.num_pages):

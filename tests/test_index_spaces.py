@@ -230,8 +230,9 @@ def test_page_multiples_are_whole_pages_of_zero_or_more(num_tokens: int, ok: boo
     if ok:
         check_page_multiple(num_tokens, 4, "alloc")
         return
-    with pytest.raises(ValueError, match=rf"^alloc: {num_tokens} tokens is not a whole number "
-                                         r"of pages of 4 tokens"):
+    message = (f"num_tokens must be >= 0, got {num_tokens}" if num_tokens < 0 else
+               f"{num_tokens} tokens is not a whole number of pages of 4 tokens")
+    with pytest.raises(ValueError, match=rf"^alloc: {message}"):
         check_page_multiple(num_tokens, 4, "alloc")
 
 
