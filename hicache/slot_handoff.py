@@ -131,10 +131,7 @@ def insert(service: HiCacheService, tokens: TokenIds | TokenKey, device_indices:
     given = checked.slots
     if given is None:
         given = device_indices.tensor[:num_tokens].to(torch.int64).numpy()
-    cached = tree.insert_slots(key.data, given, own_tokens)
-    if tree.io.is_hybrid:  # copies of duplicate pages, which the tree freed
-        head = Indices(device_indices.tensor[:num_tokens], IndexSpace.DEVICE_FULL)
-        tree.io.free_host_swa(tree.window_backups.take(head))
+    cached = tree.insert_slots(key.data, given, own_tokens)  # frees duplicates' SWA copies
     service._engine.forget(checked.pages)
     return cached
 

@@ -45,11 +45,17 @@ from hicache.pools.serial_copies import int64_copy, joined
 from .integrity import check_tree
 from .key import TOKEN_BYTES, TokenIds, TokenKey
 from .load_back import load_back
-from .node import LoadBack, MatchResult, PendingOp, TreeNode, cat_indices, slice_indices
+from .node import LoadBack, MatchResult, PendingOp, TreeNode, cat_indices
 from .tiers import TieredRadixTree
-from .tree import Clock, slots_of
+from .tree import Clock
 from .window_backups import WindowBackupOp, WindowBackups
-from .window_tail import adopt_window_backups, back_up_window, evict_swa, finish_window_backup
+from .window_tail import (
+    back_up_window,
+    evict_swa,
+    finish_window_backup,
+    refuse_copies_in_flight,
+    take_swa,
+)
 
 
 class HiRadixCache(TieredRadixTree):
@@ -145,31 +151,20 @@ class HiRadixCache(TieredRadixTree):
         ``own_tokens``: leading tokens whose slots the check compared slot for slot with the
         tree's own, nothing changed since (no duplicate among them)."""
         num_tokens = len(key) // TOKEN_BYTES
+        if self.io.is_hybrid:  # before any change: no SWA copy of these pages in flight
+            refuse_copies_in_flight(self, slots[:num_tokens])
         path, taken, duplicates, cached = self._insert_walk(key, slots, own_tokens)
+        duplicate = None
         if duplicates:  # most inserts hand the tree's own pages back: none
             duplicate = cat_indices(duplicates, IndexSpace.DEVICE_FULL)
             self.io.free_device(duplicate)
             self.stats.duplicate_tokens += len(duplicate)
         if self.io.is_hybrid:  # a full-attention model has no SWA rows nor copies of them
-            self._take_swa(taken, num_tokens)
+            take_swa(self, taken, duplicate, num_tokens)
         self.stats.inserted_tokens += num_tokens - cached
         if self.write_policy is WritePolicy.WRITE_THROUGH:
             self._backup_nodes(path)
         return cached
-
-    def _take_swa(self, taken: list[tuple[TreeNode, int]], num_tokens: int) -> None:
-        """The SWA side of an insert (hybrid): the nodes that took the caller's slots take
-        their SWA slots and the host SWA copies made of them. SWA rows before the
-        sequence's window are kept (to be backed up with the node, and freed by evict_swa
-        once their host copy exists) when the host keeps SWA history, else freed now (an
-        engine that calls release_window has freed them already)."""
-        window_start = 0 if self.io.keeps_swa_history else self.io.window_start(num_tokens)
-        for node, offset in taken:
-            device = slots_of(node, "device")
-            cut = max(0, min(node.num_tokens, window_start - offset))
-            self.io.release_swa(slice_indices(device, 0, cut))
-            node.device_swa = self.io.swa_of(device)
-            adopt_window_backups(self, node)
 
     def _insert_walk(
         self, key: bytes, given: np.ndarray, own_tokens: int

@@ -208,6 +208,7 @@ def _engine_pages(
     if backups is not None and len(backups):
         pages[IndexSpace.HOST_SWA] = _pages(allocators, backups.host_slots(),
                                             "engine window backups", False)
+        _check_backed_up_pages(allocators, backups.device_pages(), engine_device)
     if tree.storage is not None:
         for space, held in ((IndexSpace.HOST_FULL, tree.storage.held_host_slots()),
                             (IndexSpace.HOST_SWA, tree.storage.held_host_swa_slots())):
@@ -221,6 +222,22 @@ def _engine_pages(
     if swa is not None:
         pages[IndexSpace.DEVICE_SWA] = _pages(allocators, swa, "engine SWA slots", False)
     return pages
+
+
+def _check_backed_up_pages(allocators: dict[IndexSpace, PageAllocator], pages: np.ndarray,
+                           engine_device: Indices | None) -> None:
+    """A window backup is of a page the engine still holds (the page's going takes it):
+    one of ``engine_device`` when the engine's pages are known, else an allocated page."""
+    allocator = allocators[IndexSpace.DEVICE_FULL]
+    if engine_device is None:
+        gone = allocator.first_unallocated_page(pages)
+        if gone is not None:
+            raise RuntimeError(f"a window backup is of DEVICE_FULL page {gone}, which is free")
+        return
+    held = np.isin(pages, _pages(allocators, engine_device, "engine slots", False))
+    if not held.all():
+        raise RuntimeError(f"a window backup is of DEVICE_FULL page {int(pages[~held][0])}, "
+                           f"which the engine no longer holds")
 
 
 def _check_space(

@@ -97,13 +97,18 @@ class WindowBackups:
         if not count_nonzero(found):
             return None
         taken = pages[found]
-        assert not count_nonzero(self._writer[taken]), "take() of a copy still in flight"
+        if count_nonzero(self._writer[taken]):  # callers wait for (or refuse) these first
+            raise RuntimeError("window backups: a copy of these pages is still in flight")
         rows = np.zeros((pages.size, self.page_size), dtype=np.int64)
         rows[found] = self._host[taken]
         self._held[taken] = False
         self._host[taken] = 0
         self._count -= int(taken.size)
         return Indices(torch.from_numpy(rows.reshape(-1)), IndexSpace.HOST_SWA)
+
+    def device_pages(self) -> np.ndarray:
+        """The device pages whose SWA rows have a copy here (for integrity checks)."""
+        return np.flatnonzero(self._held)
 
     def host_slots(self) -> Indices:
         """Every host SWA slot held here (for integrity checks: the engine holds them)."""

@@ -15,12 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from hicache.controller import Direction
 from hicache.pools import IndexSpace, Indices
 
-from .node import PendingOp, TreeNode, cat_indices
+from .node import PendingOp, TreeNode, cat_indices, slice_indices
 from .node_io import SlotPair
 from .tree import slots_of
 from .window_backups import WindowBackupOp
@@ -145,6 +146,34 @@ def finish_window_backup(tree: HiRadixCache, op: WindowBackupOp) -> None:
     """The host copy of ``op``'s SWA rows is complete: free their device SWA slots."""
     tree.window_backups.finish(op)
     tree.io.release_swa(op.device)
+
+
+def refuse_copies_in_flight(tree: HiRadixCache, slots: np.ndarray) -> None:
+    """Refuse an insert of engine ``slots`` (int64, one a token) some of whose pages' SWA
+    rows :func:`back_up_window` is still copying to the host (the service waits first)."""
+    if tree.window_backups.in_flight(Indices(torch.from_numpy(slots), IndexSpace.DEVICE_FULL)):
+        raise ValueError("insert: the SWA rows of some of these pages are still being "
+                         "copied to the host (back_up_window); apply_acks once the copy "
+                         "finished, then insert (the service waits for it by itself)")
+
+
+def take_swa(tree: HiRadixCache, taken: list[tuple[TreeNode, int]],
+             duplicate: Indices | None, num_tokens: int) -> None:
+    """The SWA side of an insert (hybrid): the nodes that took the caller's slots (``taken``:
+    with their token offset) take their SWA slots and the host SWA copies made of them; the
+    copies of ``duplicate`` pages (which the tree freed) are freed. SWA rows before the
+    sequence's window are kept (to be backed up with the node, and freed by evict_swa once
+    their host copy exists) when the host keeps SWA history, else freed now (an engine that
+    calls release_window has freed them already)."""
+    if duplicate is not None:
+        tree.io.free_host_swa(tree.window_backups.take(duplicate))
+    window_start = 0 if tree.io.keeps_swa_history else tree.io.window_start(num_tokens)
+    for node, offset in taken:
+        device = slots_of(node, "device")
+        cut = max(0, min(node.num_tokens, window_start - offset))
+        tree.io.release_swa(slice_indices(device, 0, cut))
+        node.device_swa = tree.io.swa_of(device)
+        adopt_window_backups(tree, node)
 
 
 def adopt_window_backups(tree: HiRadixCache, node: TreeNode) -> None:
