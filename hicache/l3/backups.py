@@ -73,10 +73,7 @@ class StoreBackups:
     def keep_for_store(self, node: TreeNode) -> bool:
         if self.policy is not WritePolicy.WRITE_BACK or node.in_storage:
             return False
-        if self.put(node, evict_after=True):
-            self.stats.backup_evictions += 1
-            return True
-        return False
+        return self.put(node, evict_after=True)  # counted written back once stored
 
     def put(self, node: TreeNode, *, evict_after: bool) -> bool:
         """Queue a put of ``node``'s host pages unless stored, in flight or not backed up;
@@ -153,6 +150,8 @@ class StoreBackups:
                 tree._touch(node)
         for host, swa in self._pending_free.pop(pending, []):
             tree.io.free_host(host, swa)
+        if pending.evict_after and stored_all:  # written to the store before its eviction
+            self.stats.backup_evictions += len(pending.nodes)
         if pending.evict_after:
             # deepest first: a parent becomes a leaf once its child left
             for node in sorted(pending.nodes, key=TreeNode.depth, reverse=True):

@@ -252,9 +252,10 @@ class Prefetches:
         if job.phase is PrefetchPhase.QUERY:
             counts["timeout"] += (total - arrived) * page
             return
-        for status in job.statuses[arrived:]:
+        statuses = list(job.statuses)  # one snapshot: the worker may extend the list now
+        for status in statuses[arrived:]:
             counts[_STATUS_OUTCOME.get(status, "timeout")] += page
-        unread = job.found - max(arrived, len(job.statuses))
+        unread = job.found - max(arrived, len(statuses))
         if unread > 0:
             counts[job.unread or "timeout"] += unread * page
         counts[_STATUS_OUTCOME.get(job.missing, "error")] += (total - job.found) * page
