@@ -179,6 +179,12 @@ def fill(service: HiCacheService, workload: ChatWorkload, target_tokens: int) ->
         serve(service, workload.next_prompt())
 
 
+def few_calls(repeats: int, least: int) -> int:
+    """Calls of a figure whose call takes long (a 32k match, 2048 pages): a tenth of the
+    repeats, at least ``least`` (the header names these counts)."""
+    return max(least, repeats // 10)
+
+
 def timed(call: Callable[[], object], repeats: int,
           before: Callable[[], object] | None = None) -> list[float]:
     """Microseconds of ``call`` per repeat (``before`` runs untimed before each)."""
@@ -227,7 +233,7 @@ def measure_tree(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
                 lambda: service.key(prompt_2k), repeats),
             "match of a 2k-token prompt": timed(lambda: service.match(key_2k), repeats),
             "match of a 32k-token prompt": timed(lambda: service.match(key_32k),
-                                                 max(3, repeats // 10)),
+                                                 few_calls(repeats, 3)),
             # a cached system prompt and 1024 new tokens, drawn before the clock starts
             # (the workload's generator is not the cache's cost)
             "one request's cycle (2k tokens)": timed(

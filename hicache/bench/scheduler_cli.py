@@ -48,8 +48,8 @@ DESCRIPTION = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000, 1_000_000],
-                        help="tree sizes in cached tokens")
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help="tree sizes in cached tokens (default: 10000 100000 1000000)")
     parser.add_argument("--repeats", type=int, default=200, help="calls per figure")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace", type=Path, metavar="JSONL",
@@ -62,13 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="DEVICE:HOST capacities of the replay, in 512-token blocks "
                         "(both >= 1; the device must hold the trace's longest request)")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: sizes 10000 and 100000, 30 repeats")
+                        help="smoke run: sizes 10000 and 100000, 30 repeats (what the "
+                        "command line names wins)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write the figures here")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sizes is None:
+        args.sizes = [10_000, 100_000] if args.quick else [10_000, 100_000, 1_000_000]
     if args.quick:
-        args.sizes, args.repeats = [10_000, 100_000], min(args.repeats, 30)
+        args.repeats = min(args.repeats, 30)
     try:
         capacities, requests = _check(args)
     except UsageError as exc:
@@ -76,12 +79,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
 
+    from .scheduler import few_calls
     from .scheduler_requests import render_requests
     from .trace import replay
 
     figures, end_to_end = _measure(args)
     print(f"hicache bench scheduler: {platform.processor() or platform.machine()}, "
-          f"torch {torch.__version__}, page size 16, medians of {args.repeats} calls")
+          f"torch {torch.__version__}, page size 16, medians of {args.repeats} calls "
+          f"({few_calls(args.repeats, 3)} for the 32k match, {few_calls(args.repeats, 5)} "
+          f"for 2048 pages)")
     print(render(figures, args.sizes))
     print(render_requests(end_to_end))
     rows: list[ReplayRow] = []

@@ -11,7 +11,7 @@ from typing import Any
 from hicache.controller import CacheController
 from hicache.pools import IndexSpace, Indices, PageAllocator
 
-from .scheduler import PAGE, make_service, timed
+from .scheduler import PAGE, few_calls, make_service, timed
 
 
 def measure_allocator(repeats: int) -> dict[str, list[float]]:
@@ -38,7 +38,7 @@ def measure_allocator(repeats: int) -> dict[str, list[float]]:
 
     return {"allocate + free 1 page, 1M-token pool": timed(one(fresh), repeats),
             "the same, pool fragmented": timed(one(holey), repeats),
-            "allocate + free 2048 pages, fragmented": timed(many, max(5, repeats // 10))}
+            "allocate + free 2048 pages, fragmented": timed(many, few_calls(repeats, 5))}
 
 
 def measure_controller(repeats: int) -> dict[str, list[float]]:

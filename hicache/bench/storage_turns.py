@@ -80,12 +80,13 @@ def measure_turns(store_name: str, location: str, layout: HostLayout, page_token
         finally:
             stop.set()
             elapsed = time.perf_counter() - started
+            done = rounds[0]  # the rounds the window holds: not the one ending after it
             worker.join()
         store.clear()
     if errors:
         raise RuntimeError(f"{store_name} store, {layout.value}: {errors[0]}")
     kib = namespace.page_bytes >> 10
-    moved = 2 * rounds[0] * len(keys) * namespace.page_bytes / 1e9 / elapsed
+    moved = 2 * done * len(keys) * namespace.page_bytes / 1e9 / elapsed
     return [*(Row(store_name, kib, f"turn {name} us, {layout.value}", pick(working),
                   pick(alone), REFERENCE) for name, pick in (("mean", statistics.fmean),
                                                              ("p50", statistics.median),
