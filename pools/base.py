@@ -127,11 +127,14 @@ class PageTable:
         space: ``DEVICE_FULL`` (pages of the full pool) or ``DEVICE_SWA`` (made only by
             :meth:`hicache.pools.HybridSWAPool.translate_page_table`).
         page_size: slots per page.
+        map_version: of an SWA table, the full-to-SWA map's version it was translated
+            with (a hybrid pool refuses it once the map changed); ``None`` otherwise.
     """
 
     tensor: torch.Tensor
     space: IndexSpace
     page_size: int
+    map_version: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor, torch.Tensor):

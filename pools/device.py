@@ -80,8 +80,10 @@ class DeviceKVPool:
         # Views made once: set_kv runs per layer per forward, and each view costs a few us.
         self._rows = [[self.data[c, layer] for layer in range(num_layers)]
                       for c in range(geometry.num_components)]
-        # the padding row of every component of a layer: one strided view, one zero_ per set_kv
-        self._padding = [self.data[:, layer, PADDING_SLOT] for layer in range(num_layers)]
+        # the padding page (page 0, reserved) of every component of a layer: one strided view,
+        # one zero_ after each indexed set_kv (a row aimed at any of its slots is not kept)
+        padding = slice(PADDING_SLOT, self.page_size or 1)
+        self._padding = [self.data[:, layer, padding] for layer in range(num_layers)]
         # what key_buffer / value_buffer / latent_buffer return, per component and layer
         self._buffers = [[self._heads_view(rows) if geometry.kind is AttentionKind.MHA
                           else rows for rows in component] for component in self._rows]

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .base import PADDING_SLOT, IndexSpace, Indices, check_indices
+from .base import IndexSpace, Indices, check_indices
 from .page_ids import is_run
 from .pinned_uploads import UPLOADS
 
@@ -113,7 +113,8 @@ def make_forward_locs(pool: DeviceKVPool, locs: Indices) -> ForwardLocs:
                                 num_slots=pool.num_slots, device=None, op="forward_locs")
         values = checked.numpy()
         span = None
-        if values.size and int(values[0]) > PADDING_SLOT and is_run(values):
+        # a run past the whole padding page: slice copies, nothing to clear after them
+        if values.size and int(values[0]) >= (pool.page_size or 1) and is_run(values):
             span = (int(values[0]), int(values[0]) + int(values.size))
         if span is not None and pool.device.type == "cuda":  # made on the first read
             return ForwardLocs(None, None, pool, 0, span, pool.device, pool.space)

@@ -70,11 +70,11 @@ class HybridSWAPool:
         self.full = DeviceKVPool(
             name="full", space=IndexSpace.DEVICE_FULL, num_layers=len(full_ids),
             num_slots=self.full_allocator.num_slots, geometry=geometry, device=self.device,
-        )
+            page_size=page_size)
         self.swa = DeviceKVPool(
             name="swa", space=IndexSpace.DEVICE_SWA, num_layers=len(swa_ids),
             num_slots=self.swa_allocator.num_slots, geometry=geometry, device=self.device,
-        )
+            page_size=page_size)
         self.device = self.full.device  # with its index ("cuda" -> "cuda:0")
         self.full.page_size = self.swa.page_size = page_size  # page tables are checked by it
         self.slot_map = SWASlotMap(self.full, self.full_allocator, self.swa_allocator)
@@ -219,10 +219,10 @@ class HybridSWAPool:
         self.swa.raise_if_tripped()
 
     def page_slots(self, layer: int, table: PageTable, row: int) -> Indices:
-        """Slots that model ``layer`` reads for row ``row`` of ``table``: a full layer takes
-        a ``DEVICE_FULL`` table, an SWA layer only a ``DEVICE_SWA`` one (raises otherwise);
-        see :meth:`DeviceKVPool.page_slots`."""
+        """Slots model ``layer`` reads for row ``row`` of ``table``: a full layer takes a
+        ``DEVICE_FULL`` table, an SWA layer only a current ``DEVICE_SWA`` one (else raises)."""
         pool, _ = self.pool_of(layer)
+        self.slot_map.check_current(table, f"page_slots(layer={layer})")
         return pool.page_slots(table, row)
 
     # ---- KV access ----------------------------------------------------------------------

@@ -169,7 +169,16 @@ class SWASlotMap:
                                           op=op, unit="page")
             swa = (self.full_to_swa[pages.to(torch.int64) * self.page_size]
                    // self.page_size).to(torch.int32)
-        return PageTable(swa, IndexSpace.DEVICE_SWA, self.page_size)
+        return PageTable(swa, IndexSpace.DEVICE_SWA, self.page_size, self.version)
+
+    def check_current(self, table: object, op: str) -> None:
+        """Refuse an SWA page table translated before the map last changed: its pages may
+        be another request's now (a stale cached translation)."""
+        if isinstance(table, PageTable) and table.space is IndexSpace.DEVICE_SWA \
+                and table.map_version != self.version:
+            raise ValueError(f"{op}: this SWA page table was translated with map version "
+                             f"{table.map_version}, the map is at {self.version}; translate "
+                             f"the full-space table again")
 
     def fill_decode_buffer(self, buffer: torch.Tensor, full: Indices) -> Indices:
         """Write the SWA slots of ``full`` into ``buffer`` and zero its tail, after checking

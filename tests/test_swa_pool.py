@@ -446,7 +446,7 @@ def test_swa_layer_set_kv_writes_the_translated_rows_only(shifted: HybridSWAPool
     expected = torch.full_like(shifted.swa.data, SENTINEL)
     expected[0, 0, 2:4] = k.flatten(1)
     expected[1, 0, 2:4] = v.flatten(1)
-    expected[:, 0, 0] = 0.0
+    expected[:, 0, :PAGE_SIZE] = 0.0  # the whole padding page
     assert torch.equal(shifted.swa.data, expected)
     assert torch.equal(shifted.full.data, torch.full_like(shifted.full.data, SENTINEL))
 
@@ -457,7 +457,7 @@ def test_swa_layer_write_of_unmapped_slot_goes_to_padding(shifted: HybridSWAPool
     k, v = _kv(1, 1.0)
     shifted.set_kv(3, _full(2), k, v)
     expected = torch.full_like(shifted.swa.data, SENTINEL)
-    expected[:, 1, 0] = 0.0
+    expected[:, 1, :PAGE_SIZE] = 0.0
     assert torch.equal(shifted.swa.data, expected)
 
 
@@ -469,7 +469,7 @@ def test_full_layer_set_kv_writes_the_full_pool(shifted: HybridSWAPool) -> None:
     expected = torch.full_like(shifted.full.data, SENTINEL)
     expected[0, 1, 6:8] = k.flatten(1)
     expected[1, 1, 6:8] = v.flatten(1)
-    expected[:, 1, 0] = 0.0
+    expected[:, 1, :PAGE_SIZE] = 0.0
     assert torch.equal(shifted.full.data, expected)
     assert torch.equal(shifted.swa.data, torch.full_like(shifted.swa.data, SENTINEL))
 
@@ -588,7 +588,7 @@ def test_set_kv_after_map_change_translates_afresh(shifted: HybridSWAPool) -> No
     k, v = _kv(2, 1.0)
     shifted.set_kv(1, locs, k, v)
     expected = torch.full_like(shifted.swa.data, SENTINEL)
-    expected[:, 0, 0] = 0.0
+    expected[:, 0, :PAGE_SIZE] = 0.0
     assert torch.equal(shifted.swa.data, expected)
 
 

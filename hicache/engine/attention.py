@@ -114,12 +114,25 @@ class DecodeBuffers:
             raise ValueError(f"decode batch of {n} rows > max_batch {self.max_batch}")
         _check_tokens(locs, list(range(n)), positions, len(page_rows))
         table = page_table_cpu(page_rows, self.max_batch, self.max_pages)
+        _check_bounds(pool, locs, table, self.page_size)  # before the graph's buffers change
         self.out_cache_loc[:n].copy_(torch.tensor(locs, dtype=torch.int32))
         self.out_cache_loc[n:].zero_()
         self.page_table.copy_(table)
         full = Indices(self.out_cache_loc, IndexSpace.DEVICE_FULL)
         return _batch(pool, full, list(range(n)), positions,
                       PageTable(self.page_table, IndexSpace.DEVICE_FULL, self.page_size))
+
+
+def _check_bounds(pool: KVPool, locs: list[int], table: torch.Tensor, page_size: int) -> None:
+    """Every slot and page of a decode batch within the full pool (the pool checks them
+    again, after the buffers are filled: a refusal there would leave them changed)."""
+    slots = (pool.full if isinstance(pool, HybridSWAPool) else pool).num_slots
+    for what, values, bound in (("slot", locs, slots),
+                                ("page", table.flatten().tolist(), slots // page_size)):
+        bad = next((v for v in values if not 0 <= v < bound), None)
+        if bad is not None:
+            problem = "is negative" if bad < 0 else f"is out of range (0..{bound - 1})"
+            raise ValueError(f"decode batch: {what} {bad} {problem}; nothing was written")
 
 
 def _check_tokens(locs: list[int], rows: list[int], positions: list[int], num_rows: int
