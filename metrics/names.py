@@ -153,7 +153,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Bytes moved by acknowledged transfers, per direction and pool (bytes); "
                "rate() of it is the achieved bandwidth."),
     MetricSpec(TRANSFER_OPS, "counter", ("direction", "backend"),
-               "Transfer ops submitted, by the backend chosen for each op (ops)."),
+               "Transfer ops submitted, by the backend chosen for each op; a (direction, backend) "
+               "series appears with its first op, as `auto` picks per op (ops)."),
     MetricSpec(TRANSFER_COMPLETED_OPS, "counter", ("direction",),
                "Transfer ops acknowledged (ops)."),
     MetricSpec(TRANSFER_DURATION, "histogram", ("direction",),

@@ -63,3 +63,52 @@ def test_readme_names_the_ci_command(repo_root: Path) -> None:
     readme = (repo_root / "README.md").read_text(encoding="utf-8")
     assert "```bash\nbash .ci/run\n```" in readme
     assert "python3 -m pytest -q" in (repo_root / ".ci" / "run").read_text()
+
+
+RANKS_RUNNER = '''
+import os, socket, sys
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SNIPPET = open("snippet.py").read()
+
+
+def rank_main(rank, world, port):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)  # the model's own group
+    scope = {}
+    try:
+        exec(SNIPPET, scope)  # the README's lines, as written
+        scope["service"].step()
+        scope["service"].stop()
+    except Exception as exc:
+        print(f"rank {rank}: {type(exc).__name__}: {exc}", flush=True)
+        os._exit(1)
+    print(f"rank {rank}: ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    mp.spawn(rank_main, args=(2, port), nprocs=2)
+'''
+
+
+def test_the_tensor_parallel_snippet_runs_on_two_ranks_of_one_host(repo_root: Path,
+                                                                    tmp_path: Path) -> None:
+    """The README's per-rank snippet, with the config ``hicache init`` writes, on two ranks
+    of one host (it bound one metrics port on both ranks until it gave each its own)."""
+    readme = (repo_root / "README.md").read_text(encoding="utf-8")
+    match = re.search(r"On each rank, after the model's own process group:\n\n```python\n"
+                      r"(.*?)```", readme, re.DOTALL)
+    assert match is not None, "no tensor-parallel snippet in README.md"
+    subprocess.run([sys.executable, "-m", "hicache.cli", "init"], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=120)
+    (tmp_path / "snippet.py").write_text(match.group(1))
+    (tmp_path / "ranks.py").write_text(RANKS_RUNNER)
+    result = subprocess.run([sys.executable, "ranks.py"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=300, check=False)
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert result.returncode == 0 and lines == ["rank 0: ok", "rank 1: ok"], \
+        "\n".join(lines) + result.stderr[-2000:]
