@@ -151,7 +151,9 @@ def finish_window_backup(tree: HiRadixCache, op: WindowBackupOp) -> None:
 def refuse_copies_in_flight(tree: HiRadixCache, slots: np.ndarray) -> None:
     """Refuse an insert of engine ``slots`` (int64, one a token) some of whose pages' SWA
     rows :func:`back_up_window` is still copying to the host (the service waits first)."""
-    if tree.window_backups.in_flight(Indices(torch.from_numpy(slots), IndexSpace.DEVICE_FULL)):
+    backups = tree.window_backups
+    if len(backups) and backups.in_flight(Indices(torch.from_numpy(slots),
+                                                   IndexSpace.DEVICE_FULL)):
         raise ValueError("insert: the SWA rows of some of these pages are still being "
                          "copied to the host (back_up_window); apply_acks once the copy "
                          "finished, then insert (the service waits for it by itself)")
