@@ -96,14 +96,14 @@ def _filled_buffers() -> tuple[HybridSWAPool, DecodeBuffers]:
 
 
 @pytest.mark.parametrize(("locs", "pages", "message"), [
-    ([-1, 3], [[1], [1]], r"slot -1 is negative"),
-    ([2], [[99]], r"page 99 is out of range \(0\.\.6\)"),
-    ([99], [[1]], r"slot 99 is out of range \(0\.\.13\)")])
+    ([-1, 3], [[1], [1]], r"slot -1 is negative for pool 'full' \(valid slots are 0\.\.13\)"),
+    ([2], [[99]], r"page 99 is out of range for pool 'full' \(valid pages are 0\.\.6\)"),
+    ([99], [[1]], r"slot 99 is out of range for pool 'full' \(valid slots are 0\.\.13\)")])
 def test_a_refused_decode_batch_leaves_the_graph_buffers_as_they_were(
         locs: list[int], pages: list[list[int]], message: str) -> None:
     pool, buffers = _filled_buffers()
     before = buffers.out_cache_loc.clone(), buffers.page_table.clone()
-    with pytest.raises(ValueError, match=rf"^decode batch: {message}; nothing was written$"):
+    with pytest.raises(ValueError, match=rf"^decode batch: {message}; pass only"):
         buffers.fill(pool, locs, [0] * len(locs), pages)
     assert torch.equal(buffers.out_cache_loc, before[0])
     assert torch.equal(buffers.page_table, before[1])

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.pools import DeviceKVPool, ForwardLocs, HybridSWAPool, IndexSpace, Indices, PageTable
+from hicache.pools.base import bounds_message
 
 from .model import ModelSpec
 
@@ -126,13 +127,12 @@ class DecodeBuffers:
 def _check_bounds(pool: KVPool, locs: list[int], table: torch.Tensor, page_size: int) -> None:
     """Every slot and page of a decode batch within the full pool (the pool checks them
     again, after the buffers are filled: a refusal there would leave them changed)."""
-    slots = (pool.full if isinstance(pool, HybridSWAPool) else pool).num_slots
-    for what, values, bound in (("slot", locs, slots),
-                                ("page", table.flatten().tolist(), slots // page_size)):
+    full = pool.full if isinstance(pool, HybridSWAPool) else pool
+    for unit, values, bound in (("slot", locs, full.num_slots),
+                                ("page", table.flatten().tolist(), full.num_slots // page_size)):
         bad = next((v for v in values if not 0 <= v < bound), None)
         if bad is not None:
-            problem = "is negative" if bad < 0 else f"is out of range (0..{bound - 1})"
-            raise ValueError(f"decode batch: {what} {bad} {problem}; nothing was written")
+            raise ValueError(bounds_message("decode batch", full.name, unit, bad, bound))
 
 
 def _check_tokens(locs: list[int], rows: list[int], positions: list[int], num_rows: int
