@@ -109,6 +109,7 @@ def test_the_tensor_parallel_snippet_runs_on_two_ranks_of_one_host(repo_root: Pa
     (tmp_path / "ranks.py").write_text(RANKS_RUNNER)
     result = subprocess.run([sys.executable, "ranks.py"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300, check=False)
-    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
-    assert result.returncode == 0 and lines == ["rank 0: ok", "rank 1: ok"], \
-        "\n".join(lines) + result.stderr[-2000:]
+    # the two ranks print at once: their lines may run together, so count, not split
+    assert result.returncode == 0 and all(result.stdout.count(f"rank {rank}: ok") == 1
+                                          for rank in (0, 1)), \
+        result.stdout + result.stderr[-2000:]
