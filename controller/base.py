@@ -164,6 +164,7 @@ class TransferOp:
     after: list[Event] = field(default_factory=list)  # marks of the queuing callers' streams
     tokens_by_pool: dict[str, int] = field(default_factory=dict)
     bytes_by_pool: dict[str, int] = field(default_factory=dict)
+    calls: Sequence[object] = ()  # the queued calls merged into it, until it is issued
 
     def __init__(self, op_id: int, direction: Direction, transfers: list[PoolTransfer],
                  tags: list[object], backend: str = "", executor: TransferBackend | None = None,
@@ -181,6 +182,7 @@ class TransferOp:
         self.after = [] if after is None else after
         self.tokens_by_pool = {} if tokens_by_pool is None else tokens_by_pool
         self.bytes_by_pool = {} if bytes_by_pool is None else bytes_by_pool
+        self.calls = ()
 
     @property
     def primary(self) -> PoolTransfer:

@@ -18,9 +18,9 @@ from hicache.pools.arg_checks import check_int
 
 from .base import Ack, Direction, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .events import Event, LayerEventRing
-from .index_moves import move_checked
+from .index_moves import move_checked, move_op_indices
 from .op_issue import OpIssue
-from .op_queue import OpQueue, TransferObserver, TransferPages, acknowledgement, move_op_indices
+from .op_queue import OpQueue, TransferObserver, TransferPages, acknowledgement
 from .side_streams import SideStreams
 from .slot_checks import SlotChecks
 from .stats import TransferStats
@@ -241,7 +241,7 @@ class TransferCore(OpIssue):
 
     def move_op_indices(self, op: TransferOp) -> list[MovedTransfer]:
         """Move the indices of every pool transfer of ``op`` where its backend reads them
-        (see :func:`~hicache.controller.op_queue.move_op_indices`)."""
+        (see :func:`~hicache.controller.index_moves.move_op_indices`)."""
         return move_op_indices(op)
 
     def _pools(self) -> list[DeviceKVPool | HostKVPool]:

@@ -160,3 +160,25 @@ def record_on_stream(op: TransferOp, stream: torch.cuda.Stream) -> None:
     for tensor in tensors + op.keep_alive:
         if tensor.is_cuda:
             tensor.record_stream(stream)
+
+
+def move_op_indices(op: TransferOp, may_pad: bool = True,
+                    pages: list[SlotPages] | None = None) -> list[MovedTransfer]:
+    """Move the indices of every pool transfer of ``op`` (its own list, so a pool kind added
+    later is covered without touching call sites) where ``op.executor`` reads them. The
+    op's indices are the queue's own copies, checked when their call was queued; without
+    ``may_pad`` those checks found no padding slot among them, and ``pages`` (each
+    transfer's, from those checks) go with the slots to a backend that reads device pages
+    (:func:`~.index_moves.move_whole_pages`)."""
+    assert op.executor is not None, f"op {op.op_id} has no backend"
+    executor = op.executor
+    moved = []
+    for i, t in enumerate(op.transfers):
+        found = None if pages is None else move_whole_pages(t, executor, pages[i])
+        if found is None:
+            found = MovedTransfer(t, *move_checked(t.host_indices.tensor,
+                                                   t.device_indices.tensor, t.host_pool,
+                                                   t.device_pool, executor, owned=True,
+                                                   may_pad=may_pad))
+        moved.append(found)
+    return moved

@@ -56,11 +56,19 @@ class OpIssue:
                          op.op_id, op.num_tokens, len(op.transfers), op.backend)
 
     def start_writing(self) -> None:
-        """Merge queued writes into one all-layer op and issue it on the write stream."""
+        """Merge queued writes into one all-layer op and issue it on the write stream.
+
+        When the issue raises (a staging buffer's allocation, a Ctrl-C between copies), the
+        writes are queued again as they were, their pages still held, and the next call
+        issues them (the copies already made are repeated after them on the stream)."""
         op = self._ops.merge(Direction.DEVICE_TO_HOST, self.backend)
         if op is None:
             return
-        self._streams.issue_write(op)
+        try:
+            self._streams.issue_write(op)
+        except BaseException:
+            self._ops.requeue(op)
+            raise
         self._submitted(op)
 
     def start_loading(self) -> int | None:
@@ -71,11 +79,17 @@ class OpIssue:
             was queued (then ``wait_until`` keeps its previous consumer).
         Raises:
             RuntimeError: the ring's next event set is still in flight.
+            Any error of the issue itself: the loads are queued again as after a failed
+            :meth:`start_writing`, and the consumer set is the one before.
         """
         if not self._ops.num_queued(Direction.HOST_TO_DEVICE):
             return None
         set_id, op = self._merged_load()
-        self._streams.issue_load(op, op.layer_events)
+        try:
+            self._streams.issue_load(op, op.layer_events)
+        except BaseException:
+            self._failed_load(op)
+            raise
         self.layer_events.consumer = set_id
         self._submitted(op)
         return set_id
@@ -97,31 +111,58 @@ class OpIssue:
         if not self._ops.num_queued(Direction.DEVICE_TO_HOST):
             return self.start_loading()
         set_id, load = self._merged_load()
-        write = self._ops.merge(Direction.DEVICE_TO_HOST, self.backend)
+        try:
+            write = self._ops.merge(Direction.DEVICE_TO_HOST, self.backend)
+        except BaseException:
+            self._failed_load(load)
+            raise
         assert write is not None
 
-        failed: list[Exception] = []
+        failed: list[BaseException] = []
+        issued = []
 
         def issue_write() -> None:
             try:
                 self._streams.issue_write(write)
-                self._submitted(write)
-            except Exception as error:  # raised once the load is issued and submitted
+            except BaseException as error:  # raised once the load is issued and submitted
+                self._ops.requeue(write)
                 failed.append(error)
+                return
+            issued.append(write)
+            self._submitted(write)
 
-        self._streams.issue_load(load, load.layer_events, between=issue_write,
-                                 cover_bytes=int(write_issue_s(write) * LINK_BYTES_PER_S))
+        try:
+            self._streams.issue_load(load, load.layer_events, between=issue_write,
+                                     cover_bytes=int(write_issue_s(write) * LINK_BYTES_PER_S))
+        except BaseException:
+            self._failed_load(load)
+            if not issued and not failed:  # the load raised before the write's turn
+                self._ops.requeue(write)
+            raise
         self.layer_events.consumer = set_id
         self._submitted(load)
         if failed:
             raise failed[0]
         return set_id
 
+    def _failed_load(self, op: TransferOp) -> None:
+        """The issue of load ``op`` raised: its calls are queued again (the next
+        ``start_loading`` issues them) and its event set is free again; the consumer set is
+        still the one before, so a forward must not run on this load's layers until a
+        ``start_loading`` returned."""
+        assert op.event_set is not None
+        self.layer_events.release(op.event_set, op.event_ticket)
+        self._ops.requeue(op)
+
     def _merged_load(self) -> tuple[int, TransferOp]:
         """The next event set (raises while it is in flight) and the queued loads merged
         into one op that signals it."""
         set_id, events = self.layer_events.acquire()
-        op = self._ops.merge(Direction.HOST_TO_DEVICE, self.backend)
+        try:
+            op = self._ops.merge(Direction.HOST_TO_DEVICE, self.backend)
+        except BaseException:  # the calls are still queued; the set is free again
+            self.layer_events.release(set_id, self.layer_events.taken(set_id))
+            raise
         assert op is not None
         op.event_set, op.layer_events = set_id, events
         op.event_ticket = self.layer_events.taken(set_id)

@@ -28,13 +28,7 @@ from .base import (
     TransferOp,
 )
 from .events import Event
-from .index_moves import (
-    cat_parts,
-    move_checked,
-    move_whole_pages,
-    owned_copy,
-    reads_in_place,
-)
+from .index_moves import cat_parts, move_op_indices, owned_copy, reads_in_place
 from .inflight import HeldCall, InFlightPages, pages_of_slots
 
 _DIRECTIONS = tuple(Direction)  # iterating the enum itself is a Python-level generator
@@ -150,6 +144,27 @@ class OpQueue:
         if not queued:
             return None
         self.queued[direction] = []
+        try:
+            op = self._merged(direction, backend, queued)
+        except BaseException:  # an index move's allocation failed, a Ctrl-C: still queued
+            self.queued[direction] = queued + self.queued[direction]
+            raise
+        op.calls = queued
+        return op
+
+    def requeue(self, op: TransferOp) -> None:
+        """Queue the calls merged into ``op`` again, ahead of any queued since, after its
+        issue raised (a staging buffer's allocation failed, a Ctrl-C between two copies):
+        they keep their pages held, the next ``start_*`` issues them again, and the copies
+        the failed issue made are repeated (the same rows to the same slots, later on the
+        same stream)."""
+        assert op.calls, f"op {op.op_id} was issued or merged from no call"
+        self.queued[op.direction] = [*op.calls, *self.queued[op.direction]]  # type: ignore[list-item]
+        op.calls = ()
+
+    def _merged(self, direction: Direction, backend: TransferBackend,
+                queued: list[QueuedCall]) -> TransferOp:
+        """:meth:`merge` of the calls ``queued``, taken off the queue."""
         if len(queued) == 1:  # one call (most steps): its own transfers, nothing to join
             call = queued[0]
             merged, tags, held = call.transfers, [call.tag], [call.held]
@@ -229,6 +244,7 @@ class OpQueue:
         until :meth:`pop_done`."""
         assert op.finish_event is not None, f"op {op.op_id} was issued without a finish event"
         self._in_flight[op.direction].append((op.finish_event, op))
+        op.calls = ()
 
     def in_flight(self, direction: Direction) -> list[TransferOp]:
         return [op for _, op in self._in_flight[direction]]
@@ -254,28 +270,6 @@ class OpQueue:
         queued, in_flight = self.queued, self._in_flight
         return (len(queued[_WRITE]) + len(queued[_LOAD]) + len(in_flight[_WRITE])
                 + len(in_flight[_LOAD]))
-
-
-def move_op_indices(op: TransferOp, may_pad: bool = True,
-                    pages: list[SlotPages] | None = None) -> list[MovedTransfer]:
-    """Move the indices of every pool transfer of ``op`` (its own list, so a pool kind added
-    later is covered without touching call sites) where ``op.executor`` reads them. The
-    op's indices are the queue's own copies, checked when their call was queued; without
-    ``may_pad`` those checks found no padding slot among them, and ``pages`` (each
-    transfer's, from those checks) go with the slots to a backend that reads device pages
-    (:func:`~.index_moves.move_whole_pages`)."""
-    assert op.executor is not None, f"op {op.op_id} has no backend"
-    executor = op.executor
-    moved = []
-    for i, t in enumerate(op.transfers):
-        found = None if pages is None else move_whole_pages(t, executor, pages[i])
-        if found is None:
-            found = MovedTransfer(t, *move_checked(t.host_indices.tensor,
-                                                   t.device_indices.tensor, t.host_pool,
-                                                   t.device_pool, executor, owned=True,
-                                                   may_pad=may_pad))
-        moved.append(found)
-    return moved
 
 
 def acknowledgement(op: TransferOp) -> Ack:

@@ -7,7 +7,8 @@ waits on the stream that was current where each of its calls was queued (:meth:`
 mark_caller`): a backup queued by ``insert`` and issued at a later ``step()`` reads the rows
 the inserting caller's stream wrote, whichever stream is current at the step. Every tensor
 a side stream reads (moved indices and temporaries) is recorded on that stream and held by
-its op until the op is acknowledged. On a CPU device there are no streams: copies run at
+its op until the op is acknowledged, and also when the op's issue raised half way (the
+copies issued before still read them). On a CPU device there are no streams: copies run at
 once, in order.
 
 A layer-wise load is issued in groups of consecutive layers (:mod:`.load_groups`): one copy
@@ -90,13 +91,15 @@ class SideStreams:
             return
         stream = self.write_stream
         self._begin(op, stream)
-        with _on_stream(stream, self._callers):
-            for moved in op.moved:
-                local = list(range(len(moved.source.layers)))
-                _executor(op).copy(moved, local, op.direction, op.keep_alive)
-            op.finish_event = Event(self.device, timing=True)
-            op.finish_event.record(stream)
-        self._finish(op, stream)
+        try:
+            with _on_stream(stream, self._callers):
+                for moved in op.moved:
+                    local = list(range(len(moved.source.layers)))
+                    _executor(op).copy(moved, local, op.direction, op.keep_alive)
+                op.finish_event = Event(self.device, timing=True)
+                op.finish_event.record(stream)
+        finally:  # also after a copy raised: the copies issued before it read these
+            self._finish(op, stream)
 
     def issue_load(self, op: TransferOp, events: Sequence[Event],
                    between: Callable[[], object] | None = None, cover_bytes: int = 0) -> None:
@@ -120,21 +123,23 @@ class SideStreams:
         parts = [(moved, local_groups(moved.source.layers, groups)) for moved in op.moved]
         stream = self.load_stream
         self._begin(op, stream)
-        if between is None:
-            self._issue_groups(op, events, groups, range(len(groups)), parts, counters)
-        else:
-            split, covered = 1, len(groups[0]) * layer_bytes
-            while split < len(groups) and covered < cover_bytes:
-                covered += len(groups[split]) * layer_bytes
-                split += 1
-            self._issue_groups(op, events, groups, range(split), parts, counters)
-            try:
-                between()
-            finally:
-                self._issue_groups(op, events, groups, range(split, len(groups)), parts,
-                                   counters)
-        op.finish_event = events[-1]
-        self._finish(op, stream)
+        try:
+            if between is None:
+                self._issue_groups(op, events, groups, range(len(groups)), parts, counters)
+            else:
+                split, covered = 1, len(groups[0]) * layer_bytes
+                while split < len(groups) and covered < cover_bytes:
+                    covered += len(groups[split]) * layer_bytes
+                    split += 1
+                self._issue_groups(op, events, groups, range(split), parts, counters)
+                try:
+                    between()
+                finally:
+                    self._issue_groups(op, events, groups, range(split, len(groups)), parts,
+                                       counters)
+            op.finish_event = events[-1]
+        finally:  # also after a copy raised: the copies issued before it read these
+            self._finish(op, stream)
 
     def _issue_groups(self, op: TransferOp, events: Sequence[Event],
                       groups: tuple[range, ...], numbers: range,

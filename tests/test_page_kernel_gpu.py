@@ -18,7 +18,7 @@ from hicache.controller import (
     MovedTransfer,
     chunk_moves,
     chunk_pages,
-    op_queue,
+    index_moves,
     page_kernel,
     staged,
 )
@@ -152,7 +152,7 @@ def test_a_move_of_whole_pages_uploads_its_page_ids_alone(
     the copies that read them. The rows land either way (the round trip checks them)."""
     page_size = 16
     moved: list[MovedTransfer] = []
-    found = op_queue.move_whole_pages
+    found = index_moves.move_whole_pages
 
     def spy(*args: Any) -> MovedTransfer | None:
         result = found(*args)
@@ -167,7 +167,7 @@ def test_a_move_of_whole_pages_uploads_its_page_ids_alone(
         uploads.append(sum(part.size for part in parts))
         return upload(parts, device)
 
-    monkeypatch.setattr(op_queue, "move_whole_pages", spy)
+    monkeypatch.setattr(index_moves, "move_whole_pages", spy)
     monkeypatch.setattr(UPLOADS, "upload", counted)
     if not kernel:
         monkeypatch.setattr(chunk_pages, "page_launches", lambda *args: None)

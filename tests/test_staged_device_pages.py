@@ -12,7 +12,7 @@ import pytest
 import torch
 from controller_helpers import device_rows, make_controller, untouched
 
-from hicache.controller import CacheController, chunk_slots, direct_staging, op_queue
+from hicache.controller import CacheController, chunk_slots, direct_staging, index_moves
 from hicache.controller.backends import TorchBackend
 from hicache.controller.base import Direction, MovedTransfer, PoolTransfer, SlotPages
 from hicache.controller.index_moves import move_checked, move_whole_pages
@@ -201,13 +201,13 @@ def test_an_op_of_whole_pages_brings_its_device_pages(calls: dict[str, int],
     monkeypatch.setattr(chunk_slots, "device_pages", refused)
     monkeypatch.setattr(chunk_slots, "whole_pages", refused)
     moved: list[MovedTransfer | None] = []
-    found = op_queue.move_whole_pages
+    found = index_moves.move_whole_pages
 
     def spy(*args: Any) -> MovedTransfer | None:
         moved.append(found(*args))
         return moved[-1]
 
-    monkeypatch.setattr(op_queue, "move_whole_pages", spy)
+    monkeypatch.setattr(index_moves, "move_whole_pages", spy)
     part = Indices(host.tensor[:3 * PAGE].clone(), IndexSpace.HOST_FULL)
     before = device_rows(ctrl.device_pool).clone()
     loaded = ctrl.load(part)

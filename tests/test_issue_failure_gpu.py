@@ -1,0 +1,141 @@
+"""An op whose issue raised half way, on a GPU: the copies issued before the error still run
+on the side stream (held back here behind a busy producer), so every index tensor they read
+must stay recorded on that stream while the caching allocator hands freed blocks out again.
+The op is queued again; its retry brings the right rows, and no other row is touched."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from controller_helpers import (
+    device_rows,
+    gpu_backends,
+    host_rows,
+    make_controller,
+    make_hybrid,
+    written_and_wiped,
+)
+
+from hicache.controller import Direction, TransferBackend
+from hicache.pools import HostLayout
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SLEEP_CYCLES = 100_000_000  # ~50 ms: the side stream waits on the producer that long
+
+
+class Boom(RuntimeError):
+    """An injected failure of one copy call (as a staging allocation out of memory)."""
+
+
+def fail_call(backend: TransferBackend, direction: Direction, at: int) -> Callable[[], None]:
+    """Make the ``at``-th copy call (``copy`` or ``copy_counted``, from 0) of ``direction``
+    on ``backend`` raise :class:`Boom`, once; returns a function that undoes it."""
+    calls = [0]
+    originals: dict[str, Any] = {}
+
+    def wrap(name: str) -> None:
+        original = originals[name] = getattr(backend, name)
+
+        def failing(moved: Any, *args: Any) -> Any:
+            is_load = name == "copy_counted" or args[1] is Direction.HOST_TO_DEVICE
+            if (direction is Direction.HOST_TO_DEVICE) == is_load:
+                calls[0] += 1
+                if calls[0] == at + 1:
+                    raise Boom(f"copy call {at} failed")
+            return original(moved, *args)
+
+        setattr(backend, name, failing)
+
+    wrap("copy")
+    wrap("copy_counted")
+
+    def undo() -> None:
+        for name in originals:
+            delattr(backend, name)
+
+    return undo
+
+
+def reuse_freed_blocks(slot: int) -> None:
+    """Allocate small int64 tensors of every size an op's indices have, filled with
+    ``slot``, and free them: a block freed without being recorded on the side stream is
+    handed out here at once and overwritten."""
+    for _ in range(4):
+        junk = [torch.full((n,), slot, dtype=torch.int64, device="cuda")
+                for n in range(1, 300)]
+        del junk
+
+
+def held_producer(ctrl: Any) -> torch.cuda.Stream:
+    producer = torch.cuda.Stream()
+    ctrl.register_producer_stream(producer)
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(SLEEP_CYCLES)
+    return producer
+
+
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+def test_a_load_that_raised_after_its_first_group_keeps_its_indices(
+        backend: TransferBackend) -> None:
+    ctrl = make_controller(backend, device="cuda", page_size=4, device_pages=64,
+                           host_pages=160, num_layers=6, layout=HostLayout.LAYER_FIRST,
+                           dtype=torch.bfloat16)
+    host, rows = written_and_wiped(ctrl, 64)
+    target = ctrl.load(host)
+    assert target is not None
+    before = device_rows(ctrl.device_pool)
+    held_producer(ctrl)
+    undo = fail_call(backend, Direction.HOST_TO_DEVICE, at=1)
+    with pytest.raises(Boom):
+        ctrl.start_loading()  # layer 0's copy is issued, behind the producer's sleep
+    undo()
+    gc.collect()  # the failed op and its traceback are gone
+    reuse_freed_blocks(slot=5)  # slot 5: one of written_and_wiped's unused padding pages
+    assert ctrl.start_loading() is not None
+    ctrl.drain()
+    after = device_rows(ctrl.device_pool)
+    assert torch.equal(after[target.tensor], rows)
+    others = torch.ones(after.shape[0], dtype=torch.bool)
+    others[target.tensor] = False
+    assert torch.equal(after[others], before[others])
+
+
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+def test_a_hybrid_write_that_raised_between_its_pools_keeps_its_indices(
+        backend: TransferBackend) -> None:
+    ctrl = make_hybrid(backend, device="cuda", page_size=4, full_pages=32, swa_pages=24,
+                       host_pages=64)
+    pool = ctrl.hybrid_pool
+    assert pool.try_alloc(8) is not None  # pages ahead of the written ones
+    full = pool.try_alloc(48)
+    assert full is not None
+    host = ctrl.write(full)
+    assert host is not None
+    host_before = (host_rows(ctrl.host_pool), host_rows(ctrl.host_swa))
+    held_producer(ctrl)
+    undo = fail_call(backend, Direction.DEVICE_TO_HOST, at=1)
+    with pytest.raises(Boom):
+        ctrl.start_writing()  # the full pool's copy is issued, the SWA pool's raised
+    undo()
+    gc.collect()
+    reuse_freed_blocks(slot=1)
+    ctrl.start_writing()
+    ctrl.drain()
+    full_host, swa_host = host_rows(ctrl.host_pool), host_rows(ctrl.host_swa)
+    assert torch.equal(full_host[host.full.tensor], device_rows(pool.full)[full.tensor])
+    kept = host.swa.tensor != 0
+    swa = pool.swa_slots_of(full).tensor
+    assert torch.equal(swa_host[host.swa.tensor[kept]], device_rows(pool.swa)[swa[kept]])
+    for now, then, written in ((full_host, host_before[0], host.full.tensor),
+                               (swa_host, host_before[1], host.swa.tensor[kept])):
+        others = torch.ones(now.shape[0], dtype=torch.bool)
+        others[written] = False
+        assert torch.equal(now[others], then[others])
