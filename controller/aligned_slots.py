@@ -54,3 +54,20 @@ def tail_start(num_tokens: int, swa_tail_tokens: int, page_size: int) -> int:
     if swa_tail_tokens < 0:
         raise ValueError(f"load: swa_tail_tokens must be >= 0, got {swa_tail_tokens}")
     return num_tokens - min(num_tokens, -(-swa_tail_tokens // page_size) * page_size)
+
+
+def checked_skip(swa_skip: torch.Tensor, mapped: torch.Tensor, page: int) -> torch.Tensor:
+    """A write's ``swa_skip`` checked against its tokens' ``mapped`` mask (tokens with an SWA
+    slot; whole pages in order of ``page`` tokens): a bool tensor of that shape that skips
+    whole SWA pages, since a host SWA page holds the rows of one device page. Raises
+    ``ValueError`` naming the first page it splits."""
+    if swa_skip.dtype != torch.bool or swa_skip.shape != mapped.shape:
+        raise ValueError(f"write: swa_skip must be a bool tensor of shape "
+                         f"{tuple(mapped.shape)}, got {swa_skip.dtype} {tuple(swa_skip.shape)}")
+    left = (mapped & ~swa_skip).view(-1, page)
+    split = torch.nonzero(left.any(1) & ~left.all(1))
+    if split.numel():
+        at = int(split[0, 0]) * page
+        raise ValueError(f"write: swa_skip skips part of the SWA page of tokens "
+                         f"{at}..{at + page - 1}; skip whole SWA pages")
+    return swa_skip

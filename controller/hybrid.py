@@ -18,7 +18,14 @@ import torch
 
 from hicache.pools import DeviceKVPool, HostKVPool, HybridSWAPool, IndexSpace, Indices
 
-from .aligned_slots import cat_space, empty_indices, in_tail, scatter_aligned, tail_start
+from .aligned_slots import (
+    cat_space,
+    checked_skip,
+    empty_indices,
+    in_tail,
+    scatter_aligned,
+    tail_start,
+)
 from .base import Direction, HybridSlots, MovedTransfer, PoolTransfer, TransferBackend, TransferOp
 from .core import TransferCore
 from .events import Event
@@ -82,17 +89,9 @@ class HybridCacheController(TransferCore):
         self._checks.writable(device_indices, self.device_allocator, "write")
         device_swa = self.hybrid_pool.swa_slots_of_checked(device_indices)
         mapped = device_swa.tensor != 0
-        if swa_skip is not None:
-            if swa_skip.dtype != torch.bool or swa_skip.shape != mapped.shape:
-                raise ValueError(f"write: swa_skip must be a bool tensor of shape "
-                                 f"{tuple(mapped.shape)}, got {swa_skip.dtype} "
-                                 f"{tuple(swa_skip.shape)}")
-            mapped &= ~swa_skip
+        if swa_skip is not None:  # checked before anything is allocated
+            mapped &= ~checked_skip(swa_skip, mapped, self.hybrid_pool.page_size)
         swa_part = Indices(device_swa.tensor[mapped], IndexSpace.DEVICE_SWA)
-        page = self.host_swa.page_size
-        if len(swa_part) % page:  # checked before anything is allocated
-            raise ValueError(f"write: swa_skip leaves {len(swa_part)} SWA rows to copy, not "
-                             f"whole pages of {page}; skip whole SWA pages")
         self._held.refuse_slot_conflicts(IndexSpace.DEVICE_SWA, swa_part.tensor.numpy(), "write",
                                          Direction.DEVICE_TO_HOST)
         host_full = self.host_pool.allocator.try_alloc(len(device_indices))
@@ -262,7 +261,7 @@ class HybridCacheController(TransferCore):
         pool.free_pages(pages)
 
     def evict_host(self, host_indices: Indices, host_swa: Indices | None = None) -> None:
-        """Free host full slots and the aligned SWA host slots (0 entries skipped)."""
+        """Free host full slots and as many aligned SWA host slots (0 entries skipped)."""
         self._checks.not_busy(host_indices, "evict_host")
         full, swa = self.host_pool.allocator, self.host_swa.allocator
         pages = full.pages_of(host_indices, op="evict_host")
@@ -270,6 +269,9 @@ class HybridCacheController(TransferCore):
         swa_pages = None
         if host_swa is not None:
             swa_slots = self._checks.cpu(host_swa, self.host_swa, "evict_host")
+            if swa_slots.numel() != len(host_indices):
+                raise ValueError(f"evict_host: {swa_slots.numel()} HOST_SWA slots for "
+                                 f"{len(host_indices)} full ones; pass them aligned (0: none)")
             swa_indices = Indices(swa_slots[swa_slots != 0], IndexSpace.HOST_SWA)
             self._checks.not_busy(swa_indices, "evict_host")
             swa_pages = swa.pages_of(swa_indices, op="evict_host")

@@ -161,7 +161,8 @@ def test_evict_host_frees_both_pools() -> None:
 
 
 def test_evict_host_refuses_slots_a_load_still_reads() -> None:
-    """Host slots (full, then SWA) that a queued load reads are refused by ``evict_host``,
+    """Host slots (full, then SWA alone) that a queued load reads are refused by ``evict_host``
+    (and ``host_swa_evict``),
     naming the first busy slot of the pool, both allocators unchanged; once the load is
     acknowledged, they go."""
     ctrl = make_hybrid(TorchBackend())
@@ -173,9 +174,9 @@ def test_evict_host_refuses_slots_a_load_still_reads() -> None:
                                          r"belongs to a transfer in flight"):
         ctrl.evict_host(host.full, host.swa)
     later = Indices(host.swa.tensor[2:], IndexSpace.HOST_SWA)
-    with pytest.raises(ValueError, match=rf"slot {int(later.tensor[0])} of pool 'swa' "
-                                         r"belongs to a transfer in flight"):
-        ctrl.evict_host(Indices(host.full.tensor[:0], IndexSpace.HOST_FULL), later)
+    with pytest.raises(ValueError, match=rf"host_swa_evict: slot {int(later.tensor[0])} of "
+                                         r"pool 'swa' belongs to a transfer in flight"):
+        ctrl.host_swa_evict(later)  # SWA copies alone (evict_host takes them aligned)
     assert (ctrl.host_pool.allocator.num_used_tokens,
             ctrl.host_swa.allocator.num_used_tokens) == used
     assert first_swa != 0
