@@ -172,3 +172,24 @@ def test_a_cap_below_one_byte_is_refused() -> None:
     assert FileLRU(1).capacity_bytes == 1
     with pytest.raises(ValueError, match="capacity_bytes must be >= 1 or None, got 0"):
         FileLRU(0)
+
+
+def test_sync_forgets_files_gone_and_puts_others_files_first_in_line() -> None:
+    lru = FileLRU(capacity_bytes=40)
+    assert lru.load([("a", 10), ("b", 10)]) == []
+    lru.touch("a", 10)  # b is now the least recently used of ours
+    assert lru.sync([("x", 10), ("a", 10), ("y", 10)]) == []  # b is gone, x and y are new
+    assert "b" not in lru and lru.used_bytes == 30
+    assert lru.touch("c", 20) == [("x", 10)]  # the others' oldest first, then y, then a
+    assert lru.touch("d", 10) == [("y", 10)]
+
+
+def test_pin_existing_keeps_a_found_file_out_of_reach_until_released() -> None:
+    lru = FileLRU(capacity_bytes=20)
+    assert lru.load([("a", 10), ("b", 10)]) == []
+    assert lru.pin_existing("a", 10) == []
+    assert lru.reserve("c", 10) == [("b", 10)]  # a is pinned: b goes
+    assert lru.reserve("d", 10) is None  # a and c hold the whole cap
+    lru.release(["a", "c"])
+    assert lru.used_bytes == 20 and lru.reserve("d", 10) == [("a", 10)]
+    assert lru.pin_existing("z", 10) == [("c", 10)]  # unknown to the index: room made

@@ -1,10 +1,11 @@
 """Byte-capped LRU bookkeeping of the file store's page files (plain Python, no I/O).
 
-Names are page file names; sizes are bytes on disk. A name being written is *pinned* from
-:meth:`reserve` until :meth:`release`, so a ``put`` never evicts a page it wrote earlier in
-the same call (its prefix would become unreadable while the call reports it stored). The
-store unlinks the victims that :meth:`reserve` returns. One process's view: files written by
-another process on a shared directory join the index when this process first sees them.
+Names are page file names; sizes are bytes on disk. A name being written, or found written by
+a ``put``, is *pinned* from :meth:`reserve` (:meth:`pin_existing`) until :meth:`release`, so
+a ``put`` never evicts a page it wrote or reported stored earlier in the same call (its
+prefix would become unreadable while the call reports it stored). The store unlinks the
+victims these return. One process's view: files written or deleted by another process on a
+shared directory join or leave the index at the store's next scan (:meth:`sync`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,41 @@ class FileLRU:
                     self._sizes[name] = size
                     self._used += size
             return self._evict_for(0)
+
+    def sync(self, entries: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+        """Bring the index in line with a new scan of the directory (``entries`` oldest
+        first): files no longer there are forgotten, files it did not know (other
+        processes') join as the least recently used, in the scan's order; returns what
+        exceeds the cap (to unlink). Pinned names are left as they are."""
+        with self._lock:
+            on_disk = dict(entries)
+            sizes = self._sizes
+            for name in [name for name in sizes if name not in on_disk]:
+                self._used -= sizes.pop(name)
+            new = [(name, size) for name, size in on_disk.items()
+                   if name not in sizes and name not in self._pinned]
+            if new:
+                self._sizes = OrderedDict(new)
+                self._sizes.update(sizes)
+                self._used += sum(size for _, size in new)
+            return self._evict_for(0)
+
+    def pin_existing(self, name: str, size: int) -> list[tuple[str, int]]:
+        """Pin a file a call found already written (as :meth:`reserve` pins one it writes),
+        so that call's later pages cannot evict it; returns victims to unlink (room made
+        for it when the index did not know it). :meth:`release` unpins it."""
+        with self._lock:
+            entry = self._pinned.get(name)
+            if entry is not None:
+                entry[1] += 1
+                return []
+            known = self._sizes.pop(name, None)
+            victims = [] if known is not None else self._evict_for(size)
+            if known is None:
+                self._used += size
+            self._pinned[name] = [known if known is not None else size, 1]
+            self._pinned_bytes += self._pinned[name][0]
+            return victims
 
     def touch(self, name: str, size: int) -> list[tuple[str, int]]:
         """Mark ``name`` as just used (adding it if unknown); returns victims to unlink."""

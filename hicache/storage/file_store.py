@@ -7,16 +7,16 @@ payload can be read with O_DIRECT straight into the host slots (``direct_io``); 
 reads go through the page cache with ``preadv`` into the same slots, one copy either way.
 
 A size cap (``capacity_bytes``) evicts this namespace's least recently used pages (this
-process's view of use); a ``put`` never evicts a page it wrote in the same call (``ERROR`` for
-one that cannot fit). Threads move a call's pages in parallel, each checking the deadline
-before each page; a call returns only when none of them writes into its buffers any more."""
+process's view of use, other processes' pages joining it at each scan: :mod:`.file_scan`); a
+``put`` never evicts a page it wrote or found written in the same call (``ERROR`` for one
+that cannot fit). Threads move a call's pages in parallel, each checking the deadline before
+each page; a call returns only when none of them writes into its buffers any more."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import logging
-import mmap
 import os
 import secrets
 import shutil
@@ -37,6 +37,7 @@ from .base import (
     StorageStats,
 )
 from .file_lru import FileLRU
+from .file_scan import Rescans, scan_directory, stale_tmp_age_s
 from .host_views import check_batch
 from .keys import Namespace
 from .page_files import (
@@ -44,6 +45,7 @@ from .page_files import (
     aligned,
     create_tmp,
     default_io_threads,
+    header_buffer,
     make_directory,
     write_all,
 )
@@ -71,12 +73,15 @@ class FileStore(StorageBackend):
             4 KiB aligned; other pages are read through the page cache.
         fsync: flush each page to the device before publishing it (durable across a power
             loss; a cache does not need it: a torn file fails verification and is a miss).
+        rescan_interval_s: with a cap, how often a ``put`` scans the directory again for
+            other processes' pages (:class:`~.file_scan.Rescans`; 0: every ``put``).
     """
 
     def __init__(self, root: str | os.PathLike[str], namespace: Namespace, *,
                  capacity_bytes: int | None = None, num_threads: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, checksum: bool = True,
-                 direct_io: bool = False, fsync: bool = False) -> None:
+                 direct_io: bool = False, fsync: bool = False,
+                 rescan_interval_s: float = 10.0) -> None:
         num_threads = default_io_threads() if num_threads is None else num_threads
         if num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -94,10 +99,10 @@ class FileStore(StorageBackend):
         self._stats = StatsRecorder()
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="hicache-file")
         self._num_threads = num_threads
-        self._scanned = False
+        self._scanned, self._capped = False, capacity_bytes is not None
+        self._rescans = Rescans(rescan_interval_s)
         self._scan_lock = threading.Lock()
-        self._local = threading.local()
-        self._tmp_ids = itertools.count()
+        self._local, self._tmp_ids = threading.local(), itertools.count()
         self._tmp_prefix = f"{os.getpid()}.{secrets.token_hex(4)}"  # this store's own names
         logger.info("file store %s: cap %s bytes, %d threads, direct_io=%s", self.directory,
                     capacity_bytes, num_threads, direct_io)
@@ -128,8 +133,8 @@ class FileStore(StorageBackend):
     def put(self, page_hashes: Sequence[bytes], pages: Sequence[PageBuffers],
             timeout_s: float | None = None) -> StorageResult:
         views = check_batch("put", self.namespace, page_hashes, pages, writable=False)
-        self._scan()
-        pinned: list[str] = []  # by this call: a page skipped or failed is another's pin
+        self._scan(rescan=True)
+        pinned: list[str] = []  # by this call: written or found written (skipped) by it
         try:
             return self._run("put", page_hashes, views, timeout_s,
                              lambda key, page: self._write_page(key, page, pinned))
@@ -200,7 +205,7 @@ class FileStore(StorageBackend):
             return PageStatus.MISS
         try:
             size = os.fstat(fd).st_size
-            header = self._header_buffer()
+            header = header_buffer(self._local, self.format.header_len)
             done = os.preadv(fd, [header, *segments], 0) if size == self.format.object_len else 0
         finally:
             os.close(fd)
@@ -216,8 +221,9 @@ class FileStore(StorageBackend):
                     ) -> PageStatus:
         name = key.hex() + SUFFIX
         path = self._file(name)
-        if os.path.exists(path):
-            self._evict(self.lru.touch(name, self.format.object_len))
+        if os.path.exists(path):  # pinned: the call's later pages must not evict it
+            self._evict(self.lru.pin_existing(name, self.format.object_len))
+            pinned.append(name)
             self._stats.add(pages_skipped=1)
             return PageStatus.OK
         victims = self.lru.reserve(name, self.format.object_len)
@@ -258,15 +264,6 @@ class FileStore(StorageBackend):
     def _file(self, name: str) -> str:  # a string: Path's work would hold the GIL
         return f"{self._root}/{name[:2]}/{name}"
 
-    def _header_buffer(self) -> memoryview:
-        """A per-thread, 4 KiB aligned header buffer (O_DIRECT needs aligned memory)."""
-        buffer = getattr(self._local, "header", None)
-        if buffer is None:
-            size = -(-self.format.header_len // mmap.PAGESIZE) * mmap.PAGESIZE
-            buffer = memoryview(mmap.mmap(-1, size))[:self.format.header_len]
-            self._local.header = buffer
-        return buffer
-
     def _unlink(self, name: str) -> bool:
         self.lru.remove(name)
         try:
@@ -283,18 +280,16 @@ class FileStore(StorageBackend):
                 continue  # deleted by another process: not an eviction of ours
             self._stats.add(pages_evicted=1, bytes_evicted=size)
 
-    def _scan(self) -> None:
-        """Index the files already in the directory (oldest first) on first use."""
+    def _scan(self, rescan: bool = False) -> None:
+        """Index the directory's page files at first use and, with ``rescan`` and a cap, again
+        when one is due (:mod:`.file_scan`: other processes' pages count against the cap)."""
+        if self._scanned and not (rescan and self._capped and self._rescans.due()):
+            return
         with self._scan_lock:
-            if self._scanned:
+            if self._scanned and not self._rescans.due():
                 return
-            entries = []
-            for path in self.directory.glob(f"*/*{SUFFIX}"):
-                try:
-                    stat = path.stat()
-                except FileNotFoundError:
-                    continue
-                entries.append((stat.st_mtime, path.name, stat.st_size))
-            entries.sort()
-            self._evict(self.lru.load((name, size) for _, name, size in entries))
+            started = time.monotonic()
+            self._evict(self.lru.sync(scan_directory(self._root, SUFFIX,
+                                                     stale_tmp_age_s(self.timeout_s))))
+            self._rescans.scanned(started)
             self._scanned = True

@@ -3,7 +3,9 @@ I/O threads."""
 
 from __future__ import annotations
 
+import mmap
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -76,3 +78,14 @@ def create_tmp(directory: str, stem: str, ids: Iterator[int]) -> tuple[int, str]
             continue  # someone else's: never ours to remove
         except FileNotFoundError:
             os.makedirs(directory, exist_ok=True)
+
+
+def header_buffer(local: threading.local, header_len: int) -> memoryview:
+    """The calling thread's 4 KiB aligned buffer of ``header_len`` bytes for a page's
+    header, kept in ``local`` (O_DIRECT reads need aligned memory)."""
+    buffer = getattr(local, "header", None)
+    if buffer is None:
+        size = -(-header_len // mmap.PAGESIZE) * mmap.PAGESIZE
+        buffer = memoryview(mmap.mmap(-1, size))[:header_len]
+        local.header = buffer
+    return buffer
