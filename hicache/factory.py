@@ -56,6 +56,7 @@ from .l3 import StorageTier
 from .l3.shared_copy import probe_shared_store
 from .radix import HiRadixCache
 from .rank_agreement import RankAgreement
+from .rank_settings import check_same_settings
 from .service import HiCacheService
 from .storage import Namespace, StorageBackend, open_store
 
@@ -79,7 +80,8 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             rank, a ``torch.distributed`` group of those ranks with a CPU backend (gloo):
             every rank then applies finished transfers at the same step, so that their trees
             give the same answers (:mod:`hicache.rank_agreement`; one collective a ``step``,
-            two with a store, and one here, made by every rank). ``None``: a service of its
+            two with a store, and two here, made by every rank: the second compares the
+            ranks' configs, :mod:`hicache.rank_settings`). ``None``: a service of its
             own. With a store and ``tp_size`` left at 1, each rank's pages are named by the
             group's rank and size (an MHA shard); an MLA model's ranks share one copy, each
             rank writing part of its pages if every rank sees one store
@@ -89,7 +91,8 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
         ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
             store without ``model_id``/``model_revision``; a store with a hybrid model whose
             host keeps SWA rows for windows only; a ``tp_group`` with ``tp_size``/``tp_rank``
-            other than the group's, or that cannot reduce CPU tensors.
+            other than the group's, that cannot reduce CPU tensors, or whose ranks' configs
+            differ (on every rank, naming the keys).
         ConfigError: pools in RAM larger than this machine's RAM (naming the size key,
             checked before anything is allocated); a ``storage.path`` that cannot be a
             writable directory.
@@ -105,6 +108,8 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             f"in the shared store so that no other weights ever read them")
     check_store_swa_history(config)  # loading checks it too; a config made by hand may not
     agreement = None if tp_group is None else _rank_agreement(tp_group, tp_rank, tp_size)
+    if agreement is not None:
+        check_same_settings(agreement, config)  # before any other collective
     if agreement is not None and tp_size == 1 and config.model.attention is AttentionKind.MHA:
         tp_rank, tp_size = agreement.rank, agreement.size  # each rank stores its own heads
     check_machine_memory(config)  # before anything is allocated: not a MemoryError part-way
