@@ -257,3 +257,15 @@ class _MetricsServer(ThreadingWSGIServer):  # type: ignore[misc]
         into ``RuntimeError: release unlocked lock``; a flag and ``join()`` cannot."""
         while not self.stop_requested:
             self.handle_request()
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` can be bound; ``False`` when another has the port; raises
+    :class:`MetricsBindError` for every other reason (the host is the problem)."""
+    try:
+        probe_bind(host, port)
+    except MetricsBindError as exc:
+        if exc.errno == errno.EADDRINUSE and port != 0:
+            return False
+        raise
+    return True

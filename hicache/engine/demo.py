@@ -9,7 +9,6 @@ matched its backup and every generated token matched the baseline.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,14 +20,15 @@ import torch
 from hicache.config import HiCacheConfig, WritePolicy
 from hicache.controller import HybridCacheController
 from hicache.factory import build_service
-from hicache.metrics.exporter import MetricsBindError, host_port, probe_bind
+from hicache.metrics.exporter import host_port, port_is_free
 from hicache.radix import CacheStats
 from hicache.service import HiCacheService
 
+from .limits import EngineError, check_at_least_one
 from .model import ModelSpec, TinyDecoder
 from .reference import TurnKey, reference_tokens
 from .report import DemoReport, TransferTimer, transfer_lines
-from .runner import DemoEngine, EngineError
+from .runner import DemoEngine
 from .store_pages import StorePageAudit, store_config
 from .verify import TransferAudit, first_token_mismatch
 from .workload import Workload, WorkloadSpec, make_workload
@@ -60,12 +60,18 @@ class DemoOptions:
     new_tokens: tuple[int, int] | None = None  # generated tokens per turn (low, high)
     storage: str | None = None  # "file" (a temporary directory), a directory, or redis://...
 
+    def __post_init__(self) -> None:  # a bad count is refused here, naming it (0 is not None)
+        for name in ("max_running", "prefill_chunk_tokens", "conversations", "turns"):
+            if getattr(self, name) is not None:
+                check_at_least_one(f"DemoOptions.{name}", getattr(self, name))
+
     def workload_spec(self) -> WorkloadSpec:
         base = QUICK if self.quick else WorkloadSpec()
         return dataclasses.replace(
             base, seed=self.seed,
-            num_conversations=self.conversations or base.num_conversations,
-            num_turns=self.turns or base.num_turns,
+            num_conversations=base.num_conversations if self.conversations is None
+            else self.conversations,
+            num_turns=base.num_turns if self.turns is None else self.turns,
             new_tokens=self.new_tokens or base.new_tokens,
         )
 
@@ -91,7 +97,7 @@ def demo_config(config: HiCacheConfig, options: DemoOptions) -> HiCacheConfig:
 def _with_free_metrics_port(config: HiCacheConfig) -> HiCacheConfig:
     """``config`` with ``service.metrics_port`` 0 (a free one) when the port is taken."""
     service = config.service
-    if service.metrics_enabled and not _port_is_free(service.metrics_host,
+    if service.metrics_enabled and not port_is_free(service.metrics_host,
                                                      service.metrics_port):
         service = dataclasses.replace(service, metrics_port=0)
     return dataclasses.replace(config, service=service)
@@ -221,7 +227,7 @@ def serve(
     report.engine_s = time.perf_counter() - start
     _fill(report, engine, service.tree.stats, audit)
     if tier is not None:
-        report.l3_from_store_tokens = tier.stats.prefetch_tokens["used"]
+        report.l3_from_store_tokens = sum(r.store_tokens for r in engine.finished)
     report.transfers = transfer_lines(controller, timer)
     report.timing_method = timer.method
     return engine
@@ -268,18 +274,6 @@ def _metrics_line(service: HiCacheService, config: HiCacheConfig, wanted_port: i
     if wanted_port and exporter.port != wanted_port:
         url += f" (port {wanted_port} was taken)"
     return url
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    """Whether ``host:port`` can be bound; ``False`` when another has the port; raises
-    :class:`MetricsBindError` for every other reason (the host is the problem)."""
-    try:
-        probe_bind(host, port)
-    except MetricsBindError as exc:
-        if exc.errno == errno.EADDRINUSE and port != 0:
-            return False
-        raise
-    return True
 
 
 @contextmanager

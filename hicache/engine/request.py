@@ -28,8 +28,9 @@ class Request:
 
     ``device_tokens`` / ``host_tokens``: prompt tokens whose KV came from the device tier /
     from a load-back; the rest of the prompt was computed. ``matched_tokens``: prompt tokens
-    the tree held on either tier at admission (used or not). ``num_swa_released``: leading
-    own pages whose SWA slots were given back (they left every future window).
+    the tree held on either tier at admission (used or not); ``store_tokens``: those of
+    ``host_tokens`` the shared store brought for this admission. ``num_swa_released``:
+    leading own pages whose SWA slots were given back (they left every future window).
     """
 
     turn: Turn
@@ -40,6 +41,7 @@ class Request:
     device_tokens: int
     host_tokens: int
     matched_tokens: int
+    store_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     own_pages: list[int] = field(default_factory=list)
     num_computed: int = 0

@@ -31,6 +31,7 @@ from hicache.radix import Refusal
 from hicache.service import HiCacheService
 
 from .attention import DecodeBuffers, PagedKV, exact_batch
+from .limits import EngineError, check_at_least_one, check_room_for_a_chunk
 from .model import TinyDecoder
 from .reference import TurnKey
 from .request import Request, plan_forward
@@ -40,10 +41,6 @@ from .window import SlidingWindow
 from .workload import Turn, Workload
 
 Progress = Callable[[int, int], None]
-
-
-class EngineError(RuntimeError):
-    """The workload cannot be served with these pools (one line, names the limit)."""
 
 
 class DemoEngine:
@@ -68,8 +65,11 @@ class DemoEngine:
         self.model = model
         self.pool = service.device_pool
         self.page_size = service.tree.page_size
+        check_at_least_one("max_running", max_running)
+        check_at_least_one("prefill_chunk_tokens", prefill_chunk_tokens)
         self.max_running = max_running
         self.chunk = max(self.page_size, prefill_chunk_tokens // self.page_size * self.page_size)
+        check_room_for_a_chunk(service, self.chunk)
         self.window: SlidingWindow | None = None
         if isinstance(self.pool, HybridSWAPool):
             assert model.spec.window_tokens is not None, "a hybrid pool needs a window"
@@ -146,7 +146,7 @@ class DemoEngine:
         # the last prompt token is always computed (its logits give the first new token),
         # so match without it: the window a load-back restores is then the window of what
         # is reused, not of a page the request recomputes anyway
-        match = match_with_store(self.service, prompt[:-1])
+        match, cached = match_with_store(self.service, prompt[:-1])
         node = match.last_host_node
         self.service.lock(node)  # the device prefix and the host run stay put until finish
         prefix = match.device_indices
@@ -166,7 +166,8 @@ class DemoEngine:
         return Request(turn, prompt, self.page_size, node,
                        Indices(prefix.tensor[:usable], IndexSpace.DEVICE_FULL),
                        device_tokens=device, host_tokens=usable - device,
-                       matched_tokens=match.device_hit_tokens + match.host_hit_tokens)
+                       matched_tokens=match.device_hit_tokens + match.host_hit_tokens,
+                       store_tokens=max(0, usable - cached))
 
     def _usable_prefix(self, prefix: Indices, prompt_tokens: int) -> int:
         """Longest whole-page prefix that leaves a token to compute (the first generated

@@ -34,17 +34,20 @@ from hicache.storage.store_url import parse_location
 from .verify import TransferAudit
 
 
-def match_with_store(service: HiCacheService, tokens: list[int]) -> MatchResult:
-    """``service.match(tokens)``, after fetching from the store what the tiers miss."""
+def match_with_store(service: HiCacheService, tokens: list[int]) -> tuple[MatchResult, int]:
+    """``service.match(tokens)``, after fetching from the store what the tiers miss, and
+    how many leading tokens the tiers held before (those after, up to the match's end,
+    came from the store)."""
     key = service.key(tokens)
     match = service.match(key)
+    cached = match.device_hit_tokens + match.host_hit_tokens
     prefetch = service.prefetch(key, match)
     if prefetch is None:
-        return match
+        return match, cached
     service.wait_prefetch(prefetch)
     if service.finish_prefetch(prefetch):
         match = service.match(key)
-    return match
+    return match, cached
 
 
 class StorePageAudit:
