@@ -127,8 +127,8 @@ class BackgroundPoller:
         self._stop_requested = True
         self._stop_bell.put(None)
         self._wake.put(None)
-        if self._thread is not None:
-            self._thread.join()
+        if (thread := self._thread) is not None:  # read once: another stop may clear it
+            thread.join()
             self._thread = None
         with contextlib.suppress(ValueError):  # not added (start interrupted), or removed
             self._controller.remove_observer(self._on_queued)

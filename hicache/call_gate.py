@@ -10,7 +10,9 @@ holds the lock for the rest of the call.
 ``stop`` sets ``stopped`` when it begins, before it waits for the lock, so that a call made
 while a ``stop`` on another thread drains is refused rather than run on a stopped service
 once the lock is free; ``closed`` says that ``stop`` finished (a second ``stop`` returns).
-A call that passed the check just before ``stop`` began is in progress, and runs.
+A call that passed the check just before ``stop`` began runs if it takes the lock first;
+if ``stop`` took it first, the call finds ``closed`` once it has the lock
+(:meth:`CallGate.check_open`) and is refused.
 
 The failure is recorded by the background thread and read by the scheduler thread; the
 call counters are written by the scheduler thread only.
@@ -35,6 +37,7 @@ class CallGate:
     def __init__(self, lock: threading.Lock, error_type: type[Exception]) -> None:
         self.lock = lock
         self.stopped = False  # stop() began: calls are refused
+        self.lifecycle = threading.Lock()  # start() and stop() take turns (lifecycle.py)
         self.closed = False  # stop() finished
         self.last_call_s = 0.0  # monotonic time of the latest scheduler call
         self.num_calls = 0  # scheduler calls started (the background check compares it)
@@ -63,6 +66,13 @@ class CallGate:
         if self.stopped:
             raise RuntimeError("the service was stopped")
         return self.lock
+
+    def check_open(self) -> None:
+        """The first statement of every call's ``with`` body: ``RuntimeError`` when ``stop``
+        finished while the call waited for the lock (it passed :meth:`call`'s check just
+        before ``stop`` began, and ``stop`` took the lock first)."""
+        if self.closed:
+            raise RuntimeError("the service was stopped")
 
     def fail(self, exc: BaseException) -> None:
         """Record the background thread's exception; every later call raises it."""

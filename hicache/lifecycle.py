@@ -6,8 +6,11 @@ the endpoint, drains every op in flight and applies its ack under the service lo
 the host pools, and raises a background failure that no scheduler call raised. After
 ``stop`` every scheduler call and ``start`` refuse to run (:class:`~hicache.call_gate.CallGate`).
 
-Plain functions of the service (its methods of the same names call them), on the thread
-that owns the service; ``stop`` blocks until the ops in flight finish.
+Plain functions of the service (its methods of the same names call them), usually on the
+thread that owns the service; ``stop`` blocks until the ops in flight finish. A ``start``
+and a ``stop`` (or two ``stop`` calls) on different threads take turns
+(``CallGate.lifecycle``): a ``stop`` closes whatever a ``start`` before it started, and a
+``start`` after a ``stop`` began is refused.
 """
 
 from __future__ import annotations
@@ -34,15 +37,16 @@ def start(service: HiCacheService) -> None:
     """
     gate = service._gate
     gate.raise_if_failed()
-    if gate.stopped:
-        raise RuntimeError("the service was stopped; build a new one")
-    if service._poller.is_running:
-        return
-    exporter, address = service.exporter, service._metrics_address
-    if exporter is not None and address is not None:
-        port = exporter.start_http(*address)
-        logger.info("hicache metrics on %s:%d", address[0], port)
-    service._poller.start()
+    with gate.lifecycle:  # a stop on another thread waits, then closes what this started
+        if gate.stopped:
+            raise RuntimeError("the service was stopped; build a new one")
+        if service._poller.is_running:
+            return
+        exporter, address = service.exporter, service._metrics_address
+        if exporter is not None and address is not None:
+            port = exporter.start_http(*address)
+            logger.info("hicache metrics on %s:%d", address[0], port)
+        service._poller.start()
 
 
 def stop(service: HiCacheService, *, surface: bool = True) -> None:
@@ -58,13 +62,14 @@ def stop(service: HiCacheService, *, surface: bool = True) -> None:
     """
     gate = service._gate
     gate.stopped = True  # first: a call made while this drains is refused, not run after it
-    try:
-        if not gate.closed:
-            _close(service)
-    except KeyboardInterrupt:
-        if not gate.closed:
-            _close(service)  # no thread left running and the port closed, then raise
-        raise
+    with gate.lifecycle:  # one stop at a time (a second waits, then finds it closed)
+        try:
+            if not gate.closed:
+                _close(service)
+        except KeyboardInterrupt:
+            if not gate.closed:
+                _close(service)  # no thread left running and the port closed, then raise
+            raise
     if surface:
         gate.raise_if_unsurfaced()
 

@@ -64,6 +64,7 @@ class PrefetchCalls:
             raise TypeError(f"prefetch: expected this request's MatchResult, got "
                             f"{type(match).__name__}")
         with self._gate.call():
+            self._gate.check_open()
             key = self.tree.key_data(tokens, "prefetch")  # bad tokens raise, store or not
             if self.storage is None:
                 return None
@@ -74,6 +75,7 @@ class PrefetchCalls:
     def prefetch_ready(self, prefetch: Prefetch) -> bool:
         """Whether ``storage.prefetch_policy`` says to finish ``prefetch`` now."""
         with self._gate.call():
+            self._gate.check_open()
             return self._tier("prefetch_ready", prefetch).ready(prefetch)
 
     def wait_prefetch(self, prefetch: Prefetch, timeout_s: float | None = None) -> bool:
@@ -89,6 +91,7 @@ class PrefetchCalls:
         until = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             with self._gate.call():
+                self._gate.check_open()
                 tier = self._tier("wait_prefetch", prefetch)
                 if tier.held is not None and timeout_s is not None:
                     raise ValueError(
@@ -111,6 +114,7 @@ class PrefetchCalls:
         and unlock the matched node; pages still on their way are dropped. Call once per
         prefetch, also for a request that is dropped. Returns the tokens added."""
         with self._gate.call():
+            self._gate.check_open()
             return self._tier("finish_prefetch", prefetch).finish(prefetch)
 
     def _tier(self, op: str, prefetch: Prefetch) -> StorageTier:

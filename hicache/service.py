@@ -24,7 +24,8 @@ Thread ownership (the rules every caller relies on):
 Parts: :mod:`hicache.slot_handoff` moves slots between the engine and the tree;
 :class:`~hicache.call_gate.CallGate` admits every call; the thread and its ack queue are
 :mod:`hicache.background_poller`, started and stopped by :mod:`.lifecycle`;
-:mod:`hicache.prefetch_calls` holds the shared store's calls.
+:mod:`hicache.prefetch_calls` holds the shared store's calls, :mod:`hicache.eviction_calls`
+the engine's evictions.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from . import lifecycle, slot_handoff
 from .background_poller import BackgroundPoller
 from .call_gate import CallGate
 from .engine_slots import EngineSlots
+from .eviction_calls import EvictionCalls
 from .integrity_slices import SlicedIntegrityCheck
 from .l3 import StorageTier
 from .prefetch_calls import PrefetchCalls
@@ -52,7 +54,7 @@ class ServiceError(RuntimeError):
     """The background thread failed; ``__cause__`` is its exception."""
 
 
-class HiCacheService(PrefetchCalls):
+class HiCacheService(PrefetchCalls, EvictionCalls):
     """Scheduler-facing cache service (see the module docstring for the threading rules).
 
     Args:
@@ -129,6 +131,7 @@ class HiCacheService(PrefetchCalls):
         raises ``TypeError``, a negative id ``ValueError``, with nothing changed.
         """
         with self._gate.call():
+            self._gate.check_open()
             return self.tree.match_prefix(tokens)
 
     def lock(self, node: TreeNode) -> None:
@@ -141,12 +144,14 @@ class HiCacheService(PrefetchCalls):
                 this one (evicted or dropped): match again. Nothing is changed.
         """
         with self._gate.call():
+            self._gate.check_open()
             self.tree.lock(node, caller=True)
 
     def release(self, node: TreeNode) -> None:
         """Undo one :meth:`lock` of ``node``; refuses nodes as :meth:`lock` does, and raises
         ``RuntimeError`` for a node this service's :meth:`lock` did not lock."""
         with self._gate.call():
+            self._gate.check_open()
             self.tree.unlock(node, op="release", caller=True)
 
     def load_back(self, target: MatchResult | TreeNode, device_quota_tokens: int) -> LoadBack:
@@ -160,12 +165,14 @@ class HiCacheService(PrefetchCalls):
         """
         node = target.last_host_node if isinstance(target, MatchResult) else target
         with self._gate.call():
+            self._gate.check_open()
             return self.tree.load_back(node, slot_handoff.check_count(
                 "load_back", device_quota_tokens, "device_quota_tokens"))
 
     def start_loading(self) -> int | None:
         """Issue queued load-backs (when the batch that reads them starts); the event set id."""
         with self._gate.call():
+            self._gate.check_open()
             return self.tree.start_loading()
 
     def insert(self, tokens: TokenIds | TokenKey, device_indices: Indices) -> int:
@@ -184,6 +191,7 @@ class HiCacheService(PrefetchCalls):
         if not isinstance(device_indices, Indices):
             raise TypeError(f"insert: expected DEVICE_FULL Indices, got {type(device_indices)}")
         with self._gate.call():
+            self._gate.check_open()
             return slot_handoff.insert(self, tokens, device_indices)
 
     def alloc_device(self, num_tokens: int) -> Indices | None:
@@ -200,11 +208,13 @@ class HiCacheService(PrefetchCalls):
         """
         rounded = slot_handoff.check_alloc(self, num_tokens)
         with self._gate.call():
+            self._gate.check_open()
             return slot_handoff.alloc(self, rounded)
 
     def free_device(self, device_indices: Indices) -> None:
         """Give back whole pages from :meth:`alloc_device` that were never inserted."""
         with self._gate.call():
+            self._gate.check_open()
             slot_handoff.free(self, device_indices)
 
     def release_window(self, device_indices: Indices) -> None:
@@ -222,23 +232,8 @@ class HiCacheService(PrefetchCalls):
                 freed), or not whole pages. Nothing is changed.
         """
         with self._gate.call():
+            self._gate.check_open()
             slot_handoff.release_window(self, device_indices)
-
-    def evict_swa(self, num_tokens: int) -> int:
-        """:meth:`HiRadixCache.evict_swa`: device SWA tokens freed (nodes keep full rows)."""
-        with self._gate.call():
-            return self.tree.evict_swa(slot_handoff.check_count("evict_swa", num_tokens))
-
-    def evict(self, num_tokens: int) -> int:
-        """:meth:`HiRadixCache.evict`: device tokens freed now. Under ``write_back`` the
-        tokens it writes back first are freed by a later :meth:`step`, once written."""
-        with self._gate.call():
-            return self.tree.evict(slot_handoff.check_count("evict", num_tokens))
-
-    def evict_host(self, num_tokens: int) -> int:
-        """:meth:`HiRadixCache.evict_host`: host tokens freed."""
-        with self._gate.call():
-            return self.tree.evict_host(slot_handoff.check_count("evict_host", num_tokens))
 
     def step(self) -> int:
         """Issue the backups queued since the last step (one op for all of them; the thread
@@ -251,6 +246,7 @@ class HiCacheService(PrefetchCalls):
                 before anything is applied; the next step goes on normally.
         """
         with self._gate.call():
+            self._gate.check_open()
             if self._poller.agreement is not None:  # a tensor-parallel rank
                 return agreed_step(self)
             self.controller.raise_if_tripped()
@@ -272,7 +268,9 @@ class HiCacheService(PrefetchCalls):
         with self.service_lock:  # CPU state only: no wait for the GPU while the lock is held
             self.tree.check_integrity(engine_device=self._engine.as_indices(), sync_device=False)
             self.stats.integrity_checks += 1
-        self.tree.io.check_device_state()  # allocators: checked above, under the lock
+            compare = self.tree.io.device_state_check()  # copies taken here, compared below
+        if compare is not None:
+            compare()
 
     @property
     def engine_held_tokens(self) -> int:

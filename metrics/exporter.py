@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_HOST = "127.0.0.1"
 METRICS_PATH = "/metrics"
 _SHUTDOWN_POLL_S = 0.1
+REQUEST_TIMEOUT_S = 5.0  # seconds a request connection may stay silent
 
 
 class MetricsExporter:
@@ -155,8 +156,9 @@ class MetricsExporter:
         if server is None:
             return
         server.stop_requested = True
-        if self._thread is not None:
-            self._thread.join()  # within _SHUTDOWN_POLL_S
+        thread = self._thread  # read once: a stop on another thread may clear it
+        if thread is not None:
+            thread.join()  # within _SHUTDOWN_POLL_S
             self._thread = None
         server.server_close()
         self._server = None
@@ -233,7 +235,11 @@ def _only_metrics_path(app: WSGIApp) -> WSGIApp:
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """Logs each request at DEBUG instead of writing it to stderr."""
+    """Logs each request at DEBUG instead of writing it to stderr. A connection that sends
+    nothing for :data:`REQUEST_TIMEOUT_S` is closed (a TCP health check, a hung scraper):
+    each would hold a thread and a socket, past ``stop``."""
+
+    timeout = REQUEST_TIMEOUT_S
 
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("metrics request from %s: " + format, self.address_string(), *args)

@@ -17,6 +17,8 @@ allocating and freeing never synchronise the GPU.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -26,6 +28,15 @@ from .device import DeviceKVPool
 from .nonzero_count import count_nonzero
 
 CPU = torch.device("cpu")
+
+
+class MirrorSnapshot(NamedTuple):
+    """Copies of the map's CPU mirror and of its device map taken together
+    (:meth:`SWASlotMap.mirror_snapshot`); ``copied``: the CUDA event of the device copy."""
+
+    host: np.ndarray
+    device: torch.Tensor
+    copied: torch.cuda.Event | None
 
 
 class SWASlotMap:
@@ -48,6 +59,10 @@ class SWASlotMap:
         self.full_to_swa = torch.zeros(full.num_slots, dtype=torch.int64, device=self.device)
         self.full_to_swa_host = np.zeros(full.num_slots, dtype=np.int64)
         self.version = 0  # bumped by every change of the map (stales ForwardLocs)
+        self._cuda = self.full_to_swa.is_cuda
+        # the stream of the latest map write (CUDA), current then on the writing thread
+        self._writer: torch.cuda.Stream | None = (
+            torch.cuda.current_stream(self.device) if self._cuda else None)
 
     # ---- bookkeeping --------------------------------------------------------------------
 
@@ -109,7 +124,14 @@ class SWASlotMap:
 
     def check_integrity(self) -> None:
         """Both allocators are consistent and the map points only at allocated pages, each
-        SWA page owned by exactly one full page; raises ``RuntimeError`` otherwise."""
+        SWA page owned by exactly one full page, and the device map equals its CPU mirror;
+        raises ``RuntimeError`` otherwise (waits for the GPU)."""
+        self.check_host_state()
+        self.check_mirror(self.mirror_snapshot())
+
+    def check_host_state(self) -> None:
+        """:meth:`check_integrity` of the CPU state alone (no GPU wait): under the lock that
+        serialises the map's changes."""
         self.full_allocator.check_integrity()
         self.swa_allocator.check_integrity()
         mapped = np.flatnonzero(self.full_to_swa_host)
@@ -124,7 +146,30 @@ class SWASlotMap:
         full_pages = np.unique(mapped // self.page_size)
         if not np.isin(full_pages, self.full_allocator.used_pages()).all():
             raise RuntimeError("swa pool: a free full page still maps to an SWA page")
-        if not np.array_equal(self.full_to_swa.cpu().numpy(), self.full_to_swa_host):
+
+    def mirror_snapshot(self) -> MirrorSnapshot:
+        """The CPU mirror and the device map as they are now, for :meth:`check_mirror` to
+        compare later on any thread: taken under the lock that serialises the map's changes,
+        without a GPU wait (on CUDA the device map's copy is enqueued after the latest map
+        write, on the stream that made it)."""
+        host = self.full_to_swa_host.copy()
+        writer = self._writer
+        if writer is None:
+            return MirrorSnapshot(host, self.full_to_swa.clone(), None)
+        device = torch.empty(self.full_to_swa.shape, dtype=torch.int64, pin_memory=True)
+        with torch.cuda.stream(writer):
+            device.copy_(self.full_to_swa, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(writer)
+        return MirrorSnapshot(host, device, done)
+
+    @staticmethod
+    def check_mirror(snapshot: MirrorSnapshot) -> None:
+        """``RuntimeError`` unless a :meth:`mirror_snapshot`'s device map equals its mirror
+        (waits for the copy)."""
+        if snapshot.copied is not None:
+            snapshot.copied.synchronize()
+        if not np.array_equal(snapshot.device.numpy(), snapshot.host):
             raise RuntimeError("swa pool: device map differs from its host mirror")
 
     # ---- translation ----------------------------------------------------------------------
@@ -217,4 +262,6 @@ class SWASlotMap:
         full_t = torch.from_numpy(full_slots.copy()).to(self.device, non_blocking=True)
         swa_t = torch.from_numpy(swa_slots.astype(np.int64)).to(self.device, non_blocking=True)
         self.full_to_swa[full_t] = swa_t
+        if self._cuda:  # where the next mirror snapshot copies the map from
+            self._writer = torch.cuda.current_stream(self.device)
         self.version += 1

@@ -1,7 +1,11 @@
 """An op whose issue raised half way, on a GPU: the copies issued before the error still run
 on the side stream (held back here behind a busy producer), so every index tensor they read
 must stay recorded on that stream while the caching allocator hands freed blocks out again.
-The op is queued again; its retry brings the right rows, and no other row is touched."""
+The op is queued again; its retry brings the right rows, and no other row is touched.
+
+The row checks held on an H200 with the record taken out too (the blocks the failed op
+freed were not handed out again in time there), so the record itself is checked directly:
+the failed op's tensors are recorded on its side stream before the error leaves."""
 
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from controller_helpers import (
     written_and_wiped,
 )
 
-from hicache.controller import Direction, TransferBackend
+from hicache.controller import Direction, TransferBackend, side_streams
 from hicache.pools import HostLayout
 
 pytestmark = [
@@ -139,3 +143,42 @@ def test_a_hybrid_write_that_raised_between_its_pools_keeps_its_indices(
         others = torch.ones(now.shape[0], dtype=torch.bool)
         others[written] = False
         assert torch.equal(now[others], then[others])
+
+
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+def test_a_failed_issue_records_its_tensors_on_the_side_stream(
+        backend: TransferBackend, direction: Direction, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctrl = make_hybrid(backend, device="cuda", page_size=4, full_pages=32, swa_pages=24,
+                       host_pages=64)
+    pool = ctrl.hybrid_pool
+    full = pool.try_alloc(16)
+    assert full is not None
+    host = ctrl.write(full)
+    assert host is not None
+    ctrl.drain()
+    if direction is Direction.HOST_TO_DEVICE:
+        ctrl.evict_device(full)
+        assert ctrl.load(host.full, host.swa, 16) is not None
+    else:
+        again = pool.try_alloc(16)
+        assert again is not None and ctrl.write(again) is not None
+    recorded: list[tuple[int, torch.cuda.Stream]] = []
+    record = side_streams.record_on_stream
+
+    def noted(op: Any, stream: torch.cuda.Stream) -> None:
+        recorded.append((op.op_id, stream))
+        record(op, stream)
+
+    monkeypatch.setattr(side_streams, "record_on_stream", noted)
+    undo = fail_call(backend, direction, at=1)
+    with pytest.raises(Boom):
+        if direction is Direction.HOST_TO_DEVICE:
+            ctrl.start_loading()
+        else:
+            ctrl.start_writing()
+    undo()
+    side = ctrl.load_stream if direction is Direction.HOST_TO_DEVICE else ctrl.write_stream
+    assert len(recorded) == 1 and recorded[0][1] == side
+    ctrl.drain()
+    assert ctrl.num_in_flight == 0

@@ -12,7 +12,7 @@ tree); frees go through the controller, which refuses slots that are still in fl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -179,9 +179,12 @@ class NodeIO:
         for allocator in self.allocators().values():
             allocator.check_integrity()
 
-    def check_device_state(self) -> None:
-        """The device-side half of :meth:`check_pools` alone (a GPU round trip; nothing
-        without SWA), for a caller that checked the rest under the service lock."""
+    def device_state_check(self) -> Callable[[], None] | None:
+        """The device-side half of :meth:`check_pools`, for a caller that checked the rest
+        under the service lock: taken there (copies of what it compares, no GPU wait), the
+        function returned runs the comparison on any thread, with no lock (it waits for the
+        GPU); ``None`` when there is nothing on the device to compare (no SWA)."""
+        return None
 
     def engine_swa_slots(self, engine_device: Indices) -> Indices | None:
         """SWA slots held through engine-owned full slots (``None`` without SWA)."""
@@ -285,11 +288,14 @@ class HybridNodeIO(NodeIO):
 
     def check_pools(self, sync_device: bool) -> None:
         super().check_pools(sync_device)
-        if sync_device:
-            self.check_device_state()
+        slot_map = self.pool.slot_map
+        slot_map.check_host_state()  # the map against the allocators (CPU)
+        if sync_device:  # and the device map against its mirror
+            slot_map.check_mirror(slot_map.mirror_snapshot())
 
-    def check_device_state(self) -> None:
-        self.pool.check_integrity()  # compares the device map with its host mirror
+    def device_state_check(self) -> Callable[[], None] | None:
+        snapshot, slot_map = self.pool.slot_map.mirror_snapshot(), self.pool.slot_map
+        return lambda: slot_map.check_mirror(snapshot)
 
     def engine_swa_slots(self, engine_device: Indices) -> Indices | None:
         swa = self.pool.swa_slots_of(engine_device).tensor
