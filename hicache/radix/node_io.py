@@ -180,10 +180,8 @@ class NodeIO:
             allocator.check_integrity()
 
     def device_state_check(self) -> Callable[[], None] | None:
-        """The device-side half of :meth:`check_pools`, for a caller that checked the rest
-        under the service lock: taken there (copies of what it compares, no GPU wait), the
-        function returned runs the comparison on any thread, with no lock (it waits for the
-        GPU); ``None`` when there is nothing on the device to compare (no SWA)."""
+        """The device-side half of :meth:`check_pools`, taken under the service lock (copies,
+        no GPU wait), to run later with no lock (it waits for the GPU); ``None``: no SWA."""
         return None
 
     def engine_swa_slots(self, engine_device: Indices) -> Indices | None:
