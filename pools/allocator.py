@@ -3,10 +3,10 @@
 Bookkeeping only: plain CPU data, no stream, no device tensor. Requests are placed in runs of
 consecutive pages wherever the free list allows (``try_alloc``), so copies of a page set are
 long (the copy engine needs contiguous host runs). Page 0 is reserved for padding, never
-handed out. An index of the free runs (:class:`FreeRuns`) finds the run to use without
-scanning the pool, so an allocation or a free costs per run it touches; one that would touch
-more runs than it leaves (a large load into scattered holes) is chosen from the free map in
-bulk (:mod:`.free_map_take`), the same pages."""
+handed out. An index of the free runs (:class:`FreeRuns`) finds the run to use without a
+scan, so an allocation or a free costs per run it touches; one that would touch more runs
+than it leaves (a large load into scattered holes) is taken from the free map in bulk
+(:mod:`.free_map_take`), the same pages."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int, space: IndexSpace, name: str) -> None:
+        num_pages = check_int(num_pages, "num_pages", f"pool '{name}'")
+        page_size = check_int(page_size, "page_size", f"pool '{name}'")
         if num_pages < 1:
             raise ValueError(f"pool '{name}': needs at least one usable page, got {num_pages}")
         if page_size < 1:
@@ -113,8 +115,8 @@ class PageAllocator:
         """Allocate the pages of :meth:`try_alloc`: the first page of the one run they
         form, the ``(first page, length)`` runs of a few runs, ascending (none for no
         tokens), or the page ids of many (a new array); ``None`` when they are not free."""
-        if type(num_tokens) is not int:  # a float passes the page check, then corrupts
-            check_int(num_tokens, "num_tokens", f"alloc from pool '{self.name}'")
+        if type(num_tokens) is not int:  # a float or numpy int would corrupt the run index
+            num_tokens = check_int(num_tokens, "num_tokens", f"alloc from pool '{self.name}'")
         if num_tokens < 0 or num_tokens % self.page_size:
             check_page_multiple(num_tokens, self.page_size, f"alloc from pool '{self.name}'")
         num_pages = num_tokens // self.page_size
@@ -234,9 +236,8 @@ class PageAllocator:
         return int(pages[np.flatnonzero(is_free)[0]])
 
     def check_allocated(self, pages: np.ndarray) -> None:
-        """Raise the ``ValueError`` of :meth:`free` for the first of ``pages`` (page ids
-        :meth:`pages_of` returned) that is not allocated: a caller freeing them together
-        with what they own checks before it changes anything."""
+        """Raise :meth:`free`'s ``ValueError`` for the first of ``pages`` (from :meth:`pages_of`)
+        not allocated: a caller freeing them with what they own checks first."""
         page = self.first_unallocated_page(pages)
         if page is not None:
             self._raise_not_allocated(page)
@@ -251,8 +252,7 @@ class PageAllocator:
         return self._is_free.copy()
 
     def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
-        """``(first page, length)`` of every run of consecutive free pages, lowest first:
-        int64 arrays of shape ``[num_runs]``."""
+        """``(first page, length)`` int64 arrays of every run of free pages, lowest first."""
         return self._runs.as_arrays()
 
     def _take_longest_runs(self, num_pages: int) -> list[tuple[int, int]] | np.ndarray:

@@ -258,6 +258,8 @@ class SWASlotMap:
         return (pages[:, None] * self.page_size + offsets[None, :]).reshape(-1)
 
     def _set(self, full_slots: np.ndarray, swa_slots: np.ndarray) -> None:
+        if not full_slots.size:  # nothing changes: the version (ForwardLocs, tables) stays
+            return
         self.full_to_swa_host[full_slots] = swa_slots
         full_t = torch.from_numpy(full_slots.copy()).to(self.device, non_blocking=True)
         swa_t = torch.from_numpy(swa_slots.astype(np.int64)).to(self.device, non_blocking=True)
