@@ -36,7 +36,7 @@ from .radix import MatchResult, TokenIds, TokenKey
 
 if TYPE_CHECKING:
     from .call_gate import CallGate
-    from .radix import HiRadixCache
+    from .radix import HiRadixCache, TreeNode
 
 _WAIT_SLICE_S = 0.05  # the longest a wait sleeps before it looks at the deadline again
 
@@ -68,8 +68,10 @@ class PrefetchCalls:
             key = self.tree.key_data(tokens, "prefetch")  # bad tokens raise, store or not
             if self.storage is None:
                 return None
-            if match.last_host_node is not self.tree.root:
-                self.tree._check_node(match.last_host_node, "prefetch")
+            node = match.last_host_node
+            if node is not self.tree.root:
+                self.tree._check_node(node, "prefetch")
+                _check_same_prefix(key, node)
             return self.storage.start_prefetch(key, match)
 
     def prefetch_ready(self, prefetch: Prefetch) -> bool:
@@ -141,3 +143,16 @@ def _check_timeout(timeout_s: object) -> None:
     if not 0 <= float(timeout_s) <= threading.TIMEOUT_MAX:
         raise ValueError(f"wait_prefetch: timeout_s must be 0..{threading.TIMEOUT_MAX:g} "
                          f"seconds or None, got {timeout_s!r}")
+
+
+def _check_same_prefix(key: bytes, node: TreeNode) -> None:
+    """``ValueError`` unless ``key`` starts with the tokens of the path to ``node`` (a match
+    of ``key``'s own tokens): a match of other tokens would hang their pages under it."""
+    parts = []
+    while node.parent is not None:
+        parts.append(node.key)
+        node = node.parent
+    path = b"".join(reversed(parts))
+    if key[:len(path)] != path:
+        raise ValueError("prefetch: the match is not of these tokens; pass the MatchResult "
+                         "that match() returned for the same tokens")

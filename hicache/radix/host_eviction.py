@@ -24,14 +24,17 @@ def evict_host(tree: TieredRadixTree, num_tokens: int) -> int:
     """See :meth:`TieredRadixTree.evict_host`."""
     tree._refresh_candidates()
     chosen: list[TreeNode] = []
-    freed = 0
+    freed = scheduled = 0
     try:
-        while freed < num_tokens:
+        while freed + scheduled < num_tokens:
             node = tree._host_candidates.pop()
             if node is None:
                 break
             if tree.storage is not None and tree.storage.keep_for_store(node):
-                continue  # written back to the store first; leaves when that is done
+                # written back to the store first; leaves when that is done, and counts
+                # toward what was asked (else every host leaf would be written back)
+                scheduled += node.num_tokens
+                continue
             chosen.append(node)
             freed += node.num_tokens
             # detached now, so that its parent can become a leaf and be popped next

@@ -143,7 +143,8 @@ class TieredRadixTree(RadixTree):
         """Free the host copies of unlocked host-only leaves, removing those nodes, in
         eviction-policy order until ``num_tokens`` are freed; returns tokens freed. Nodes on
         the device and slots in flight are never touched. With a shared store under
-        ``write_back``, a leaf not in the store is written there first and leaves later."""
+        ``write_back``, a leaf not in the store is written there first and leaves later
+        (its tokens count toward ``num_tokens``, not in the tokens returned)."""
         return host_eviction.evict_host(self, num_tokens)
 
     def evict_host_node(self, node: TreeNode) -> int:
