@@ -105,10 +105,10 @@ def back_up_window(tree: HiRadixCache, device: Indices) -> None:
     # reuse its tensor as soon as this call returns.
     device = Indices(device.tensor.clone(), device.space)
     op = WindowBackupOp(Direction.DEVICE_TO_HOST, [], [], device=device)
-    _room_for_window(tree, device)
+    needed = _room_for_window(tree, device)
     host_swa = tree.io.write_swa(device, op)
-    if host_swa is None:
-        tree.stats.refused_backups["host_swa_full"] += len(device)
+    if host_swa is None:  # the tokens with rows to copy (a page without them is skipped)
+        tree.stats.refused_backups["host_swa_full"] += needed
         tree.io.release_swa(device)
         return
     if not bool((host_swa.tensor != 0).any()):
@@ -119,15 +119,17 @@ def back_up_window(tree: HiRadixCache, device: Indices) -> None:
         tree.controller.start_writing()
 
 
-def _room_for_window(tree: HiRadixCache, device: Indices) -> None:
+def _room_for_window(tree: HiRadixCache, device: Indices) -> int:
     """Free SWA host room for the window backup of ``device`` before it is tried (a refused
-    try costs every check of the write): host-only leaves first, then SWA copies on their
-    own, as :func:`evict_host_swa` explains. Nothing when the pool already has room."""
-    if tree.io.host_swa_free_tokens() >= len(device):
-        return
+    try costs every check of the write): host-only leaves first, for what is short, then
+    SWA copies on their own, as :func:`evict_host_swa` explains. Nothing when the pool
+    already has room. Returns the tokens of ``device`` with SWA rows (what it copies)."""
     swa = tree.io.swa_of(device)
     needed = int(torch.count_nonzero(swa.tensor)) if swa is not None else 0
-    make_swa_host_room(tree, needed, len(device))
+    free = tree.io.host_swa_free_tokens()
+    if free < needed:
+        make_swa_host_room(tree, needed, needed - free)
+    return needed
 
 
 def make_swa_host_room(tree: TieredRadixTree, needed: int, host_tokens: int) -> bool:
