@@ -246,18 +246,28 @@ class Prefetches:
         return held + list(self._abandoned.values())
 
     def _count_rest(self, prefetch: Prefetch, arrived: int) -> None:
-        """Outcomes of the pages after the ``arrived`` ones."""
+        """Outcomes of the pages after the ``arrived`` ones: read after the finish, ``timeout``;
+        from the first page the read failed on (a miss, a corrupt page, an error), each
+        failed page its own, and the other found pages ``after_failure`` (read or not, the
+        prefix ends at that gap); never read otherwise, why (``cancelled``, else
+        ``timeout``)."""
         job, page, counts = prefetch.job, self.page_size, self.stats.prefetch_tokens
         total = job.num_pages
         if job.phase is PrefetchPhase.QUERY:
             counts["timeout"] += (total - arrived) * page
             return
-        statuses = list(job.statuses)  # one snapshot: the worker may extend the list now
-        for status in statuses[arrived:]:
-            counts[_STATUS_OUTCOME.get(status, "timeout")] += page
-        unread = job.found - max(arrived, len(statuses))
-        if unread > 0:
-            counts[job.unread or "timeout"] += unread * page
+        later = list(job.statuses)[arrived:]  # one snapshot: the worker may extend the list
+        failed = next((n for n, status in enumerate(later) if status is not PageStatus.OK), None)
+        if failed is not None:
+            counts["timeout"] += failed * page
+            for status in later[failed:]:
+                counts[_STATUS_OUTCOME.get(status, "after_failure")] += page
+            counts["after_failure"] += max(0, job.found - arrived - len(later)) * page
+        else:
+            counts["timeout"] += len(later) * page
+            unread = job.found - arrived - len(later)
+            if unread > 0:
+                counts[job.unread or "timeout"] += unread * page
         counts[_STATUS_OUTCOME.get(job.missing, "error")] += (total - job.found) * page
 
     def _deadline(self, now: float, num_tokens: int) -> float | None:

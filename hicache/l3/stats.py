@@ -10,6 +10,9 @@ Prefetch outcomes count tokens, by how each prefetched page ended:
 - ``timeout``: not arrived when the prefetch was finished (its policy's deadline, or
   ``best_effort``), or the store's deadline passed;
 - ``corrupt``, ``error``: the store's page failed verification, or the store failed;
+- ``after_failure``: found, but after a page the read failed on (a miss, a corrupt page, a
+  failed read): the prefix ends at its first gap, and the pages after it are not used
+  (one that failed itself counts as it failed);
 - ``host_full``: found, but the host had no room for it;
 - ``queue_full``: never asked for: the prefetch queue was full;
 - ``cancelled``: the service stopped, or the engine dropped the request.
@@ -37,8 +40,8 @@ are sent to the store and ``("arrive", hashes, host_slots, swa_slots)`` when pre
 pages reach the tree (one int64 host slot per token, aligned with the hashes' pages; the
 aligned SWA host slots of a hybrid model, else ``None``); for audits and tests."""
 
-PREFETCH_OUTCOMES = ("used", "not_found", "cached", "timeout", "corrupt", "error", "host_full",
-                     "queue_full", "cancelled")
+PREFETCH_OUTCOMES = ("used", "not_found", "cached", "timeout", "corrupt", "error",
+                     "after_failure", "host_full", "queue_full", "cancelled")
 BACKUP_OUTCOMES = ("stored", "failed", "dropped", "no_swa_rows")
 
 

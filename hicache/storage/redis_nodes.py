@@ -184,12 +184,15 @@ class RedisNodes:
 
     def _current(self, address: Address) -> RespConnection | None:
         """This thread's open connection to ``address`` made since the server last failed;
-        an older one is closed (it may lead to a server that was restarted since)."""
+        an older one is closed (it may lead to a server that was restarted since), and so is
+        one the server closed (an idle timeout, a restart): reused, it would fail the call
+        and open the circuit of a server that answers."""
         entry = self._connections().get(address)
         if entry is None:
             return None
         connection, generation = entry
-        if not connection.closed and generation == self._generation.get(address, 0):
+        if (not connection.closed and generation == self._generation.get(address, 0)
+                and not connection.peer_closed()):
             return connection
         self.drop(address)
         return None

@@ -41,10 +41,12 @@ class RedisPages:
 
     def get(self, connection: RespConnection, positions: list[int],
             page_hashes: Sequence[bytes], keys: list[bytes], views: list[Sequence[memoryview]],
-            statuses: Statuses, corrupt: list[int], deadline: Deadline) -> None:
+            statuses: Statuses, corrupt: list[int], deadline: Deadline, replies: list[str]
+            ) -> None:
         """``GET`` the pages at ``positions`` into their ``views``; sets their statuses and
-        appends corrupt positions to ``corrupt``. Raises ``OSError``/``RespError`` when the
-        connection fails (it must then be closed)."""
+        appends corrupt positions to ``corrupt`` (a value of another type at a page's key
+        too), and the server's error replies to ``replies``. Raises ``OSError``/``RespError``
+        when the connection fails (it must then be closed)."""
         header = memoryview(bytearray(self.format.header_len))
         ahead = min(self.window, len(positions))
         connection.send([b"".join(command(b"GET", keys[i]) for i in positions[:ahead])],
@@ -53,8 +55,13 @@ class RedisPages:
             try:
                 length = connection.read_bulk_length(deadline)
             except RespError as exc:  # MOVED, CLUSTERDOWN, LOADING...: this page only
-                statuses[i] = PageStatus.ERROR
-                self._on_redirect()
+                if str(exc).startswith("WRONGTYPE"):  # not a page: removed, stored again
+                    statuses[i] = PageStatus.CORRUPT
+                    corrupt.append(i)
+                else:
+                    statuses[i] = PageStatus.ERROR
+                    self._on_redirect()
+                    replies.append(reply_error(connection, exc))
                 logger.debug("GET %s: %s", keys[i].decode(), exc)
             else:
                 statuses[i] = self._receive(connection, length, page_hashes[i], header,
@@ -66,9 +73,10 @@ class RedisPages:
 
     def put(self, connection: RespConnection, positions: list[int],
             page_hashes: Sequence[bytes], keys: list[bytes], views: list[Sequence[memoryview]],
-            statuses: Statuses, deadline: Deadline) -> None:
+            statuses: Statuses, deadline: Deadline, replies: list[str]) -> None:
         """``SET key value NX`` for the pages at ``positions``, all sent before any reply is
-        read; a page another writer stored first is ``OK`` (counted as skipped)."""
+        read; a page another writer stored first is ``OK`` (counted as skipped). The
+        server's error replies go to ``replies``."""
         prefix_len = self.format.object_len
         for i in positions:
             prefix = bulk_prefix(b"SET", keys[i], value_len=prefix_len, trailing=1)
@@ -80,6 +88,7 @@ class RedisPages:
                 reply = connection.read_reply(deadline)
             except RespError as exc:  # OOM (maxmemory with noeviction), MOVED...
                 statuses[i] = PageStatus.ERROR
+                replies.append(reply_error(connection, exc))
                 logger.debug("SET of page %s: %s", page_hashes[i].hex()[:16], exc)
                 continue
             statuses[i] = PageStatus.OK
@@ -109,3 +118,9 @@ def fill(statuses: Statuses, positions: list[int], status: PageStatus) -> None:
     for i in positions:
         if statuses[i] is None:
             statuses[i] = status
+
+
+def reply_error(connection: RespConnection, exc: Exception) -> str:
+    """A call's error message for the server's error reply ``exc``, naming the server."""
+    host, port = connection.address
+    return f"redis {host}:{port}: {exc}"

@@ -101,14 +101,15 @@ class RedisStore(StorageBackend):
             timeout_s: float | None = None) -> StorageResult:
         views = check_batch("get", self.namespace, page_hashes, pages, writable=True)
         started, deadline = time.perf_counter(), Deadline(timeout_s or self.timeout_s)
-        keys, corrupt = [self.key(h) for h in page_hashes], list[int]()
+        keys, corrupt, replies = [self.key(h) for h in page_hashes], list[int](), list[str]()
         statuses: Statuses = [None] * len(keys)
 
         def work(connection: RespConnection, positions: list[int], deadline: Deadline) -> None:
             self.pages.get(connection, positions, page_hashes, keys, views, statuses, corrupt,
-                           deadline)
+                           deadline, replies)
 
         error = self.stripes.run(page_hashes, statuses, deadline, work, None)
+        error = error or (replies[0] if replies else None)  # a page's own error reply
         if corrupt and not deadline.expired():
             _, unlink_error = self._pipelined(b"UNLINK", [page_hashes[i] for i in corrupt],
                                               [keys[i] for i in corrupt], deadline)
@@ -129,11 +130,15 @@ class RedisStore(StorageBackend):
         missing = [i for i, s in enumerate(statuses) if s is None]
         self._stats.add(pages_skipped=found.count(PageStatus.OK))
 
+        replies: list[str] = []
+
         def work(connection: RespConnection, positions: list[int], deadline: Deadline) -> None:
-            self.pages.put(connection, positions, page_hashes, keys, views, statuses, deadline)
+            self.pages.put(connection, positions, page_hashes, keys, views, statuses, deadline,
+                           replies)
 
         if missing:
             error = self.stripes.run(page_hashes, statuses, deadline, work, missing) or error
+            error = error or (replies[0] if replies else None)  # a page's own error reply
         result = StorageResult(_filled(statuses), error)
         self._stats.record("put", result, time.perf_counter() - started)
         return result
@@ -206,7 +211,12 @@ class RedisStore(StorageBackend):
 
         def read(connection: RespConnection, positions: list[int], deadline: Deadline) -> None:
             for i in positions:
-                statuses[i] = _found(connection, deadline)
+                try:
+                    statuses[i] = _found(connection, deadline)
+                except RespError as exc:  # MOVED, ASK, TRYAGAIN: this key only, the rest read
+                    statuses[i] = PageStatus.ERROR
+                    self.nodes.mark_stale()
+                    logger.debug("%s %s: %s", verb.decode(), keys[i].decode(), exc)
 
         error = self._each_node(page_hashes, statuses, deadline, send)
         for address, connection, positions in sent:

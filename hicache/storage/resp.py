@@ -50,6 +50,18 @@ class RespConnection:
             self.send([command(b"AUTH", password.encode())], deadline)
             self.read_reply(deadline)
 
+    def peer_closed(self) -> bool:
+        """Whether the server closed this idle connection (its idle ``timeout``, a restart,
+        a protocol error): an end of file, or an error, waiting to be read. No wait: every
+        operation sets its own timeout again."""
+        try:
+            self.sock.settimeout(0)
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False  # nothing to read: open
+        except OSError:
+            return True
+
     def close(self) -> None:
         if not self.closed:
             self.closed = True
