@@ -209,7 +209,8 @@ def _cpus() -> int:
 
 def _check(args: argparse.Namespace) -> None:
     """:class:`UsageError` naming the option and the value for a bad count, ``--json``,
-    ``--dir``, ``--redis`` or ``--cluster``, or a missing redis-server, before any work."""
+    ``--dir``, ``--redis`` or ``--cluster``, or a missing redis-server, redis-py or hiredis,
+    before any work."""
     arg_checks.at_least("--page-tokens", args.page_tokens, 1)
     arg_checks.at_least("--batch-mib", args.batch_mib, 1)
     arg_checks.at_least("--repeats", args.repeats, 1)
@@ -228,6 +229,21 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError("redis-server is not installed: install it (Debian: apt-get install "
                          "redis-server), name running servers with --redis/--cluster, or "
                          "measure --stores file")
+    if any(s != "file" for s in args.stores) and not _have_redis_py():
+        raise UsageError("--stores redis and cluster are measured beside redis-py with "
+                         "hiredis, which are not installed: pip install 'hicache[redis]', or "
+                         "measure --stores file")
+
+
+def _have_redis_py() -> bool:
+    """redis-py and its hiredis parser are importable (the Redis reference of the bench)."""
+    import importlib.util
+
+    if importlib.util.find_spec("redis") is None or importlib.util.find_spec("hiredis") is None:
+        return False
+    from redis.utils import HIREDIS_AVAILABLE
+
+    return bool(HIREDIS_AVAILABLE)
 
 
 def _error(message: str, code: int) -> int:
