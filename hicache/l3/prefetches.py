@@ -259,12 +259,15 @@ class Prefetches:
         later = list(job.statuses)[arrived:]  # one snapshot: the worker may extend the list
         failed = next((n for n, status in enumerate(later) if status is not PageStatus.OK), None)
         if failed is not None:
-            counts["timeout"] += failed * page
+            if failed:
+                counts["timeout"] += failed * page
             for status in later[failed:]:
                 counts[_STATUS_OUTCOME.get(status, "after_failure")] += page
-            counts["after_failure"] += max(0, job.found - arrived - len(later)) * page
+            if job.found > arrived + len(later):
+                counts["after_failure"] += (job.found - arrived - len(later)) * page
         else:
-            counts["timeout"] += len(later) * page
+            if later:
+                counts["timeout"] += len(later) * page
             unread = job.found - arrived - len(later)
             if unread > 0:
                 counts[job.unread or "timeout"] += unread * page
