@@ -86,6 +86,16 @@ class CallGate:
                 f"hicache background thread failed: {self._error!r}; stop the service"
             ) from self._error
 
+    def failure(self) -> Exception | None:
+        """The ``ServiceError`` a call would raise now that the background thread failed
+        (counted as raised), else ``None``: for a tensor-parallel rank's step, which must
+        still make its collective to tell the other ranks."""
+        try:
+            self.raise_if_failed()
+        except self._error_type as error:
+            return error
+        return None
+
     def check_lock_free(self, op: str) -> None:
         """What :meth:`call` refuses, for a call that takes no lock (``wait_until``): a
         failed background thread, then a stopped service (``RuntimeError`` naming ``op``)."""

@@ -56,7 +56,7 @@ from .l3 import StorageTier
 from .l3.shared_copy import probe_shared_store
 from .radix import HiRadixCache
 from .rank_agreement import RankAgreement
-from .rank_settings import check_same_settings
+from .rank_settings import check_same_settings, on_every_rank
 from .service import HiCacheService
 from .storage import Namespace, StorageBackend, open_store
 
@@ -91,8 +91,9 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
         ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
             store without ``model_id``/``model_revision``; a store with a hybrid model whose
             host keeps SWA rows for windows only; a ``tp_group`` with ``tp_size``/``tp_rank``
-            other than the group's, that cannot reduce CPU tensors, or whose ranks' configs
-            differ (on every rank, naming the keys).
+            other than the group's, that cannot reduce CPU tensors, whose ranks' configs
+            differ (on every rank, naming the keys), or a store that failed to open on a
+            rank (on every rank, naming it).
         ConfigError: pools in RAM larger than this machine's RAM (naming the size key,
             checked before anything is allocated); a ``storage.path`` that cannot be a
             writable directory.
@@ -139,7 +140,10 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
         assert model_id is not None and model_revision is not None
         namespace = storage_namespace(config, model_id=model_id, model_revision=model_revision,
                                       tp_rank=tp_rank, tp_size=tp_size, salt=salt)
-        store = open_configured_store(config, namespace)
+        store = (open_configured_store(config, namespace) if agreement is None else
+                 on_every_rank(agreement, "opening the store of the storage section",
+                               lambda: open_configured_store(config, namespace),
+                               lambda opened: opened.close() if opened is not None else None))
         assert store is not None
         # ranks that name their pages alike (MLA) write one copy if they see one store
         share = (probe_shared_store(store, agreement)

@@ -35,8 +35,9 @@ With a :class:`RankAgreement` the service applies those only where every rank ap
 The collectives run on a ``torch.distributed`` process group that can reduce CPU tensors
 (gloo): ``torch.distributed.new_group(ranks, backend="gloo")`` beside the model's NCCL group.
 
-A ``step()`` that raises on one rank (a CUDA bounds error the device tripped, or a backup's
-issue that failed) still takes part in the first collective, which tells every rank:
+A ``step()`` that raises on one rank (a CUDA bounds error the device tripped, a backup's
+issue or a poll that failed, or the rank's background thread that had failed) still takes
+part in the first collective, which tells every rank:
 every rank then raises :class:`RanksDivergedError` at that step (on the rank that failed,
 with its own error as the cause), so none waits for it and none goes on a step ahead. A
 step that raises on every rank (the same bad slot in every rank's forward) raises each
@@ -185,22 +186,35 @@ class RankAgreement:
 
 
 def agreed_step(service: HiCacheService) -> int:
-    """``service.step()`` of a rank (see the module docstring), with the service lock held:
-    issue the queued backups, make the step's collectives, then apply what they agreed."""
+    """``service.step()`` of a rank (see the module docstring): with the service lock held,
+    issue the queued backups, make the step's collectives, then apply what they agreed. A
+    rank whose background thread failed still makes them, raising its ``ServiceError``
+    (every other rank ``RanksDivergedError``), instead of leaving the others waiting."""
+    gate = service._gate
+    failure = gate.failure()
+    if failure is not None and gate.stopped:
+        raise RuntimeError("the service was stopped")
+    with gate.call() if failure is None else gate.lock:
+        gate.check_open()
+        return _agreed_step(service, failure)
+
+
+def _agreed_step(service: HiCacheService, error: Exception | None) -> int:
     poller = service._poller
     agreement = poller.agreement
     assert agreement is not None
     storage = service.storage
-    error: Exception | None = None
     try:
-        service.controller.raise_if_tripped()
-        service.tree.issue_queued_backups()  # those queued since the last step, as one op
+        if error is None:
+            service.controller.raise_if_tripped()
+            service.tree.issue_queued_backups()  # those queued since the last step, one op
+        poller.collect()  # held
+        if storage is not None:
+            storage.poll()  # the workers' finished lists emptied; nothing applied
     except Exception as exc:  # raised after the collectives, which every rank makes
-        error = exc
-    poller.collect()  # held
+        error = error or exc
     held = None
     if storage is not None:
-        storage.poll()  # the workers' finished lists emptied; nothing applied
         held = storage.held
         assert held is not None
     try:

@@ -1,4 +1,5 @@
-"""The settings tensor-parallel ranks must share, compared when their services are built.
+"""The settings tensor-parallel ranks must share, compared when their services are built, and
+the build steps every rank must pass alike (opening the shared store).
 
 Ranks that agree on every step (:mod:`hicache.rank_agreement`) must take the same decisions
 from the same calls, and make collectives of the same lengths: a rank with another prefetch
@@ -15,11 +16,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from .config import HiCacheConfig
     from .rank_agreement import RankAgreement
+
+T = TypeVar("T")
 
 # keys a rank may set its own way: its device, its metrics endpoint, its RAM, how its copies
 # run, where its store is and how long its calls wait
@@ -58,6 +62,30 @@ def check_same_settings(agreement: RankAgreement, config: HiCacheConfig) -> None
         f"tp_group: the ranks' configs differ in {', '.join(key for key, _ in differ)} (rank "
         f"{agreement.rank} has {mine}); every rank must load the same config, but for "
         f"{', '.join(sorted(PER_RANK))}")
+
+
+def on_every_rank(agreement: RankAgreement, what: str, make: Callable[[], T],
+                  close: Callable[[T], object]) -> T:
+    """``make()`` on this rank, then one collective: if it raised on any rank, every rank
+    raises ``ValueError`` naming those ranks (the failed one from its own error; what this
+    rank made is closed with ``close``), instead of the others waiting at their next
+    collective for a rank that left the build."""
+    made: T | None = None
+    failure: Exception | None = None
+    try:
+        made = make()
+    except Exception as error:  # told to every rank first
+        failure = error
+    failed = [rank for rank, (bad,) in enumerate(agreement.gather([int(failure is not None)]))
+              if bad]
+    if not failed:
+        assert made is not None
+        return made
+    if made is not None:
+        close(made)
+    raise ValueError(f"tp_group: {what} failed on rank {', '.join(map(str, failed))}"
+                     f"{f' ({failure})' if failure is not None else ''}; fix it there and "
+                     f"build every rank again") from failure
 
 
 def _collect(section: Any, prefix: str, found: list[tuple[str, str]]) -> None:

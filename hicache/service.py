@@ -245,10 +245,10 @@ class HiCacheService(PrefetchCalls, EvictionCalls):
                 range; nothing live was written (see :mod:`hicache.pools.bounds`). Raised
                 before anything is applied; the next step goes on normally.
         """
+        if self._poller.agreement is not None:  # a tensor-parallel rank (its own gate)
+            return agreed_step(self)
         with self._gate.call():
             self._gate.check_open()
-            if self._poller.agreement is not None:  # a tensor-parallel rank
-                return agreed_step(self)
             self.controller.raise_if_tripped()
             self.tree.issue_queued_backups()  # those queued since the last step, as one op
             acks = self._poller.collect()
