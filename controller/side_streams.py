@@ -99,7 +99,7 @@ class SideStreams:
                 op.finish_event = Event(self.device, timing=True)
                 op.finish_event.record(stream)
         finally:  # also after a copy raised: the copies issued before it read these
-            self._finish(op, stream)
+            self._finish(op, stream, issued=op.finish_event is not None)
 
     def issue_load(self, op: TransferOp, events: Sequence[Event],
                    between: Callable[[], object] | None = None, cover_bytes: int = 0) -> None:
@@ -139,7 +139,7 @@ class SideStreams:
                                        counters)
             op.finish_event = events[-1]
         finally:  # also after a copy raised: the copies issued before it read these
-            self._finish(op, stream)
+            self._finish(op, stream, issued=op.finish_event is not None)
 
     def _issue_groups(self, op: TransferOp, events: Sequence[Event],
                       groups: tuple[range, ...], numbers: range,
@@ -223,11 +223,10 @@ class SideStreams:
             event.wait(side_stream)
             free.append(event)
         # the streams current where its calls were queued; calls queued together may share
-        # one event, which goes back to the free list once
+        # one event, which goes back to the free list once, when the op is issued
+        # (:meth:`_finish`): an op whose issue raises is queued again with its calls' marks
         for mark in {id(mark): mark for mark in op.after}.values():
             mark.wait(side_stream)
-            free.append(mark)
-        op.after = []
         callers = self._callers
         if side_stream is not None and callers is not None:
             raw = callers.raw()
@@ -239,10 +238,15 @@ class SideStreams:
         op.start_event = Event(self.device, timing=True)
         op.start_event.record(side_stream)
 
-    @staticmethod
-    def _finish(op: TransferOp, side_stream: torch.cuda.Stream | None) -> None:
+    def _finish(self, op: TransferOp, side_stream: torch.cuda.Stream | None,
+                issued: bool) -> None:
+        """Record ``op``'s tensors on its side stream (also when its issue raised: the copies
+        made before read them); once it is ``issued``, its marks are free again."""
         if side_stream is not None:
             record_on_stream(op, side_stream)
+        if issued and op.after:
+            self._free_marks.extend({id(mark): mark for mark in op.after}.values())
+            op.after = []
 
 
 @functools.lru_cache(maxsize=64)

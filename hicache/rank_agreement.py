@@ -192,9 +192,19 @@ def agreed_step(service: HiCacheService) -> int:
     (every other rank ``RanksDivergedError``), instead of leaving the others waiting."""
     gate = service._gate
     failure = gate.failure()
-    if failure is not None and gate.stopped:
-        raise RuntimeError("the service was stopped")
-    with gate.call() if failure is None else gate.lock:
+    lock = None
+    if failure is None:
+        try:
+            lock = gate.call()
+        except RuntimeError:
+            failure = gate.failure()  # the thread failed just now: step as below
+            if failure is None:
+                raise  # the service was stopped
+    if lock is None:
+        if gate.stopped:
+            raise RuntimeError("the service was stopped")
+        lock = gate.lock
+    with lock:
         gate.check_open()
         return _agreed_step(service, failure)
 

@@ -182,3 +182,33 @@ def test_a_failed_issue_records_its_tensors_on_the_side_stream(
     assert len(recorded) == 1 and recorded[0][1] == side
     ctrl.drain()
     assert ctrl.num_in_flight == 0
+
+
+@pytest.mark.parametrize("backend", gpu_backends(), ids=lambda b: b.name)
+def test_a_write_whose_issue_raised_frees_its_caller_marks_once(
+        backend: TransferBackend) -> None:
+    """The events a write waits on (recorded where its calls were queued) go back to the
+    free list when the write is issued, once: before, the failed issue freed them and the
+    requeued calls kept them, so the retry freed them again, and two later writes queued on
+    two streams could share one event (the first would wait on the other's stream)."""
+    ctrl = make_controller(backend, device="cuda", page_size=4, device_pages=64,
+                           host_pages=160, num_layers=2)
+    first = ctrl.device_allocator.try_alloc(8)
+    assert first is not None and ctrl.write(first) is not None
+    undo = fail_call(backend, Direction.DEVICE_TO_HOST, at=0)
+    with pytest.raises(Boom):
+        ctrl.start_writing()
+    undo()
+    ctrl.start_writing()
+    ctrl.drain()
+    free = ctrl._streams._free_marks
+    assert len(free) == len({id(event) for event in free})
+    streams = torch.cuda.Stream(), torch.cuda.Stream()
+    for stream in streams:
+        slots = ctrl.device_allocator.try_alloc(8)
+        assert slots is not None
+        with torch.cuda.stream(stream):
+            assert ctrl.write(slots) is not None
+    marks = [call.after for call in ctrl._ops.queued[Direction.DEVICE_TO_HOST]]
+    assert marks[0][-1] is not marks[1][-1]
+    ctrl.drain()
