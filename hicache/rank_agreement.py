@@ -188,8 +188,9 @@ class RankAgreement:
 def agreed_step(service: HiCacheService) -> int:
     """``service.step()`` of a rank (see the module docstring): with the service lock held,
     issue the queued backups, make the step's collectives, then apply what they agreed. A
-    rank whose background thread failed still makes them, raising its ``ServiceError``
-    (every other rank ``RanksDivergedError``), instead of leaving the others waiting."""
+    rank whose background thread failed still makes the first one: every rank then raises
+    ``RanksDivergedError`` (that rank's with its ``ServiceError`` as the cause) instead of
+    the others waiting for it."""
     gate = service._gate
     failure = gate.failure()
     lock = None
