@@ -134,7 +134,7 @@ def test_clear_of_a_store_that_does_not_answer_raises(cluster: bool) -> None:
     store = RedisStore([("127.0.0.1", free_port())], namespace(make_pool()), cluster=cluster,
                        timeout_s=0.5)
     try:
-        with pytest.raises(StorageUnavailable, match=r"does not answer|no node"):
+        with pytest.raises(StorageUnavailable, match=r"Connection refused|no node"):
             store.clear()
     finally:
         store.close()

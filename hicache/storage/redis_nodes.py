@@ -58,6 +58,7 @@ class RedisNodes:
         self._local = threading.local()
         self._all: list[RespConnection] = []
         self._generation: dict[Address, int] = {}  # bumped when a server fails
+        self._errors: dict[Address, str] = {}  # each failing server's last error
         self._lock = threading.Lock()
 
     # ---- routing ---------------------------------------------------------------------------
@@ -154,6 +155,7 @@ class RedisNodes:
         self.drop(address)
         with self._lock:  # other threads' connections to it are stale too (a restarted
             self._generation[address] = self._generation.get(address, 0) + 1  # server)
+            self._errors[address] = str(error) or type(error).__name__
         if self._circuit(address).failed():
             logger.warning("redis %s:%d failed (%s); its pages are misses until it answers",
                            *address, error)
@@ -163,9 +165,25 @@ class RedisNodes:
             self.mark_stale()
 
     def succeeded(self, address: Address) -> None:
+        with self._lock:
+            self._errors.pop(address, None)
         if self._circuit(address).succeeded():
             logger.info("redis %s:%d answers again", *address)
             self._stats.set("open_circuits", self.open_circuits())
+
+    def unreachable(self, address: Address | None) -> str:
+        """Why :meth:`connection` gave no connection to ``address``, for an error message:
+        the server's last error (a refused connection, a refused password), and whether its
+        circuit is open (calls skip it until its backoff passes). ``None``: no server is known
+        for the pages' slots (no node of the cluster answered)."""
+        if address is None:
+            return "no redis server known for these pages (no node gave the slot map)"
+        with self._lock:
+            error = self._errors.get(address, "no error recorded")
+        where = f"redis {address[0]}:{address[1]}"
+        if self._circuit(address).is_open:
+            return f"{where}: circuit open (calls skip it until its backoff passes) after: {error}"
+        return f"{where}: {error}"
 
     def open_circuits(self) -> int:
         return sum(1 for c in list(self._circuits.values()) if c.is_open)

@@ -163,7 +163,7 @@ class RedisStore(StorageBackend):
         for address in masters:
             connection = self.nodes.connection(address, deadline)
             if connection is None:
-                raise StorageUnavailable(f"redis {address[0]}:{address[1]} does not answer")
+                raise StorageUnavailable(f"clearing {self.nodes.unreachable(address)}")
             try:
                 removed += scan_unlink(connection, self.key_prefix + b"*", deadline)
             except (OSError, RespError) as exc:
@@ -192,7 +192,7 @@ class RedisStore(StorageBackend):
             connection = None if address is None else self.nodes.connection(address, deadline)
             if address is None or connection is None:
                 fill(statuses, positions, PageStatus.ERROR)
-                error = error or f"no connection to redis {address} (circuit open or refused)"
+                error = error or self.nodes.unreachable(address)
                 continue
             error = self._read_node(address, connection, positions, statuses, deadline,
                                     work) or error

@@ -77,7 +77,7 @@ class Stripes:
                 continue
             if address is None or not self.nodes.allow(address):
                 fill(statuses, positions, PageStatus.ERROR)
-                error = error or f"no connection to redis {address} (circuit open)"
+                error = error or self.nodes.unreachable(address)
                 continue
             count = min(per_server, len(positions))
             for first in range(count):
