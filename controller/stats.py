@@ -33,7 +33,9 @@ class TransferStats:
     """Cumulative transfer counts, keyed by ``(direction value, pool name)``.
 
     ``durations`` holds ``(direction value, seconds)`` of acknowledged ops measured with
-    device events, until a consumer calls :meth:`drain_durations`.
+    device events, until a consumer calls :meth:`drain_durations`; with ``keep_durations``
+    off (a service without a metrics endpoint, the only consumer) none are kept, where they
+    piled up one per op for the engine's life.
 
     An acknowledgement is only appended (:meth:`on_ack`, on the scheduler's ``poll``); the
     counters it moves (``ops_acknowledged``, ``tokens``, ``bytes``, ``durations``) fold the
@@ -56,6 +58,7 @@ class TransferStats:
     _unfolded: deque[Ack] = field(default_factory=deque)
     _unfolded_submits: deque[_Submission] = field(default_factory=deque)
     _fold_lock: threading.Lock = field(default_factory=threading.Lock)
+    keep_durations: bool = True
 
     @property
     def ops_submitted(self) -> Counter[str]:
@@ -167,7 +170,7 @@ class TransferStats:
                     tokens[(direction, pool)] += num_tokens
                 for pool, size_bytes in ack.bytes_by_pool.items():
                     size[(direction, pool)] += size_bytes
-                if ack.duration_s is not None:
+                if ack.duration_s is not None and self.keep_durations:
                     durations.append((direction, ack.duration_s))
 
     def _fold_submits(self) -> None:

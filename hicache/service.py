@@ -106,6 +106,7 @@ class HiCacheService(PrefetchCalls, EvictionCalls):
             pool_usage=controller_pool_usage(self.controller), service=self.stats,
             source_lock=self.service_lock, storage=lambda: self.storage,
         )
+        self.controller.stats.keep_durations = self.exporter is not None  # the one consumer
         self._poller = BackgroundPoller(
             gate=self._gate, tree=tree, stats=self.stats,
             exporter=self.exporter, check=self.background_check,

@@ -26,27 +26,22 @@ import errno
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler
 
 from prometheus_client import CollectorRegistry, generate_latest, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
 
 from hicache.interrupts import interrupts_held
 
 from .collector import HiCacheCollector
+from .http_server import MetricsServer, only_metrics_path
 from .names import DURATION_BUCKETS_S
 from .sources import CacheSource, PoolUsageFn, ServiceSource, StorageTierFn, TransferSource
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HOST = "127.0.0.1"
-METRICS_PATH = "/metrics"
-_SHUTDOWN_POLL_S = 0.1
-REQUEST_TIMEOUT_S = 5.0  # seconds a request connection may stay silent
 
 
 class MetricsExporter:
@@ -73,7 +68,7 @@ class MetricsExporter:
             source_lock=source_lock, duration_buckets_s=duration_buckets_s,
         )
         self.registry.register(self.collector)
-        self._server: _MetricsServer | None = None
+        self._server: MetricsServer | None = None
         self._thread: threading.Thread | None = None
 
     def refresh(self) -> int:
@@ -112,7 +107,7 @@ class MetricsExporter:
                              f"(0 picks a free port)")
         self._server = server = _bind(host, port)  # from here stop() closes it
         try:
-            server.set_app(_only_metrics_path(make_wsgi_app(self.registry)))
+            server.set_app(only_metrics_path(make_wsgi_app(self.registry)))
             thread = threading.Thread(target=server.serve_until_stopped,
                                       name="hicache-metrics-http", daemon=True)
             # recorded iff it runs: stop() joins exactly the thread that runs
@@ -158,9 +153,10 @@ class MetricsExporter:
         server.stop_requested = True
         thread = self._thread  # read once: a stop on another thread may clear it
         if thread is not None:
-            thread.join()  # within _SHUTDOWN_POLL_S
+            thread.join()  # within the server's poll interval (0.1 s)
             self._thread = None
         server.server_close()
+        server.close_requests()  # a scrape accepted before stop is not answered after it
         self._server = None
 
     def __enter__(self) -> MetricsExporter:
@@ -187,11 +183,11 @@ def probe_bind(host: str, port: int) -> None:
     _bind(host, port).server_close()
 
 
-def _bind(host: str, port: int) -> _MetricsServer:
+def _bind(host: str, port: int) -> MetricsServer:
     """The server bound to ``host:port``, or a :class:`MetricsBindError` that says what to
     change."""
     try:
-        return _MetricsServer(host, port)
+        return MetricsServer(host, port)
     except socket.gaierror as exc:
         raise MetricsBindError(exc.errno, f"metrics endpoint: host {host!r} does not resolve "
                                           f"({exc.strerror}); set service.metrics_host to an "
@@ -217,52 +213,6 @@ def _bind_message(host: str, port: int, exc: OSError) -> str:
                    f"give each worker its own port, e.g. {port} + its rank")
     return (f"metrics endpoint: cannot bind {address} ({reason}); set service.metrics_port to "
             f"a free port, or 0 to pick one")
-
-
-WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
-
-
-def _only_metrics_path(app: WSGIApp) -> WSGIApp:
-    """``app`` at :data:`METRICS_PATH`; 404 with a one-line hint on any other path."""
-
-    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") == METRICS_PATH:
-            return app(environ, start_response)
-        start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-        return [f"hicache serves its metrics at {METRICS_PATH} only\n".encode()]
-
-    return serve
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """Logs each request at DEBUG instead of writing it to stderr. A connection that sends
-    nothing for :data:`REQUEST_TIMEOUT_S` is closed (a TCP health check, a hung scraper):
-    each would hold a thread and a socket, past ``stop``."""
-
-    timeout = REQUEST_TIMEOUT_S
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("metrics request from %s: " + format, self.address_string(), *args)
-
-
-class _MetricsServer(ThreadingWSGIServer):  # type: ignore[misc]
-    """``prometheus_client``'s threaded WSGI server bound to ``(host, port)``, IPv4 or IPv6
-    as ``host`` resolves."""
-
-    timeout = _SHUTDOWN_POLL_S  # how long handle_request() waits: how soon a stop is seen
-
-    def __init__(self, host: str, port: int) -> None:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        self.address_family = infos[0][0]
-        super().__init__((host, port), _QuietHandler)
-        self.stop_requested = False
-
-    def serve_until_stopped(self) -> None:
-        """Serve requests until :attr:`stop_requested`. Not ``serve_forever()``: its
-        ``shutdown()`` waits on a ``threading.Event``, which a Ctrl-C landing inside can turn
-        into ``RuntimeError: release unlocked lock``; a flag and ``join()`` cannot."""
-        while not self.stop_requested:
-            self.handle_request()
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -125,7 +125,8 @@ _L3_METRICS: tuple[MetricSpec, ...] = (
                "put, `corrupt` (failed verification, deleted), `timeout` and `error` by any "
                "call but delete, `evicted` by the file store's size cap (pages)."),
     MetricSpec(L3_STORE_BYTES, "counter", ("kind",),
-               f"Page bytes of the store, by kind: {_reasons(L3_BYTE_KINDS)} (bytes)."),
+               f"Page bytes of the store, by kind: {_reasons(L3_BYTE_KINDS)} (the pages' rows, "
+               f"without an object's header; bytes)."),
     MetricSpec(L3_STORE_OPS, "counter", ("op",),
                f"Calls to the store, by op: {_reasons(L3_OPS)} (ops)."),
     MetricSpec(L3_STORE_DURATION, "histogram", ("op",),

@@ -35,8 +35,7 @@ from hicache.background_poller import BackgroundPoller
 from hicache.call_gate import CallGate
 from hicache.config import config_from_dict
 from hicache.factory import build_service
-from hicache.metrics import MetricsExporter
-from hicache.metrics import exporter as exporter_module
+from hicache.metrics import MetricsExporter, http_server
 from hicache.pools import IndexSpace, Indices
 from hicache.service import HiCacheService
 
@@ -300,7 +299,7 @@ def test_check_integrity_on_a_tool_thread_beside_the_scheduler(hybrid: bool) -> 
 
 def test_a_silent_connection_to_the_metrics_endpoint_ends_after_stop(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(exporter_module._QuietHandler, "timeout", 0.5)
+    monkeypatch.setattr(http_server.QuietHandler, "timeout", 0.5)
     service = make_service(metrics=True)
     before = set(threading.enumerate())
     service.start()
@@ -324,4 +323,4 @@ def test_a_silent_connection_to_the_metrics_endpoint_ends_after_stop(
 
 
 def test_the_request_timeout_is_a_few_seconds() -> None:
-    assert exporter_module._QuietHandler.timeout == exporter_module.REQUEST_TIMEOUT_S == 5.0
+    assert http_server.QuietHandler.timeout == http_server.REQUEST_TIMEOUT_S == 5.0

@@ -124,7 +124,7 @@ def test_the_size_cap_evicts_least_recently_used_pages(tmp_path: Path) -> None:
         assert store.put(keys[3:5], views(pool, 4, 2)).statuses == (OK, OK)
         assert store.exists(keys).statuses == (OK, MISS, MISS, OK, OK)
         stats = store.stats()
-        assert stats.pages_evicted == 2 and stats.bytes_evicted == 2 * store.format.object_len
+        assert stats.pages_evicted == 2 and stats.bytes_evicted == 2 * store.format.payload_len
         assert store.get(keys[1:2], views(pool, 11, 1)).statuses == (MISS,)
         assert store.lru.used_bytes == cap
 

@@ -97,10 +97,13 @@ class StorageStats:
     """``put``: pages already stored, not sent again."""
     pages_deleted: int = 0
     bytes_read: int = 0
+    """Payload bytes (the pages' rows, not an object's header) of the pages hit."""
     bytes_written: int = 0
+    """Payload bytes of the pages written."""
     pages_evicted: int = 0
     """File store: pages removed by its size cap (a later ``get`` of one is a miss)."""
     bytes_evicted: int = 0
+    """Payload bytes of the pages evicted (so ``written - evicted`` is what stays)."""
     circuit_opens: int = 0
     """Redis: times a server's circuit opened (calls to it then fail fast until a retry)."""
     open_circuits: int = 0

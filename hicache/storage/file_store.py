@@ -273,12 +273,13 @@ class FileStore(StorageBackend):
             return False
 
     def _evict(self, victims: list[tuple[str, int]]) -> None:
-        for name, size in victims:
+        for name, _size in victims:
             try:
                 os.unlink(self._file(name))
             except FileNotFoundError:
                 continue  # deleted by another process: not an eviction of ours
-            self._stats.add(pages_evicted=1, bytes_evicted=size)
+            # payload bytes, as written and read count them (not the file with its header)
+            self._stats.add(pages_evicted=1, bytes_evicted=self.format.payload_len)
 
     def _scan(self, rescan: bool = False) -> None:
         """Index the directory's page files at first use and, with ``rescan`` and a cap, again
