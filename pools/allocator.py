@@ -15,11 +15,18 @@ import torch
 
 from .arg_checks import check_int
 from .base import IndexSpace, Indices, check_page_multiple
-from .free_map_take import bulk_pays, take_longest_from_map
+from .free_map_take import take_longest_runs
 from .free_runs import FreeRuns
 from .nonzero_count import count_nonzero
-from .page_ids import checked_pages, is_run, page_ids, single_page
-from .page_runs import FEW_RUNS, expand_runs, pages_of_runs, runs_of
+from .page_ids import (
+    checked_pages,
+    is_run,
+    not_allocated_message,
+    page_ids,
+    page_outside,
+    single_page,
+)
+from .page_runs import FEW_RUNS, expand_runs, runs_of
 from .snapshot import AllocatorSnapshot, used_pages_of
 
 __all__ = ["AllocatorSnapshot", "PageAllocator", "used_pages_of"]
@@ -125,8 +132,10 @@ class PageAllocator:
         if num_pages == 0:
             return []
         start = self._runs.best_fit(num_pages)
-        if start is None:
-            return self._take_longest_runs(num_pages)
+        if start is None:  # no run holds them all: the longest runs
+            taken = take_longest_runs(self._runs, self._is_free, num_pages, self.num_pages)
+            self._num_free_pages -= num_pages
+            return taken
         self._runs.take(start, num_pages)
         if num_pages == 1:
             self._is_free[start] = False  # an item store, no slice object
@@ -161,6 +170,9 @@ class PageAllocator:
             return
         if run_start is None and is_run(pages):
             run_start = int(pages[0])
+        outside = page_outside(pages, self.num_pages, run_start)
+        if outside is not None:
+            self._raise_not_allocated(outside)
         if run_start is not None:  # an allocation's pages: a slice of the free map, one run
             is_free = self._is_free[run_start:run_start + size]
             if count_nonzero(is_free):
@@ -181,15 +193,14 @@ class PageAllocator:
             self._runs.add_many(starts, lengths)
 
     def _free_page(self, page: int) -> None:
-        if self._is_free[page]:
+        if not 0 < page <= self.num_pages or self._is_free[page]:
             self._raise_not_allocated(page)
         self._is_free[page] = True
         self._num_free_pages += 1
         self._runs.add(page, 1)
 
     def _raise_not_allocated(self, page: int) -> None:
-        raise ValueError(f"free to pool '{self.name}': slot {page * self.page_size} (page "
-                         f"{page}) is not allocated: a double free, or an index from another pool")
+        raise ValueError(not_allocated_message(self.name, page, self.page_size, self.num_pages))
 
     def pages_of(self, indices: Indices, *, op: str) -> np.ndarray:
         """Page ids of slot ``indices`` that must be whole pages in order, distinct, not the
@@ -228,7 +239,10 @@ class PageAllocator:
         ``None`` if all are. ``run_start``: as :meth:`checked_pages_of` gave it."""
         if pages.size == 1:
             page = pages.item()
-            return page if self._is_free[page] else None
+            return page if not 0 < page <= self.num_pages or self._is_free[page] else None
+        outside = None if not pages.size else page_outside(pages, self.num_pages, run_start)
+        if outside is not None:
+            return outside
         is_free = (self._is_free[pages] if run_start is None  # else a slice, page for page
                    else self._is_free[run_start:run_start + pages.size])
         if not count_nonzero(is_free):
@@ -254,33 +268,6 @@ class PageAllocator:
     def free_runs(self) -> tuple[np.ndarray, np.ndarray]:
         """``(first page, length)`` int64 arrays of every run of free pages, lowest first."""
         return self._runs.as_arrays()
-
-    def _take_longest_runs(self, num_pages: int) -> list[tuple[int, int]] | np.ndarray:
-        """Allocate ``num_pages`` pages from the longest runs (no run holds them all): the
-        lowest ``num_pages`` pages of the fewest longest runs that cover them: ``(first page,
-        length)`` runs ascending for the few runs of most allocations (a slice store each),
-        page ids (ascending, int64) for the many of a fragmented pool (one indexed store).
-        When the runs taken outnumber those left (a large load into scattered holes) the
-        choice is made from the free map in bulk, the run index rebuilt from what stays."""
-        index = self._runs
-        taken = index.runs_to_take(num_pages)
-        if bulk_pays(taken, len(index) - taken, self.num_pages):
-            pages, left_starts, left_lengths = take_longest_from_map(self._is_free, num_pages)
-            index.replace(left_starts, left_lengths)
-            self._is_free[pages] = False
-            self._num_free_pages -= num_pages
-            return pages
-        starts, lengths = index.take_longest(num_pages)
-        self._num_free_pages -= num_pages
-        if len(starts) <= FEW_RUNS:
-            runs = sorted(zip(starts, lengths, strict=True))
-            is_free = self._is_free
-            for start, length in runs:
-                is_free[start:start + length] = False
-            return runs
-        pages = pages_of_runs(starts, lengths)
-        self._is_free[pages] = False
-        return pages
 
     def check_integrity(self) -> None:
         """Raise ``RuntimeError`` unless free + used == capacity, page 0 is reserved and the

@@ -7,15 +7,20 @@ holes takes two thousand runs, half a millisecond of the scheduler thread. Here 
 choice (the lowest pages of the fewest longest runs, lower start first among equal lengths)
 is made with a few vectorised passes over the free map, and the run index is rebuilt from
 the runs that stay free, at a cost per remaining run, which is the smaller side when a
-request takes most of the runs. :meth:`PageAllocator._take_longest_runs
-<hicache.pools.PageAllocator>` picks the side (:func:`bulk_pays`).
+request takes most of the runs. :func:`take_longest_runs` picks the side
+(:func:`bulk_pays`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .page_runs import runs_of_sorted
+from .page_runs import FEW_RUNS, pages_of_runs, runs_of_sorted
+
+if TYPE_CHECKING:  # free_runs imports this module
+    from .free_runs import FreeRuns
 
 BULK_MIN_RUNS = 64
 """Fewer runs taken than this go through the run index one by one (the bulk path's fixed
@@ -98,3 +103,30 @@ def index_of_runs(starts: np.ndarray, lengths: np.ndarray
                  for length, a, b in zip(classes, edges[:-1], edges[1:], strict=True)}
     counts = {length: len(group) for length, group in by_length.items()}
     return length_of, start_of_end, classes, by_length, counts
+
+
+def take_longest_runs(index: FreeRuns, is_free: np.ndarray, num_pages: int, pool_pages: int
+                      ) -> list[tuple[int, int]] | np.ndarray:
+    """Allocate ``num_pages`` pages from the longest runs of a pool of ``pool_pages`` pages
+    whose free runs are ``index`` and free map ``is_free`` (both updated; the caller counts
+    the pages taken) when no run holds them all: the lowest ``num_pages`` pages of the
+    fewest longest runs that cover them. Returns ``(first page, length)`` runs ascending for
+    the few runs of most allocations (a slice store each), page ids (ascending, int64) for
+    the many of a fragmented pool (one indexed store). When the runs taken outnumber those
+    left (a large load into scattered holes) the choice is made from the free map in bulk,
+    the run index rebuilt from what stays."""
+    taken = index.runs_to_take(num_pages)
+    if bulk_pays(taken, len(index) - taken, pool_pages):
+        pages, left_starts, left_lengths = take_longest_from_map(is_free, num_pages)
+        index.replace(left_starts, left_lengths)
+        is_free[pages] = False
+        return pages
+    starts, lengths = index.take_longest(num_pages)
+    if len(starts) <= FEW_RUNS:
+        runs = sorted(zip(starts, lengths, strict=True))
+        for start, length in runs:
+            is_free[start:start + length] = False
+        return runs
+    pages = pages_of_runs(starts, lengths)
+    is_free[pages] = False
+    return pages

@@ -207,3 +207,28 @@ def owned_page_ids(indices: Indices, page_size: int) -> np.ndarray:
     boundaries): the first slot of each page names it, one strided read and no checks.
     Never for slots an engine passes in: those go through :func:`page_ids`."""
     return indices.tensor.numpy()[::page_size] // page_size
+
+
+def page_outside(pages: np.ndarray, num_pages: int, run_start: int | None = None) -> int | None:
+    """A page of ``pages`` outside ``1 .. num_pages`` (page 0 is the padding page, never
+    allocated; a negative id would index a free map from its end), or ``None``: for callers
+    handed page ids rather than slots (``free_pages``, ``evict_*(pages=...)``), which
+    :func:`page_ids` did not check. ``run_start``: the first of ``pages`` when they are one
+    ascending run (its ends are then the lowest and the highest)."""
+    if run_start is not None:
+        low, high = run_start, run_start + int(pages.size) - 1
+    else:
+        low, high = int(pages.min()), int(pages.max())
+    if low < 1:
+        return low
+    return high if high > num_pages else None
+
+
+def not_allocated_message(pool_name: str, page: int, page_size: int, num_pages: int) -> str:
+    """What a free of ``page``, not allocated in pool ``pool_name``, raises."""
+    if not 0 < page <= num_pages:
+        what = "the padding page, never allocated" if page == 0 else "outside the pool"
+        return (f"free to pool '{pool_name}': page {page} is {what} (its pages are 1 .. "
+                f"{num_pages}): page ids come from pages_of() of slots this pool handed out")
+    return (f"free to pool '{pool_name}': slot {page * page_size} (page {page}) is not "
+            f"allocated: a double free, or an index from another pool")

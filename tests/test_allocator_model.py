@@ -76,7 +76,7 @@ def test_allocator_from_the_free_map_matches_the_scan_model(num_pages: int, page
     """The same with every allocation that no single run holds chosen from the free map in
     bulk and the run index rebuilt from the runs left (the path of large loads into
     scattered holes, which small pools never reach by cost)."""
-    with mock.patch("hicache.pools.allocator.bulk_pays", lambda *_: True):
+    with mock.patch("hicache.pools.free_map_take.bulk_pays", lambda *_: True):
         _model_steps(num_pages, page_size, data)
 
 
@@ -156,7 +156,7 @@ def test_fragmented_pool_bulk_allocs_and_frees_keep_the_model(from_map: bool | N
         chose.append(bulk_pays(*args) if from_map is None else from_map)
         return chose[-1]
 
-    with mock.patch("hicache.pools.allocator.bulk_pays", pick):
+    with mock.patch("hicache.pools.free_map_take.bulk_pays", pick):
         _fragmented_churn()
     assert (True in chose) is (from_map is not False) and (False in chose) is (not from_map)
 

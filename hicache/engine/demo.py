@@ -24,7 +24,7 @@ from hicache.metrics.exporter import host_port, port_is_free
 from hicache.radix import CacheStats
 from hicache.service import HiCacheService
 
-from .limits import EngineError, check_at_least_one
+from .limits import EngineError, check_at_least_one, check_demo_fields
 from .model import ModelSpec, TinyDecoder
 from .reference import TurnKey, reference_tokens
 from .report import DemoReport, TransferTimer, transfer_lines
@@ -64,6 +64,7 @@ class DemoOptions:
         for name in ("max_running", "prefill_chunk_tokens", "conversations", "turns"):
             if getattr(self, name) is not None:
                 check_at_least_one(f"DemoOptions.{name}", getattr(self, name))
+        check_demo_fields(self)  # and the others' types, naming the field
 
     def workload_spec(self) -> WorkloadSpec:
         base = QUICK if self.quick else WorkloadSpec()

@@ -5,8 +5,14 @@ key to raise, not with ``alloc_device``'s advice to its caller half way through 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from hicache.config import WritePolicy
 from hicache.pools import HybridSWAPool
 from hicache.service import HiCacheService
+
+if TYPE_CHECKING:  # demo imports this module
+    from .demo import DemoOptions
 
 
 class EngineError(RuntimeError):
@@ -19,6 +25,29 @@ def check_at_least_one(name: str, value: object) -> None:
         raise TypeError(f"{name} must be an int >= 1, got {type(value).__name__} {value!r:.40}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def check_demo_fields(options: DemoOptions) -> None:
+    """The fields of ``DemoOptions`` other than its counts, each of its type, else
+    ``TypeError`` naming the field (a string policy failed deep in the run; a flag of "no"
+    was true and corrupted a host byte)."""
+    seed = options.seed
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"DemoOptions.seed must be an int, got {type(seed).__name__} "
+                        f"{seed!r:.40}")
+    for name in ("quick", "corrupt_host_byte"):
+        if not isinstance(getattr(options, name), bool):
+            raise TypeError(f"DemoOptions.{name} must be True or False, got "
+                            f"{getattr(options, name)!r:.40}")
+    policy = options.write_policy
+    if policy is not None and not isinstance(policy, WritePolicy):
+        raise TypeError(f"DemoOptions.write_policy must be a WritePolicy or None, got "
+                        f"{policy!r:.40}: e.g. WritePolicy('write_back')")
+    for name in ("device", "storage"):
+        value = getattr(options, name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"DemoOptions.{name} must be a string or None, got "
+                            f"{value!r:.40}")
 
 
 def check_room_for_a_chunk(service: HiCacheService, chunk_tokens: int) -> None:
