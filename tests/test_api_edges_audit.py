@@ -47,7 +47,7 @@ def test_free_pages_refuses_page_ids_no_allocation_handed_out(pages: np.ndarray)
     assert _allocator_state(a) == before
     a.check_integrity()
     assert a.first_unallocated_page(pages) is not None  # what check_allocated raises on
-    with pytest.raises(ValueError, match="its pages are 1 .. 4"):
+    with pytest.raises(ValueError, match=r"its pages are 1 \.\. 4"):
         a.check_allocated(pages)
 
 
