@@ -127,6 +127,14 @@ class LayerCounters:
     def __len__(self) -> int:
         return len(self._issued)
 
+    def resync(self, stream: torch.cuda.Stream | None) -> None:
+        """After a counted issue that raised: wait for ``stream`` (the load stream, where
+        every counted launch runs) and take what the counters hold as what was issued, so
+        a launch that went before the error does not make later waits fire early."""
+        if stream is not None:
+            stream.synchronize()
+        self._issued = [value & _MASK for value in self.tensor.tolist()]
+
     def issued(self, layers: range, per_layer: int) -> list[tuple[int, int]]:
         """Count a launch just issued that adds ``per_layer`` to each of ``layers``: per
         layer, the counter's address and the value it holds once that launch's rows are in

@@ -193,13 +193,22 @@ class SideStreams:
         counters reach their launch's count."""
         executor = _executor(op)
         launched = []
-        for moved, local in parts:
-            mine = local[1]
-            if mine:  # consecutive local layers: the pool's layers ascend
-                pool_counters = counters[moved.source.layers]
-                local_range = range(mine[0], mine[-1] + 1)
-                per_layer = executor.copy_counted(moved, local_range, pool_counters.tensor)
-                launched.append((moved.source.layers, local_range, pool_counters, per_layer))
+        try:
+            for moved, local in parts:
+                mine = local[1]
+                if mine:  # consecutive local layers: the pool's layers ascend
+                    pool_counters = counters[moved.source.layers]
+                    local_range = range(mine[0], mine[-1] + 1)
+                    per_layer = executor.copy_counted(moved, local_range, pool_counters.tensor)
+                    launched.append((moved.source.layers, local_range, pool_counters,
+                                     per_layer))
+        except BaseException:
+            # a launch may have gone before the error (another pool's, or this one's just
+            # before a Ctrl-C): what the CPU expects of the counters must follow the GPU
+            for moved, local in parts:
+                if local[1]:
+                    counters[moved.source.layers].resync(stream)
+            raise
         last = events[layers[-1]]
         last.record(stream)
         for model_layers, local_range, pool_counters, per_layer in launched:

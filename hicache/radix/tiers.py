@@ -134,9 +134,9 @@ class TieredRadixTree(RadixTree):
         finally:
             if released:
                 self.io.free_device(cat_indices(released, IndexSpace.DEVICE_FULL))
+            self.stats.evicted_device_tokens += freed  # also when a write-back's issue raises
         if scheduled:
             self.controller.start_writing()
-        self.stats.evicted_device_tokens += freed
         return freed
 
     def evict_host(self, num_tokens: int) -> int:
