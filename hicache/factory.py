@@ -18,52 +18,30 @@ import logging
 
 import torch
 
-from hicache.controller import (
-    CacheController,
-    HybridCacheController,
-    TransferBackend,
-    TransferCore,
-    make_backend,
-)
 from hicache.pools import (
     AttentionKind,
-    DeviceKVPool,
-    HostKVPool,
-    HybridSWAPool,
-    IndexSpace,
-    PageAllocator,
 )
 
+from .cache_parts import CacheParts, build_cache_parts
 from .config import (
-    GIB,
     ConfigError,
     HiCacheConfig,
     StorageKind,
-    SWAHistory,
-    check_machine_memory,
 )
 from .config.hicache import check_store_swa_history
 from .config.sizing import (
-    PoolName,
-    device_num_pages,
-    host_num_pages,
     pool_layers,
     pool_names,
-    pool_sizes,
     token_bytes,
 )
 from .l3 import StorageTier
 from .l3.shared_copy import probe_shared_store
-from .radix import HiRadixCache
 from .rank_agreement import RankAgreement
 from .rank_settings import check_same_settings, on_every_rank
 from .service import HiCacheService
 from .storage import Namespace, StorageBackend, open_store
 
 logger = logging.getLogger(__name__)
-
-_Built = tuple[DeviceKVPool | HybridSWAPool, TransferCore, list[HostKVPool]]
-
 
 def build_service(config: HiCacheConfig, *, model_id: str | None = None,
                   model_revision: str | None = None, tp_rank: int = 0, tp_size: int = 1,
@@ -80,20 +58,23 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
             rank, a ``torch.distributed`` group of those ranks with a CPU backend (gloo):
             every rank then applies finished transfers at the same step, so that their trees
             give the same answers (:mod:`hicache.rank_agreement`; one collective a ``step``,
-            two with a store, and two here, made by every rank: the second compares the
-            ranks' configs, :mod:`hicache.rank_settings`). ``None``: a service of its
+            two with a store, and four here, made by every rank: the group's check, this
+            call's arguments, the ranks' configs (:mod:`hicache.rank_settings`), the pools;
+            a step that fails on a rank fails on every rank). ``None``: a service of its
             own. With a store and ``tp_size`` left at 1, each rank's pages are named by the
             group's rank and size (an MHA shard); an MLA model's ranks share one copy, each
             rank writing part of its pages if every rank sees one store
-            (:mod:`hicache.l3.shared_copy`; two more collectives here).
+            (:mod:`hicache.l3.shared_copy`; two more collectives here). Pass ``tp_rank`` and
+            ``tp_size`` alike on every rank: the group's, or left out.
 
     Raises:
         ValueError: the io backend is not usable here (e.g. ``kernel`` without Triton); a
             store without ``model_id``/``model_revision``; a store with a hybrid model whose
             host keeps SWA rows for windows only; a ``tp_group`` with ``tp_size``/``tp_rank``
-            other than the group's, that cannot reduce CPU tensors, whose ranks' configs
-            differ (on every rank, naming the keys), or a store that failed to open on a
-            rank (on every rank, naming it).
+            other than the group's or given on some ranks only, that cannot reduce CPU
+            tensors, whose ranks' configs differ (on every rank, naming the keys); with a
+            group, any error below on one rank is this ``ValueError`` on every rank, naming
+            the rank and (there) its error.
         ConfigError: pools in RAM larger than this machine's RAM (naming the size key,
             checked before anything is allocated); a ``storage.path`` that cannot be a
             writable directory.
@@ -101,37 +82,34 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
     if not isinstance(config, HiCacheConfig):
         raise TypeError(f"build_service: config must be a HiCacheConfig (load_config(path) or "
                         f"config_from_dict(mapping) makes one), got {type(config).__name__}")
-    check_device_present(config.device_pool.device)
-    if config.storage.is_enabled and (not model_id or not model_revision):
-        raise ValueError(
-            f"build_service: storage.backend is {config.storage.backend.value}: pass "
-            f"model_id and model_revision (a commit or weights digest), which name the pages "
-            f"in the shared store so that no other weights ever read them")
-    check_store_swa_history(config)  # loading checks it too; a config made by hand may not
-    agreement = None if tp_group is None else _rank_agreement(tp_group, tp_rank, tp_size)
-    if agreement is not None:
-        check_same_settings(agreement, config)  # before any other collective
-    if agreement is not None and tp_size == 1 and config.model.attention is AttentionKind.MHA:
-        tp_rank, tp_size = agreement.rank, agreement.size  # each rank stores its own heads
-    check_machine_memory(config)  # before anything is allocated: not a MemoryError part-way
-    device = torch.device(config.device_pool.device)
-    ctl = config.controller
-    backend = make_backend(ctl.io_backend.value, device, ctl.kernel_programs,
-                           staging_tokens=ctl.staging_tokens)
-    for size in pool_sizes(config):
-        logger.info("%s pool '%s': %d tokens, %.3f GiB", size.tier, size.pool, size.num_tokens,
-                    size.size_bytes / GIB)
-    device_pool, controller, host_pools = (
-        _build_hybrid(config, device, backend) if config.is_hybrid
-        else _build_plain(config, device, backend)
-    )
-    tree = HiRadixCache(
-        controller, write_policy=ctl.write_policy, write_through_hits=ctl.write_through_hits,
-        load_back_threshold_tokens=ctl.load_back_threshold_tokens,
-        eviction_policy=ctl.eviction_policy,
-        window_tokens=config.model.window_tokens if config.is_hybrid else None,
-        keep_swa_history=config.host.swa_history is SWAHistory.ALL,
-    )
+    agreement = None if tp_group is None else RankAgreement(tp_group)
+
+    def check_arguments() -> bool:
+        check_device_present(config.device_pool.device)
+        if config.storage.is_enabled and (not model_id or not model_revision):
+            raise ValueError(
+                f"build_service: storage.backend is {config.storage.backend.value}: pass "
+                f"model_id and model_revision (a commit or weights digest), which name the "
+                f"pages in the shared store so that no other weights ever read them")
+        check_store_swa_history(config)  # loading checks it too; one made by hand may not
+        if agreement is not None:
+            _check_tp_arguments(agreement, tp_rank, tp_size)
+        return True
+
+    # With a group, a step that fails on one rank fails on every rank (on_every_rank), so
+    # that none waits at a collective for a rank that left the build.
+    if agreement is None:
+        check_arguments()
+        parts = build_cache_parts(config)
+    else:
+        on_every_rank(agreement, "checking build_service's arguments", check_arguments,
+                      lambda _: None)
+        check_same_settings(agreement, config, tp_arguments_given=tp_size != 1)
+        parts = on_every_rank(agreement, "building the pools",
+                              lambda: build_cache_parts(config), CacheParts.close)
+        if tp_size == 1 and config.model.attention is AttentionKind.MHA:
+            tp_rank, tp_size = agreement.rank, agreement.size  # each rank stores its heads
+    tree = parts.tree
     service_config = config.service
     metrics = ((service_config.metrics_host, service_config.metrics_port)
                if service_config.metrics_enabled else None)
@@ -151,74 +129,18 @@ def build_service(config: HiCacheConfig, *, model_id: str | None = None,
         storage = StorageTier(tree, store, config.storage, agreed=agreement is not None,
                               share=share)
     return HiCacheService(
-        tree=tree, device_pool=device_pool, host_pools=host_pools,
+        tree=tree, device_pool=parts.device_pool, host_pools=parts.host_pools,
         integrity_check_interval_s=service_config.integrity_check_interval_s,
         metrics_address=metrics, storage=storage, agreement=agreement,
     )
 
 
-def _rank_agreement(group: object, tp_rank: int, tp_size: int) -> RankAgreement:
-    """The agreement of ``group`` (checked against the TP arguments)."""
-    agreement = RankAgreement(group)
+def _check_tp_arguments(agreement: RankAgreement, tp_rank: int, tp_size: int) -> None:
+    """The TP arguments are left out or are the group's, else ``ValueError``."""
     if (tp_size, tp_rank) not in ((1, 0), (agreement.size, agreement.rank)):
         raise ValueError(f"build_service: tp_size={tp_size}, tp_rank={tp_rank}, but tp_group "
                          f"has {agreement.size} ranks and this is rank {agreement.rank}: pass "
                          f"the group's, or leave them out")
-    return agreement
-
-
-def _build_plain(config: HiCacheConfig, device: torch.device, backend: TransferBackend) -> _Built:
-    page = config.page_size_tokens
-    allocator = PageAllocator(device_num_pages(config, "full"), page, IndexSpace.DEVICE_FULL,
-                              "full")
-    device_pool = DeviceKVPool(
-        name="full", space=IndexSpace.DEVICE_FULL, num_layers=config.model.num_layers,
-        num_slots=allocator.num_slots, geometry=config.model.row_geometry, device=device,
-        page_size=page,
-    )
-    host = _host_pool(config, "full", IndexSpace.HOST_FULL)
-    try:
-        controller = CacheController(
-            device_pool=device_pool, device_allocator=allocator, host_pool=host,
-            backend=backend, event_ring_size=config.controller.event_ring_size,
-        )
-    except BaseException:
-        host.close()
-        raise
-    device_pool.register_layer_waiter(controller.wait_until)
-    return device_pool, controller, [host]
-
-
-def _build_hybrid(config: HiCacheConfig, device: torch.device, backend: TransferBackend
-                  ) -> _Built:
-    model = config.model
-    hybrid_pool = HybridSWAPool(
-        num_layers=model.num_layers, swa_layers=model.swa_layer_ids,
-        full_pages=device_num_pages(config, "full"), swa_pages=device_num_pages(config, "swa"),
-        page_size=config.page_size_tokens, geometry=model.row_geometry, device=device,
-    )
-    hosts: list[HostKVPool] = []
-    try:
-        hosts.append(_host_pool(config, "full", IndexSpace.HOST_FULL))
-        hosts.append(_host_pool(config, "swa", IndexSpace.HOST_SWA))
-        controller = HybridCacheController(
-            hybrid_pool=hybrid_pool, host_full=hosts[0], host_swa=hosts[1], backend=backend,
-            event_ring_size=config.controller.event_ring_size,
-        )
-    except BaseException:
-        for host in hosts:
-            host.close()
-        raise
-    hybrid_pool.register_layer_waiter(controller.wait_until)
-    return hybrid_pool, controller, hosts
-
-
-def _host_pool(config: HiCacheConfig, name: PoolName, space: IndexSpace) -> HostKVPool:
-    return HostKVPool(
-        name=name, space=space, num_layers=len(pool_layers(config, name)),
-        num_pages=host_num_pages(config, name), page_size=config.page_size_tokens,
-        geometry=config.model.row_geometry, layout=config.host.layout,
-    )
 
 
 def check_device_present(name: str) -> None:

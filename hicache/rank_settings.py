@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .rank_agreement import RankAgreement
 
 T = TypeVar("T")
+TP_ARGUMENTS = "build_service(tp_rank=, tp_size=)"  # compared with the config's keys
 
 # keys a rank may set its own way: its device, its metrics endpoint, its RAM, how its copies
 # run, where its store is and how long its calls wait
@@ -42,11 +43,18 @@ def shared_settings(config: HiCacheConfig) -> list[tuple[str, str]]:
     return sorted((key, value) for key, value in found if key not in PER_RANK)
 
 
-def check_same_settings(agreement: RankAgreement, config: HiCacheConfig) -> None:
+def check_same_settings(agreement: RankAgreement, config: HiCacheConfig, *,
+                        tp_arguments_given: bool = False) -> None:
     """Compare :func:`shared_settings` across the ranks of ``agreement`` (one collective,
     a second one when they differ, on every rank alike); ``ValueError`` on every rank naming
-    the keys that differ and this rank's values of them."""
+    the keys that differ and this rank's values of them.
+
+    ``tp_arguments_given``: whether this rank passed ``build_service`` its ``tp_rank`` and
+    ``tp_size`` (the group's) or left them out, compared as a setting: an MLA model's ranks
+    that leave them out share one copy in the store and probe for it (two collectives the
+    others would not join: gloo aborted a process)."""
     items = shared_settings(config)
+    items.append((TP_ARGUMENTS, "given" if tp_arguments_given else "left out"))
     keys = _digest("\n".join(key for key, _ in items))
     rows = agreement.gather([len(items), keys, _digest(repr(items))])
     if len({tuple(row) for row in rows}) == 1:
@@ -58,6 +66,10 @@ def check_same_settings(agreement: RankAgreement, config: HiCacheConfig) -> None
     differ = [(key, value) for i, (key, value) in enumerate(items)
               if len({row[i] for row in by_rank}) > 1]
     mine = ", ".join(f"{key}={value}" for key, value in differ)
+    if [key for key, _ in differ] == [TP_ARGUMENTS]:
+        raise ValueError(f"tp_group: some ranks passed build_service their tp_rank and "
+                         f"tp_size and others left them out (rank {agreement.rank}: "
+                         f"{differ[0][1]}); pass them alike on every rank")
     raise ValueError(
         f"tp_group: the ranks' configs differ in {', '.join(key for key, _ in differ)} (rank "
         f"{agreement.rank} has {mine}); every rank must load the same config, but for "
