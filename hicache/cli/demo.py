@@ -89,7 +89,7 @@ def run_demo_command(args: argparse.Namespace) -> int:
     except EngineError as exc:
         return _failed(str(exc))
     print(report.format())
-    if args.json:
+    if args.json is not None:
         try:
             report.write_json(args.json)
         except OSError as exc:  # checked at the start; something changed since

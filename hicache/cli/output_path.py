@@ -23,6 +23,9 @@ def check_output_path(path: str | os.PathLike[str], option: str) -> None:
     if target.is_dir():
         raise UsageError(f"{option} {path}: is a directory; name a file to write")
     existed = target.exists()
+    if existed and not target.is_file():
+        raise UsageError(f"{option} {path}: not a regular file (a device, a pipe or a socket); "
+                         f"name a file to write")
     try:
         with open(target, "a", encoding="utf-8"):
             pass

@@ -24,7 +24,7 @@ from .sections import (
 from .sizing import GIB, pool_names, pool_sizes, token_bytes
 from .storage import StorageConfig
 
-_CUDA_ONLY = {
+CUDA_ONLY_BACKENDS = {
     IOBackend.KERNEL: "the Triton kernel copies between CUDA pools and pinned host memory",
     IOBackend.STAGED: "staged copies go through CUDA staging buffers on side streams",
     IOBackend.DIRECT: "direct copies runs of rows with the GPU's copy engine",
@@ -61,9 +61,9 @@ class HiCacheConfig:
     def _check_backend_device(self) -> None:
         """The CUDA-only backends with CPU pools (``build_service`` would refuse them)."""
         backend = self.controller.io_backend
-        if backend in _CUDA_ONLY and self.device_pool.device == "cpu":
+        if backend in CUDA_ONLY_BACKENDS and self.device_pool.device == "cpu":
             raise fail("controller.io_backend", backend.value,
-                        f"{_CUDA_ONLY[backend]}, but device_pool.device is cpu",
+                        f"{CUDA_ONLY_BACKENDS[backend]}, but device_pool.device is cpu",
                         "choose io_backend: torch or auto for CPU pools, or set "
                         "device_pool.device: cuda")
 

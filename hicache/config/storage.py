@@ -14,7 +14,13 @@ import enum
 import os
 from dataclasses import dataclass
 
-from hicache.storage import DEFAULT_TIMEOUT_S, StoreLocation, parse_address, parse_location
+from hicache.storage import (
+    DEFAULT_TIMEOUT_S,
+    StoreLocation,
+    hide_password,
+    parse_address,
+    parse_location,
+)
 
 from .choices import WritePolicy
 from .parse import ConfigError, check_gib, check_min, check_positive, check_seconds, fail
@@ -102,7 +108,7 @@ class StorageConfig:
         for name, backend in users.items():
             value = getattr(self, name)
             if value is not None:
-                raise fail(f"storage.{name}", _listed(value), f"not used: {why}",
+                raise fail(f"storage.{name}", _hidden(_listed(value)), f"not used: {why}",
                             f"remove it, or set storage.backend: {backend}")
 
     def _check_file(self) -> None:
@@ -136,7 +142,7 @@ class StorageConfig:
                         "maxmemory caps a Redis store", "remove it and set maxmemory on the "
                         "server (with maxmemory-policy allkeys-lru)")
         if self.url is not None and self.nodes is not None:
-            raise ConfigError(f"storage.url = {self.url!r} and storage.nodes = "
+            raise ConfigError(f"storage.url = {_hidden(self.url)!r} and storage.nodes = "
                               f"{list(self.nodes)!r}: both given; keep url (one server, or "
                               f"redis+cluster://...) or nodes (a cluster)", key="storage.url")
         if self.url is None and self.nodes is None:
@@ -144,7 +150,7 @@ class StorageConfig:
                               "redis://host:6379 (or nodes: [host:port, ...] for a cluster)",
                               key="storage.url")
         if self.url is not None and _parsed("storage.url", self.url).path is not None:
-            raise fail("storage.url", self.url, "not a Redis URL",
+            raise fail("storage.url", _hidden(self.url), "not a Redis URL",
                         "use redis://host:port or redis+cluster://host:port,...; a directory "
                         "goes in storage.path with storage.backend: file")
         if self.nodes is not None:
@@ -203,8 +209,14 @@ def _parsed(key: str, location: str) -> StoreLocation:
     try:
         return parse_location(location)
     except ValueError as exc:
-        reason = str(exc).removeprefix(f"{location!r}: ")
-        raise ConfigError(f"{key} = {location!r}: {reason}", key=key) from None
+        hidden = hide_password(location)  # passwords are never printed, hints' forms are
+        reason = str(exc).removeprefix(f"{location!r}: ").replace(location, hidden)
+        raise ConfigError(f"{key} = {hidden!r}: {reason}", key=key) from None
+
+
+def _hidden(value: object) -> object:
+    """``value`` with a URL's password shown as ``***`` (passwords are never printed)."""
+    return hide_password(value) if isinstance(value, str) else value
 
 
 def _listed(value: object) -> object:

@@ -23,6 +23,7 @@ from hicache.factory import build_service
 from hicache.metrics.exporter import host_port, port_is_free
 from hicache.radix import CacheStats
 from hicache.service import HiCacheService
+from hicache.storage.probe import describe_location
 
 from .limits import EngineError, check_at_least_one, check_demo_fields
 from .model import ModelSpec, TinyDecoder
@@ -137,15 +138,20 @@ def run_demo(
         baseline_progress(0, workload.num_turns)
         expected = reference_tokens(model, workload, baseline_progress)
         report.baseline_s = time.perf_counter() - start
-        if options.storage is None:
-            engine = serve(config, options, model, workload, report, wanted_port=wanted_port,
-                           on_progress=on_progress)
-        else:
+        location = config.storage.location
+        if options.storage is not None:
             with store_config(config, options.storage) as (config, where):
                 engine = serve_twice(config, options, model, workload, report, where,
                                      expected, wanted_port, on_progress)
-    report.token_mismatch = report.token_mismatch or first_token_mismatch(engine.generated,
-                                                                          expected)
+        elif location is not None:  # the config's own store, used as --storage's is
+            where = f"the config's store, {describe_location(location)}"
+            engine = serve_twice(config, options, model, workload, report, where, expected,
+                                 wanted_port, on_progress)
+        else:
+            engine = serve(config, options, model, workload, report, wanted_port=wanted_port,
+                           on_progress=on_progress)
+    mismatch = first_token_mismatch(engine.generated, expected)
+    report.token_mismatch = report.token_mismatch or mismatch
     return report
 
 
@@ -281,11 +287,9 @@ def _metrics_line(service: HiCacheService, config: HiCacheConfig, wanted_port: i
 def _cpu_threads(device: torch.device) -> Iterator[None]:
     """One intra-op thread on a CPU: the model's ops are tiny, and extra threads only add
     wake-up latency (and contention on a small machine)."""
-    if device.type != "cpu":
-        yield
-        return
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
     try:
         yield
     finally:

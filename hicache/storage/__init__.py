@@ -25,7 +25,7 @@ from .keys import PAGE_HASH_BYTES, Namespace, chain_page_hashes
 from .page_format import PageFormat
 from .probe import StoreProbe, describe_location, probe_store
 from .redis_store import RedisStore
-from .store_url import StoreLocation, open_store, parse_address, parse_location
+from .store_url import StoreLocation, hide_password, open_store, parse_address, parse_location
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -45,6 +45,7 @@ __all__ = [
     "byte_view",
     "chain_page_hashes",
     "describe_location",
+    "hide_password",
     "host_page_views",
     "open_store",
     "parse_address",

@@ -13,6 +13,7 @@ checks both use it, so a location the config accepts is one ``open_store`` opens
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 from urllib.parse import SplitResult, unquote, urlsplit
 
@@ -39,6 +40,15 @@ class StoreLocation(NamedTuple):
     @property
     def cluster(self) -> bool:
         return self.scheme == "redis+cluster"
+
+
+_USER_INFO = re.compile(r"(://)[^@/]*@")  # what a URL names before its host: the password
+
+
+def hide_password(text: str) -> str:
+    """``text`` with the user information of every URL in it shown as ``***`` (a password
+    is never printed: error messages go to terminals and logs)."""
+    return _USER_INFO.sub(r"\1***@", text)
 
 
 def open_store(location: str, namespace: Namespace, **options: Any) -> StorageBackend:
