@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from hicache.storage.page_files import DIRECT_ALIGN as FILE_HEADER_BYTES
 
 from .choices import IOBackend, SWAHistory
-from .parse import ConfigError, check_min, fail, forbid
+from .parse import ConfigError, check_min, check_types, fail, forbid
 from .sections import (
     ControllerConfig,
     DevicePoolConfig,
@@ -46,6 +46,7 @@ class HiCacheConfig:
     storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
+        check_types(self, "")  # a section made in Python: its types too
         check_min("page_size_tokens", self.page_size_tokens, 1)
         pool = self.device_pool
         self._check_pages("device_pool.num_tokens", pool.num_tokens)

@@ -94,6 +94,23 @@ def build_section(cls: Any, data: object, prefix: str, root: Any = None) -> Any:
     return cls(**kwargs)
 
 
+def check_types(section: Any, prefix: str) -> None:
+    """Check every field of frozen dataclass ``section`` (made in Python: by hand, or with
+    ``dataclasses.replace``, which the loader never saw) as the loader checks a file's value,
+    and keep what that gives: a choice given as text becomes its enum (a field compared with
+    ``is`` would misread the text silently: ``swa_history="all"`` built window-tail pools),
+    an int where a float goes a float. ``ConfigError`` naming the dotted key otherwise.
+    Sections inside ``section`` check themselves."""
+    hints = typing.get_type_hints(type(section))
+    for spec in dataclasses.fields(section):
+        value = getattr(section, spec.name)
+        if dataclasses.is_dataclass(hints[spec.name]):
+            continue
+        converted = _convert(value, hints[spec.name], _join(prefix, spec.name), type(section))
+        if converted is not value:
+            object.__setattr__(section, spec.name, converted)
+
+
 def _convert(value: object, hint: Any, key: str, root: Any) -> Any:
     """Check ``value`` against type ``hint``: exact, except int -> float and null -> None."""
     if typing.get_origin(hint) in (types.UnionType, typing.Union):

@@ -29,6 +29,7 @@ from .parse import (
     check_min,
     check_positive,
     check_seconds,
+    check_types,
     fail,
     forbid,
     require,
@@ -69,6 +70,7 @@ class ModelConfig:
     """Sliding window in tokens (required, >= 1, when ``swa_layers`` is not empty)."""
 
     def __post_init__(self) -> None:
+        check_types(self, "model")  # a section made in Python: its types too
         check_min("model.num_layers", self.num_layers, 1)
         # before anything that walks the layers (full_layer_ids builds a tuple of them)
         check_max("model.num_layers", self.num_layers, MAX_LAYERS,
@@ -150,6 +152,7 @@ class DevicePoolConfig:
     """Where the pools live: ``cpu``, ``cuda`` or ``cuda:N``."""
 
     def __post_init__(self) -> None:
+        check_types(self, "device_pool")  # a section made in Python: its types too
         check_min("device_pool.num_tokens", self.num_tokens, 1)
         if self.swa_num_tokens is not None:
             check_min("device_pool.swa_num_tokens", self.swa_num_tokens, 1)
@@ -179,6 +182,7 @@ class HostTierConfig:
     each sequence's window tail); ``hicache check-config`` prints what each costs."""
 
     def __post_init__(self) -> None:
+        check_types(self, "host")  # a section made in Python: its types too
         if self.ratio is not None and self.size_gib is not None:
             raise ConfigError(
                 f"host.ratio = {self.ratio!r} and host.size_gib = {self.size_gib!r}: both "
@@ -233,6 +237,7 @@ class ControllerConfig:
     layer (>= 1); each buffer holds one page more, for chunks balanced in whole pages."""
 
     def __post_init__(self) -> None:
+        check_types(self, "controller")  # a section made in Python: its types too
         check_min("controller.kernel_programs", self.kernel_programs, 1)
         check_min("controller.write_through_hits", self.write_through_hits, 1)
         check_min("controller.load_back_threshold_tokens", self.load_back_threshold_tokens, 0)
@@ -256,6 +261,7 @@ class ServiceConfig:
     """Seconds between integrity checks while idle (>= 0; 0 checks at every idle poll)."""
 
     def __post_init__(self) -> None:
+        check_types(self, "service")  # a section made in Python: its types too
         if not self.metrics_host:
             raise fail("service.metrics_host", self.metrics_host, "empty address",
                         "use 127.0.0.1 (local only) or an address of this machine")

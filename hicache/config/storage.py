@@ -23,7 +23,15 @@ from hicache.storage import (
 )
 
 from .choices import WritePolicy
-from .parse import ConfigError, check_gib, check_min, check_positive, check_seconds, fail
+from .parse import (
+    ConfigError,
+    check_gib,
+    check_min,
+    check_positive,
+    check_seconds,
+    check_types,
+    fail,
+)
 from .sizing import GIB
 
 _CLUSTER_SCHEME = "redis+cluster://"
@@ -83,6 +91,7 @@ class StorageConfig:
     """Hits before a prefix is backed up under write_through_selective (>= 1)."""
 
     def __post_init__(self) -> None:
+        check_types(self, "storage")  # a section made in Python: its types too
         if self.backend is StorageKind.NONE:
             self._check_unused("storage.backend is none (no L3)", {
                 "path": "file", "size_cap_gib": "file", "url": "redis", "nodes": "redis"})
