@@ -24,7 +24,6 @@ table; ``--json PATH`` writes the figures.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -32,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from hicache.cli.device import device_form_problem, missing_device
+from hicache.cli.parser import CliParser, integer
 from hicache.controller import CacheController, TorchBackend
 from hicache.pools import (
     AttentionKind,
@@ -181,17 +182,21 @@ def transfer_rows(device: torch.device, tokens: int, repeats: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hicache.bench.checks",
-                                     description=__doc__.splitlines()[0])
+    parser = CliParser(prog="python -m hicache.bench.checks",
+                       description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--batch", type=int, default=64, help="decode batch rows")
-    parser.add_argument("--max-pages", type=int, default=256, help="page-table columns")
-    parser.add_argument("--tokens", type=int, default=32768, help="tokens of the transfer")
-    parser.add_argument("--new-tokens", type=int, default=16,
+    parser.add_argument("--batch", type=integer(1), default=64, help="decode batch rows")
+    parser.add_argument("--max-pages", type=integer(1), default=256, help="page-table columns")
+    parser.add_argument("--tokens", type=integer(1), default=32768,
+                        help="tokens of the transfer")
+    parser.add_argument("--new-tokens", type=integer(1), default=16,
                         help="new tokens of a forward (set_kv rows)")
-    parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--repeats", type=integer(1), default=200)
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
+    problem = device_form_problem(args.device) or missing_device(args.device)
+    if problem is not None:
+        parser.error(f"--device {args.device}: {problem}")
     device = torch.device(args.device)
     rows = decode_rows(device, args.batch, args.max_pages, args.repeats)
     rows += forward_rows(device, args.new_tokens, args.repeats)

@@ -110,6 +110,7 @@ def _check(args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[TraceR
     validated, and the --json file writable, before anything is measured; otherwise
     :class:`UsageError` naming the option and the value."""
     arg_checks.at_least("--sizes", args.sizes, 1_000)
+    _check_fits(max(args.sizes))
     arg_checks.at_least("--repeats", args.repeats, 1)
     arg_checks.at_least("--trace-requests", args.trace_requests, 1)
     capacities = arg_checks.capacities("--capacities", args.capacities,
@@ -121,6 +122,20 @@ def _check(args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[TraceR
     if args.json is not None:
         check_output_path(args.json, "--json")
     return capacities, requests
+
+
+def _check_fits(size: int) -> None:
+    """:class:`UsageError` naming ``--sizes`` when the pools of a tree of ``size`` tokens
+    (as :func:`~hicache.bench.scheduler.measure_tree` sizes them) do not fit in this
+    machine's RAM: refused before the first size is measured, not after."""
+    from hicache.config import ConfigError, config_from_dict
+
+    from .scheduler import service_config
+    try:
+        config_from_dict(service_config(2 * size + 65_536))
+    except ConfigError as exc:
+        raise UsageError(f"--sizes {size}: the pools of a tree that size do not fit in this "
+                         f"machine's RAM ({exc}); give smaller sizes") from None
 
 
 def _measure(args: argparse.Namespace) -> tuple[list[Figure], list[RequestsRow]]:
