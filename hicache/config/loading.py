@@ -11,6 +11,7 @@ pools in RAM (the host pools, and a ``cpu`` device pool) fit in the RAM availabl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -186,7 +187,8 @@ def _check_ram(config: HiCacheConfig, what: str, ram: int | None, reserve: int,
     pools = "host pools" if not device else "host and CPU device pools"
     problem = f"{pools} need {_gib(need)} GiB but {have}"
     key, value = config.host.size_key
-    most = math.floor(value * max(budget - device, 0) / host * 100) / 100
+    most = _most_that_fits(config, budget, math.floor(value * max(budget - device, 0) / host
+                                                      * 100) / 100)
     if most > 0:
         raise fail(key, value, problem, f"lower {key} to at most {most}, {other_fix}")
     if budget <= 0 < ram:  # no pool size can fix it: the reserve takes all the RAM there is
@@ -198,6 +200,35 @@ def _check_ram(config: HiCacheConfig, what: str, ram: int | None, reserve: int,
                    f"the device pool on the cpu alone leaves no room for a host pool: lower "
                    f"device_pool.num_tokens, {other_fix}")
     raise fail(key, value, problem, f"the RAM left holds no host pool of any size: {other_fix}")
+
+
+def _most_that_fits(config: HiCacheConfig, budget: int, estimate: float) -> float:
+    """The largest host size (``host.ratio`` or ``host.size_gib``, in hundredths) at or below
+    ``estimate`` whose pools fit in ``budget`` bytes, or 0. The estimate scales the size
+    linearly, which each host pool's reserved page and its rounding to whole pages make a
+    page too big at times: the value offered must be one that is then taken (a binary
+    search over hundredths, a few dozen size computations)."""
+    by_ratio = config.host.ratio is not None
+    on_cpu = config.device_pool.device == "cpu"
+
+    def fits(hundredths: int) -> bool:
+        size = hundredths / 100
+        try:
+            host = (dataclasses.replace(config.host, ratio=size) if by_ratio
+                    else dataclasses.replace(config.host, size_gib=size))
+            smaller = dataclasses.replace(config, host=host)
+        except ConfigError:  # smaller than a page
+            return False
+        return sum(size.size_bytes for size in pool_sizes(smaller)
+                   if size.tier == "host" or on_cpu) <= budget
+
+    low, high = 0, round(estimate * 100)  # fits(low) is taken as true: 0 means none
+    if high > 0 and fits(high):
+        return high / 100
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low / 100
 
 
 def _gib(size_bytes: int | None) -> str:

@@ -96,8 +96,7 @@ def host_num_pages(config: HiCacheConfig, pool_name: PoolName) -> int:
         num_pages = math.floor(host.ratio * device_pages + _RATIO_SLACK)
         if num_pages < 1:
             raise _too_small(config, pool_name, f"{host.ratio} x {device_pages} device pages "
-                             f"is {host.ratio * device_pages:.3g} pages",
-                             math.ceil(1e4 / device_pages) / 1e4)
+                             f"is {host.ratio * device_pages:.3g} pages")
         return num_pages
     assert host.size_gib is not None, "HostTierConfig requires ratio or size_gib"
     share_bytes, total_bytes = _share_weight(config, pool_name), sum(
@@ -108,10 +107,8 @@ def host_num_pages(config: HiCacheConfig, pool_name: PoolName) -> int:
     # the whole allocation, reserved padding page included, stays inside the budget
     num_pages = budget_bytes // page_bytes - 1
     if num_pages < 1:
-        min_gib = 2 * page_bytes * total_bytes / share_bytes / GIB
         raise _too_small(config, pool_name, f"its share is {budget_bytes} bytes but one page "
-                         f"plus the reserved page take {2 * page_bytes} bytes",
-                         math.ceil(min_gib * 1e6) / 1e6)
+                         f"plus the reserved page take {2 * page_bytes} bytes")
     return num_pages
 
 
@@ -164,7 +161,23 @@ def _check_pool_name(config: HiCacheConfig, pool_name: str) -> None:
         )
 
 
-def _too_small(config: HiCacheConfig, pool_name: str, detail: str, least: float) -> ConfigError:
+def _least_host(config: HiCacheConfig, pool_name: PoolName) -> float:
+    """The smallest ``host.ratio`` (or ``host.size_gib``, whichever the config uses) that
+    gives pool ``pool_name`` one usable page."""
+    if config.host.ratio is not None:
+        return math.ceil(1e4 / device_num_pages(config, pool_name)) / 1e4
+    share_bytes = _share_weight(config, pool_name)
+    total_bytes = sum(_share_weight(config, name) for name in pool_names(config))
+    page_bytes = config.page_size_tokens * token_bytes(config, pool_name)
+    return math.ceil(2 * page_bytes * total_bytes / share_bytes / GIB * 1e6) / 1e6
+
+
+def _too_small(config: HiCacheConfig, pool_name: str, detail: str) -> ConfigError:
+    """Pool ``pool_name`` gets no usable page; the fix offered is the least value that gives
+    every host pool one (the least of this pool alone could still starve another)."""
+    sized = [name for name in pool_names(config)
+             if not (name == "swa" and config.host.swa_history is SWAHistory.ALL)]
+    least = max(_least_host(config, name) for name in sized)
     key, value = config.host.size_key
     return ConfigError(
         f"{key} = {value!r}: host smaller than one page for pool '{pool_name}' ({detail}, "
