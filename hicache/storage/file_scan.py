@@ -32,7 +32,11 @@ def scan_directory(directory: str, suffix: str, stale_tmp_s: float) -> list[tupl
     entries: list[tuple[float, str, int]] = []
     now, removed = time.time(), 0
     for sub in _subdirectories(directory):
-        with os.scandir(sub) as found:
+        try:
+            found = os.scandir(sub)
+        except FileNotFoundError:
+            continue  # removed since it was listed (a directory cleaned by hand, a clear())
+        with found:
             for entry in found:
                 name = entry.name
                 try:
@@ -45,6 +49,8 @@ def scan_directory(directory: str, suffix: str, stale_tmp_s: float) -> list[tupl
                         entries.append((stat.st_mtime, name, stat.st_size))
                 except FileNotFoundError:
                     continue  # published, evicted or removed meanwhile
+                except OSError as exc:  # a read-only directory: left for a later scan
+                    logger.debug("file store %s: cannot remove %s: %s", directory, name, exc)
     if removed:
         logger.info("file store %s: removed %d temporary files of writers that died", directory,
                     removed)

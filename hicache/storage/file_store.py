@@ -151,8 +151,9 @@ class FileStore(StorageBackend):
 
     def clear(self, timeout_s: float | None = None) -> int:
         removed = sum(1 for _ in self.directory.glob(f"*/*{SUFFIX}"))
-        for child in self.directory.iterdir():
-            shutil.rmtree(child, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):  # removed by hand: nothing to clear
+            for child in self.directory.iterdir():
+                shutil.rmtree(child, ignore_errors=True)
         self.lru.clear()
         return removed
 
@@ -278,6 +279,9 @@ class FileStore(StorageBackend):
                 os.unlink(self._file(name))
             except FileNotFoundError:
                 continue  # deleted by another process: not an eviction of ours
+            except OSError as exc:  # a read-only directory: the file stays (a later scan
+                logger.debug("file store %s: cannot evict %s: %s", self.directory, name, exc)
+                continue  # indexes it again)
             # payload bytes, as written and read count them (not the file with its header)
             self._stats.add(pages_evicted=1, bytes_evicted=self.format.payload_len)
 
