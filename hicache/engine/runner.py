@@ -115,7 +115,8 @@ class DemoEngine:
             return
         self._admit_paused = False
         while self.waiting and len(self.running) < self.max_running:
-            if self.running and not self._has_room_for_one_more():
+            # room made with nothing running too, before the request locks its SWA rows
+            if not self._has_room_for_one_more() and self.running:
                 return
             turn = self.waiting[0]
             request = self._try_admit(turn, history[turn.conversation] + list(turn.user_tokens))
@@ -125,18 +126,20 @@ class DemoEngine:
             self.running.append(request)
 
     def _has_room_for_one_more(self) -> bool:
-        """SWA room for the windows of the running requests and of one more, evicting
-        cached prefixes if needed. Without it a new request would only be admitted to be
-        retracted: on the default config the SWA pool holds four windows."""
+        """SWA room for the windows of the running requests and of one more, evicting cached
+        prefixes if needed (else it would be admitted to be retracted: the default SWA pool
+        holds four windows)."""
         if self.window is None:
             return True
         want = self.window.tokens_wanted(self.running)
         allocator = self.window.pool.swa_allocator
         self.service.step()  # window backups acknowledged free their SWA slots
         while allocator.num_free_tokens < want:
-            short = want - allocator.num_free_tokens
+            short, before = want - allocator.num_free_tokens, allocator.num_free_tokens
             if self.service.evict_swa(short) == 0 and self.service.evict(short) == 0:
-                return False
+                self.service.step()  # write-back evictions free their pages on the ack
+                if allocator.num_free_tokens == before:
+                    return False
         return True
 
     def _try_admit(self, turn: Turn, prompt: list[int]) -> Request | None:
@@ -154,7 +157,8 @@ class DemoEngine:
         # load-back restores from the host when they left the device
         if match.host_hit_tokens or (self.window is not None and match.device_hit_tokens):
             with self.audit.serving(turn.name):
-                loaded = self.service.load_back(match, self.pool_tokens())
+                loaded = self.service.load_back(
+                    match, self.service.controller.device_allocator.capacity_tokens)
             if loaded.refused is Refusal.DEVICE_FULL and self.running:
                 self.service.release(node)
                 return None
@@ -179,9 +183,6 @@ class DemoEngine:
     def generated(self) -> dict[TurnKey, list[int]]:
         """Tokens generated for every finished turn."""
         return {(r.turn.conversation, r.turn.index): r.generated for r in self.finished}
-
-    def pool_tokens(self) -> int:
-        return self.service.controller.device_allocator.capacity_tokens
 
     # ---- one forward --------------------------------------------------------------------
 
