@@ -79,3 +79,10 @@ def test_an_int_where_a_float_goes_is_a_float() -> None:
     base = config()
     service = dataclasses.replace(base.service, integrity_check_interval_s=5)
     assert type(service.integrity_check_interval_s) is float
+
+
+@pytest.mark.parametrize("host", ["", " ", "\t"])
+def test_a_blank_metrics_host_is_refused(host: str) -> None:
+    base = config()
+    with pytest.raises(ConfigError, match=r"service\.metrics_host .*empty address"):
+        dataclasses.replace(base.service, metrics_host=host)

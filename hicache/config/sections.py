@@ -262,7 +262,7 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         check_types(self, "service")  # a section made in Python: its types too
-        if not self.metrics_host:
+        if not self.metrics_host.strip():  # blank: no address either
             raise fail("service.metrics_host", self.metrics_host, "empty address",
                         "use 127.0.0.1 (local only) or an address of this machine")
         check_min("service.metrics_port", self.metrics_port, 0)
