@@ -14,6 +14,7 @@ import contextlib
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 METRICS_PATH = "/metrics"
 SHUTDOWN_POLL_S = 0.1
 REQUEST_TIMEOUT_S = 5.0  # seconds a request connection may stay silent
+CLOSE_WAIT_S = 1.0  # how long a stop waits for the requests it shut to end
 
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
@@ -83,15 +85,18 @@ class MetricsServer(ThreadingWSGIServer):  # type: ignore[misc]
                 self._requests.pop(request, None)
 
     def close_requests(self) -> None:
-        """Shut the connections of the requests being served and join their threads (a
-        request collecting its metrics finishes that, then finds its connection shut)."""
+        """Shut the connections of the requests being served, so that none is answered
+        after this returns, and give their threads :data:`CLOSE_WAIT_S` in all to end (a
+        request collecting its metrics finishes that, then finds its connection shut). One
+        still running then (waiting for a lock this caller holds) ends by itself."""
         with self._requests_lock:
             requests = list(self._requests.items())
         for request, _ in requests:
             with contextlib.suppress(OSError):
                 request.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + CLOSE_WAIT_S
         for _, thread in requests:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def serve_until_stopped(self) -> None:
         """Serve requests until :attr:`stop_requested`. Not ``serve_forever()``: its

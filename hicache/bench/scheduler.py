@@ -60,6 +60,12 @@ class Figure:
         return math.log(medians[-1] / medians[0]) / math.log(sizes[-1] / sizes[0])
 
 
+def capacity_for(size: int) -> int:
+    """The device pool of a tree of ``size`` cached tokens: twice the tree and room for the
+    requests timed on it, in whole pages."""
+    return -(-(2 * size + 65_536) // PAGE) * PAGE
+
+
 def make_service(capacity_tokens: int, host_ratio: float = 1.0, interval_s: float = 3600.0,
                  page_size: int = PAGE) -> HiCacheService:
     """A plain CPU service, one layer of 2-element rows, write-through; the background
@@ -200,7 +206,7 @@ def timed(call: Callable[[], object], repeats: int,
 
 def measure_tree(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
     """Every tree-size-dependent figure at a tree of ``size`` cached tokens."""
-    service = make_service(capacity_tokens=2 * size + 65_536, host_ratio=1.0)
+    service = make_service(capacity_tokens=capacity_for(size), host_ratio=1.0)
     try:
         # What the cache keeps: Python memory allocated while filling and still held once
         # the workload that made the prompts (and holds their token lists) is gone.

@@ -130,9 +130,9 @@ def _check_fits(size: int) -> None:
     machine's RAM: refused before the first size is measured, not after."""
     from hicache.config import ConfigError, config_from_dict
 
-    from .scheduler import service_config
+    from .scheduler import capacity_for, service_config
     try:
-        config_from_dict(service_config(2 * size + 65_536))
+        config_from_dict(service_config(capacity_for(size)))
     except ConfigError as exc:
         raise UsageError(f"--sizes {size}: the pools of a tree that size do not fit in this "
                          f"machine's RAM ({exc}); give smaller sizes") from None

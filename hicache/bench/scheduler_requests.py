@@ -28,6 +28,7 @@ from .scheduler import (
     VOCAB,
     ChatWorkload,
     admit,
+    capacity_for,
     fill,
     free_tail,
     make_service,
@@ -60,12 +61,12 @@ class RequestsRow:
 
 def measure_requests(size: int, count: int, seed: int, per_step: int = 1) -> RequestsRow:
     """Serve ``count`` 2k-token requests back to back on a tree filled to ``size`` cached
-    tokens (the service of the other tree figures: device capacity ``2 * size + 65536``
-    tokens, a host as large), ``per_step`` of them between two steps."""
+    tokens (the service of the other tree figures: the device pool of ``capacity_for``, a
+    host as large), ``per_step`` of them between two steps."""
     if count < 1 or per_step < 1:
         raise ValueError(f"measure_requests: count and per_step must be >= 1, got {count} "
                          f"and {per_step}")
-    service = make_service(capacity_tokens=2 * size + 65_536, host_ratio=1.0)
+    service = make_service(capacity_tokens=capacity_for(size), host_ratio=1.0)
     try:
         workload = ChatWorkload(seed)
         fill(service, workload, size)

@@ -9,7 +9,7 @@ import time
 
 from hicache.service import HiCacheService
 
-from .scheduler import ChatWorkload, fill, make_service, serve
+from .scheduler import ChatWorkload, capacity_for, fill, make_service, serve
 
 
 def measure_thread_latency(size: int, repeats: int, seed: int) -> dict[str, list[float]]:
@@ -29,7 +29,7 @@ def measure_thread_latency(size: int, repeats: int, seed: int) -> dict[str, list
     few hundred microseconds, the bench's own prompt lists included), so a cycle's p99
     sits at that edge and moves by tens of percent between runs; the p99 of the cycles no
     collection stopped is given beside it, for each side."""
-    quiet, running = (make_service(capacity_tokens=2 * size + 65_536, interval_s=0.01)
+    quiet, running = (make_service(capacity_tokens=capacity_for(size), interval_s=0.01)
                       for _ in range(2))
     try:
         sides = (_Side(quiet, seed, size), _Side(running, seed, size))

@@ -76,7 +76,8 @@ def _storage_path(storage: str) -> str | None:
         return parse_location(storage).path
     except ValueError as exc:
         hidden = hide_password(storage)  # passwords are never printed
-        raise UsageError(f"--storage {str(exc).replace(storage, hidden)}") from None
+        raise UsageError(f"--storage {hide_password(str(exc).replace(storage, hidden), storage)}"
+                         ) from None
 
 
 def _probe(storage: str, config: HiCacheConfig) -> None:

@@ -211,14 +211,15 @@ def _most_that_fits(config: HiCacheConfig, budget: int, estimate: float) -> floa
     by_ratio = config.host.ratio is not None
     on_cpu = config.device_pool.device == "cpu"
 
-    def fits(hundredths: int) -> bool:
+    def fits(hundredths: int) -> bool | None:
+        """None: smaller than a page (below every size that fits: the search goes up)."""
         size = hundredths / 100
         try:
             host = (dataclasses.replace(config.host, ratio=size) if by_ratio
                     else dataclasses.replace(config.host, size_gib=size))
             smaller = dataclasses.replace(config, host=host)
         except ConfigError:  # smaller than a page
-            return False
+            return None
         return sum(size.size_bytes for size in pool_sizes(smaller)
                    if size.tier == "host" or on_cpu) <= budget
 
@@ -227,8 +228,8 @@ def _most_that_fits(config: HiCacheConfig, budget: int, estimate: float) -> floa
         return high / 100
     while high - low > 1:
         middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low / 100
+        low, high = (middle, high) if fits(middle) is not False else (low, middle)
+    return low / 100 if low and fits(low) else 0.0
 
 
 def _gib(size_bytes: int | None) -> str:

@@ -22,6 +22,7 @@ import typing
 from collections.abc import Hashable, Mapping
 from typing import Any
 
+import numpy as np
 import yaml
 
 
@@ -97,7 +98,8 @@ def build_section(cls: Any, data: object, prefix: str, root: Any = None) -> Any:
 def check_types(section: Any, prefix: str) -> None:
     """Check every field of frozen dataclass ``section`` (made in Python: by hand, or with
     ``dataclasses.replace``, which the loader never saw) as the loader checks a file's value,
-    and keep what that gives: a choice given as text becomes its enum (a field compared with
+    and keep what that gives: a numpy number becomes a Python one, a choice given as text
+    its enum (a field compared with
     ``is`` would misread the text silently: ``swa_history="all"`` built window-tail pools),
     an int where a float goes a float. ``ConfigError`` naming the dotted key otherwise.
     Sections inside ``section`` check themselves."""
@@ -106,7 +108,9 @@ def check_types(section: Any, prefix: str) -> None:
         value = getattr(section, spec.name)
         if dataclasses.is_dataclass(hints[spec.name]):
             continue
-        converted = _convert(value, hints[spec.name], _join(prefix, spec.name), type(section))
+        # a numpy number (pools sized with numpy arithmetic) is the Python number it holds
+        plain = value.item() if isinstance(value, np.generic) else value
+        converted = _convert(plain, hints[spec.name], _join(prefix, spec.name), type(section))
         if converted is not value:
             object.__setattr__(section, spec.name, converted)
 

@@ -219,7 +219,8 @@ def _parsed(key: str, location: str) -> StoreLocation:
         return parse_location(location)
     except ValueError as exc:
         hidden = hide_password(location)  # passwords are never printed, hints' forms are
-        reason = str(exc).removeprefix(f"{location!r}: ").replace(location, hidden)
+        reason = hide_password(str(exc).removeprefix(f"{location!r}: ").replace(location, hidden),
+                               location)
         raise ConfigError(f"{key} = {hidden!r}: {reason}", key=key) from None
 
 

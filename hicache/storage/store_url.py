@@ -42,13 +42,22 @@ class StoreLocation(NamedTuple):
         return self.scheme == "redis+cluster"
 
 
-_USER_INFO = re.compile(r"(://)[^@/]*@")  # what a URL names before its host: the password
+_USER_INFO = re.compile(r"(://)[^\s'\"]*@")  # a URL's user part, to its last '@' (a parser's)
 
 
-def hide_password(text: str) -> str:
+def hide_password(text: str, location: str | None = None) -> str:
     """``text`` with the user information of every URL in it shown as ``***`` (a password
-    is never printed: error messages go to terminals and logs)."""
-    return _USER_INFO.sub(r"\1***@", text)
+    is never printed: error messages go to terminals and logs). ``location``: the URL the
+    text is about; every piece of its password (split where a parser may cut it: at ``:``,
+    ``/``, ``?``, ``#``, ``@``) is hidden too, wherever the text quotes it."""
+    hidden = _USER_INFO.sub(r"\1***@", text)
+    if location is None or "://" not in location or "@" not in location:
+        return hidden
+    user = location[location.index("://") + 3:location.rindex("@")]
+    for piece in sorted(re.split(r"[:/?#@]", user), key=len, reverse=True):
+        if len(piece) > 1:
+            hidden = hidden.replace(piece, "***")
+    return hidden
 
 
 def open_store(location: str, namespace: Namespace, **options: Any) -> StorageBackend:
