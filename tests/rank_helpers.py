@@ -32,6 +32,22 @@ def run_ranks(target: Callable[..., Any], size: int, tmp_path: Path, *args: Any)
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(size)]
 
 
+def run_ranks_within(target: Callable[..., Any], size: int, tmp_path: Path, *args: Any,
+                     timeout_s: float = 45.0) -> list[Any]:
+    """:func:`run_ranks`, every rank killed and ``TimeoutError`` raised after ``timeout_s``
+    (a rank left waiting in a collective fails the test rather than blocks it)."""
+    ctx = torch.multiprocessing.spawn(_entry, args=(size, str(tmp_path), target, args),
+                                      nprocs=size, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=0.5):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"ranks still running after {timeout_s} s")
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(size)]
+
+
 def _entry(rank: int, size: int, out: str, target: Callable[..., Any], args: tuple[Any, ...]
            ) -> None:
     torch.set_num_threads(1)

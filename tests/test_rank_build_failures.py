@@ -16,45 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
-
-TESTS = Path(__file__).resolve().parent
+from rank_helpers import run_ranks_within
 
 ALIVE_S = 6.0   # a failed rank's process stays up this long (an engine reporting its error)
 PROMPT_S = 4.0  # a rank told at once answers well within this
-
-
-def run_ranks(target: Any, size: int, tmp_path: Path, *args: Any, timeout_s: float = 60.0
-              ) -> list[Any]:
-    ctx = torch.multiprocessing.spawn(_entry, args=(size, str(tmp_path), target, args),
-                                      nprocs=size, join=False)
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"ranks still running after {timeout_s} s")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
-
-
-def _entry(rank: int, size: int, out: str, target: Any, args: tuple[Any, ...]) -> None:
-    sys.path.insert(0, str(TESTS))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank,
-                            world_size=size)
-    try:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(target(rank, *args)))
-    finally:
-        dist.destroy_process_group()
 
 
 def group() -> Any:
@@ -125,7 +96,8 @@ def test_a_build_that_fails_on_one_rank_fails_every_rank_at_build(tmp_path: Path
     process does not see, a machine whose RAM cannot hold the pools): rank 0 must be told
     at build, as it is for a store that fails to open on one rank, instead of waiting in a
     collective for a rank that left the build."""
-    first, second = run_ranks(_build_fails_on_rank_1, 2, tmp_path, str(tmp_path / "l3"), case)
+    first, second = run_ranks_within(_build_fails_on_rank_1, 2, tmp_path,
+                                     str(tmp_path / "l3"), case)
     assert second["error"] is not None and "Error" in second["error"], second
     assert first["elapsed_s"] < PROMPT_S, (
         f"rank 0 blocked {first['elapsed_s']:.1f} s (built: {first.get('built', False)}) "
@@ -164,7 +136,7 @@ def test_mla_ranks_passing_different_tp_arguments_are_refused_on_every_rank(tmp_
     alone, but rank 0 then probes for a shared store (two collectives) and rank 1 does not,
     so the ranks' collectives no longer pair up. The build should refuse it on every rank
     (ValueError naming tp_size), as it does for config keys that differ."""
-    results = run_ranks(_mla_mixed_tp_args, 2, tmp_path, str(tmp_path / "l3"))
+    results = run_ranks_within(_mla_mixed_tp_args, 2, tmp_path, str(tmp_path / "l3"))
     for result in results:
         assert result["elapsed_s"] < PROMPT_S, results
         assert result["error"] is not None and "ValueError" in result["error"] \

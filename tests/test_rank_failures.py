@@ -15,42 +15,17 @@ it would), so a rank left waiting shows as a step or build that takes that long.
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import torch.distributed as dist
+from rank_helpers import run_ranks_within
 
 ALIVE_S = 6.0  # how long a failed rank's process stays up after its error
 PROMPT_S = 4.0  # a rank told at once answers well within this
-
-
-def _run_ranks(target: Any, size: int, tmp_path: Path, *args: Any, timeout_s: float = 45.0
-               ) -> list[Any]:
-    ctx = torch.multiprocessing.spawn(_entry, args=(size, str(tmp_path), target, args),
-                                      nprocs=size, join=False)
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=0.5):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"ranks still running after {timeout_s} s")
-    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(size)]
-
-
-def _entry(rank: int, size: int, out: str, target: Any, args: tuple[Any, ...]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank,
-                            world_size=size)
-    try:
-        Path(out, f"rank{rank}.json").write_text(json.dumps(target(rank, *args)))
-    finally:
-        dist.destroy_process_group()
 
 
 def _plain_config() -> Any:
@@ -119,7 +94,7 @@ def _background_fails_on_rank_1(rank: int) -> dict[str, Any]:
 
 def test_a_rank_whose_background_thread_failed_does_not_leave_the_others_blocked(
         tmp_path: Path) -> None:
-    first, second = _run_ranks(_background_fails_on_rank_1, 2, tmp_path)
+    first, second = run_ranks_within(_background_fails_on_rank_1, 2, tmp_path)
     assert second["background_errors"] == 1
     # the failed rank raises at once...
     assert second["step"].startswith(("ServiceError", "RanksDivergedError")), second
@@ -175,7 +150,7 @@ def test_a_store_that_fails_to_open_on_one_rank_fails_every_rank_at_build(
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     paths = [str(tmp_path / "l3"), str(blocker / "l3")]
-    first, second = _run_ranks(_store_path_on_rank, 2, tmp_path, paths, mla)
+    first, second = run_ranks_within(_store_path_on_rank, 2, tmp_path, paths, mla)
     assert second["error"] is not None and "storage.path" in second["error"]
     assert first["elapsed_s"] < PROMPT_S, (
         f"rank 0 blocked {first['elapsed_s']:.1f} s (built: {first.get('built', False)}) "
