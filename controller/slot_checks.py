@@ -123,9 +123,11 @@ def owned_pages(indices: Indices, allocator: PageAllocator, op: str, fix: str,
     """Page ids of ``indices`` once they are whole, distinct pages of ``allocator``'s pool
     (space, range, page 0: ``PageAllocator.pages_of``, unless the caller gives their checked
     ``pages``) and every page is allocated."""
-    if pages is None:
-        pages = allocator.pages_of(indices, op=op)
-    slot = allocator.first_unallocated_page(pages)
+    if pages is None:  # checked here (range included): no second range check below
+        pages, start = allocator.checked_pages_of(indices, op=op)
+        slot = allocator.first_unallocated_page(pages, run_start=start, in_range=True)
+    else:
+        slot = allocator.first_unallocated_page(pages)
     if slot is not None:
         raise ValueError(
             f"{op}: {allocator.space.name} slot {slot * allocator.page_size} of pool "

@@ -222,7 +222,7 @@ class PageAllocator:
     def is_allocated(self, indices: Indices) -> bool:
         """True when every page of ``indices`` is currently allocated."""
         pages, start = self.checked_pages_of(indices, op=f"is_allocated on pool '{self.name}'")
-        return self.first_unallocated_page(pages, run_start=start) is None
+        return self.first_unallocated_page(pages, run_start=start, in_range=True) is None
 
     def first_unallocated(self, indices: Indices, *, op: str) -> int | None:
         """First slot of ``indices`` whose page is not allocated, or ``None`` if all are.
@@ -230,17 +230,19 @@ class PageAllocator:
         Validates ``indices`` as :meth:`pages_of` does (raises ``ValueError`` for partial or
         repeated pages, page 0, out-of-range values) before looking at ownership."""
         pages, start = self.checked_pages_of(indices, op=op)
-        page = self.first_unallocated_page(pages, run_start=start)
+        page = self.first_unallocated_page(pages, run_start=start, in_range=True)
         return None if page is None else page * self.page_size
 
-    def first_unallocated_page(self, pages: np.ndarray, *, run_start: int | None = None
-                               ) -> int | None:
-        """First of ``pages`` (page ids :meth:`pages_of` returned) that is not allocated, or
-        ``None`` if all are. ``run_start``: as :meth:`checked_pages_of` gave it."""
+    def first_unallocated_page(self, pages: np.ndarray, *, run_start: int | None = None,
+                               in_range: bool = False) -> int | None:
+        """First of ``pages`` (page ids) that is not allocated (outside the pool counts), or
+        ``None`` if all are. ``run_start``: as :meth:`checked_pages_of` gave it; ``in_range``:
+        they came from it (its range check, not made twice on the op's path)."""
         if pages.size == 1:
             page = pages.item()
             return page if not 0 < page <= self.num_pages or self._is_free[page] else None
-        outside = None if not pages.size else page_outside(pages, self.num_pages, run_start)
+        outside = (None if in_range or not pages.size
+                   else page_outside(pages, self.num_pages, run_start))
         if outside is not None:
             return outside
         is_free = (self._is_free[pages] if run_start is None  # else a slice, page for page
