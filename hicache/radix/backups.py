@@ -167,18 +167,26 @@ def _refuse(tree: TieredRadixTree, op: PendingOp) -> None:
     tree.stats.refused_backups["host_full"] += sum(node.num_tokens for node in op.nodes)
 
 
-def allocate_one(tree: TieredRadixTree, node: TreeNode, *, evict_after: bool) -> bool:
+def allocate_one(tree: TieredRadixTree, node: TreeNode, *, evict_after: bool) -> bool | None:
     """Allocate host slots for ``node`` and queue its backup now (the caller issues it with
     ``start_writing``); on a full host evict host leaves and retry once. False (counted)
-    when there is no room. ``evict_after``: a write-back eviction (the node is flagged to
-    leave the device at the ack) rather than a locked write-through backup."""
+    when there is no room; ``None`` (not counted) when the host leaves evicted for it are
+    only queued for the shared store (its ``write_back``: they leave once stored), so room
+    is on its way and the caller keeps ``node`` for a later eviction (evicting more host
+    leaves meanwhile would send twice the pages needed to the store, and dropping ``node``
+    would lose a prefix no tier holds). ``evict_after``: a write-back eviction (the node is
+    flagged to leave the device at the ack) rather than a locked write-through backup."""
     op = PendingOp(Direction.DEVICE_TO_HOST, [node], [])
     device = slots_of(node, "device")
     # A host short of room evicts first: a write refused for room would have run
     # every check of the device pages for nothing
+    tree.host_tokens_scheduled = 0
     evicted = tree.io.host_free_tokens() < node.num_tokens and \
         tree.evict_host(node.num_tokens) > 0
+    waiting = tree.host_tokens_scheduled > 0  # host leaves leave once the store has them
     slots = tree.io.backup(device, op, node.host_swa)
+    if slots is None and waiting:
+        return None  # room is on its way: the caller keeps the node for a later eviction
     if slots is None and not evicted and tree.evict_host(node.num_tokens) > 0:
         slots = tree.io.backup(device, op, node.host_swa)
     if slots is None and tree.io.is_hybrid and \

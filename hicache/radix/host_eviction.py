@@ -44,6 +44,7 @@ def evict_host(tree: TieredRadixTree, num_tokens: int) -> int:
                 tree._host_candidates.offer(parent)
     finally:  # whatever left the tree gives its slots back
         freed = _free(tree, chosen)
+        tree.host_tokens_scheduled = scheduled
     return freed
 
 

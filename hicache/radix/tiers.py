@@ -83,6 +83,7 @@ class TieredRadixTree(RadixTree):
         self.queued_backups: list[PendingOp] = []  # not issued yet (hicache.radix.backups)
         self.on_backup_queued: Callable[[], None] | None = None  # told of each (a service's)
         self.storage: StorageHooks | None = None  # the shared store's tier (hicache.l3)
+        self.host_tokens_scheduled = 0  # the last evict_host's leaves kept for the store
         key = eviction_key(eviction_policy)
         self._device_candidates = CandidateHeap(key, self._can_evict_device)
         self._host_candidates = CandidateHeap(key, self._is_host_candidate)
@@ -103,7 +104,9 @@ class TieredRadixTree(RadixTree):
         dropped with any host-only nodes below it under ``write_through*``; under
         ``write_back`` it is written back first: its tokens count toward ``num_tokens`` but
         are freed by ``apply_acks`` once the write is acknowledged, so the return value can
-        be smaller than ``num_tokens`` (retry after applying acks).
+        be smaller than ``num_tokens`` (retry after applying acks). When the host is full and
+        the host leaves evicted for it leave only once the shared store has them (its
+        ``write_back``), the node stays, touched, for a later call (its tokens count too).
 
         Costs per node evicted and per node changed since the last eviction (see
         :mod:`hicache.radix.eviction`), not per node of the tree.
@@ -111,6 +114,7 @@ class TieredRadixTree(RadixTree):
         self._refresh_candidates()
         freed = scheduled = 0
         released: list[Indices] = []  # device slots, freed in one controller call
+        deferred: list[TreeNode] = []  # write-backs waiting for host room on its way
         try:
             while freed + scheduled < num_tokens:
                 node = self._device_candidates.pop()
@@ -126,12 +130,18 @@ class TieredRadixTree(RadixTree):
                     except BaseException:
                         self._touch(node)
                         raise
+                    if started is None:
+                        deferred.append(node)
+                        scheduled += node.num_tokens
+                        continue
                     if started:
                         scheduled += node.num_tokens
                         continue
                     released.append(self._drop(node, "host_full"))
                 freed += node.num_tokens
         finally:
+            for node in deferred:
+                self._touch(node)
             if released:
                 self.io.free_device(cat_indices(released, IndexSpace.DEVICE_FULL))
             self.stats.evicted_device_tokens += freed  # also when a write-back's issue raises
