@@ -88,8 +88,7 @@ def _close(service: HiCacheService) -> None:
             acks = agreement.take_all()
         service._poller.apply(acks)
         if service.storage is not None:  # after the acks: their backups are queued first
-            service.storage.close()
-            service.storage = None
+            service.storage.close()  # kept: its stats (and the metrics) stay readable
         for pool in service._host_pools:
             pool.close()
         gate.closed = True

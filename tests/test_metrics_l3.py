@@ -97,14 +97,20 @@ def test_without_a_store_the_same_series_are_zero(two: Any, no_store: HiCacheSer
     assert nonzero(without) == {}
 
 
-def test_after_stop_the_series_stay_and_read_zero(two: Any) -> None:
-    """stop() closes the tier (service.storage is None): a scrape still answers, with 0."""
+def test_after_stop_the_series_keep_their_counts(two: Any) -> None:
+    """stop() closes the tier but keeps it: its stats stay readable (the README's
+    ``service.storage.stats``, where a prefetch open at stop counts ``cancelled``), and a
+    rendering after stop reads the counts of before, not 0 (a reset to Prometheus)."""
     a, _ = two
     put(a, list(range(100, 120)))
     settle(a)
+    before = nonzero(l3_samples(a))
+    assert before
     a.stop()
-    assert a.storage is None
-    assert nonzero(l3_samples(a)) == {}
+    assert a.storage is not None
+    assert a.storage.stats.backup_pages["stored"] == 10
+    after = nonzero(l3_samples(a))
+    assert {k: v for k, v in after.items() if k in before} == before
 
 
 def histogram(samples: Samples, op: str) -> tuple[list[float], float, float]:
