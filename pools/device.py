@@ -114,18 +114,19 @@ class DeviceKVPool:
         controller's ``poll()`` calls this); no GPU synchronisation."""
         self.guard.raise_if_tripped()
 
-    def forward_locs(self, locs: Indices) -> ForwardLocs:
+    def forward_locs(self, out_cache_loc: Indices) -> ForwardLocs:
         """Check a forward's new-token slots once, for every layer's :meth:`set_kv`.
 
         Args:
-            locs: ``[n]`` int32/int64 slots in this pool's space, on its device or on the
-                CPU (checked at once there and uploaded without blocking; one ascending run
-                of them makes each layer's write a slice copy: :mod:`.forward_locs`).
+            out_cache_loc: ``[n]`` int32/int64 slots in this pool's space (the hybrid pool's
+                argument has this name too), on its device or on the CPU (checked at once
+                there and uploaded without blocking; one ascending run of them makes each
+                layer's write a slice copy: :mod:`.forward_locs`).
         Returns:
             a :class:`ForwardLocs` owning an int64 copy of them on this pool's device (for
             a run of CPU slots, made there when its ``full`` is first read).
         """
-        return make_forward_locs(self, locs)
+        return make_forward_locs(self, out_cache_loc)
 
     def page_slots(self, table: PageTable, row: int) -> Indices:
         """Slots of every position of row ``row`` of ``table``, which must hold this pool's

@@ -127,3 +127,14 @@ def test_hybrid_free_pages_with_page_0_changes_nothing() -> None:
     assert (_allocator_state(pool.full_allocator), _allocator_state(pool.swa_allocator),
             pool.map_version) == before
     pool.check_integrity()
+
+
+def test_forward_locs_takes_the_same_keyword_on_both_pool_kinds() -> None:
+    """``forward_locs(locs=...)`` on a plain pool, ``out_cache_loc=`` on a hybrid one: a
+    keyword call broke on one of them."""
+    import inspect
+
+    from hicache.pools import DeviceKVPool, HybridSWAPool
+    names = {list(inspect.signature(cls.forward_locs).parameters)[1]
+             for cls in (DeviceKVPool, HybridSWAPool)}
+    assert names == {"out_cache_loc"}
