@@ -49,6 +49,7 @@ class IndexSpace(enum.Enum):
 
     @property
     def is_host(self) -> bool:
+        """True for the host spaces (full and SWA host pools)."""
         return self in (IndexSpace.HOST_FULL, IndexSpace.HOST_SWA)
 
 
@@ -107,6 +108,8 @@ class Indices:
 
     @property
     def device(self) -> torch.device:
+        """The device the index tensor is on (not the pool's: indices of any space may be on
+        the CPU or a GPU)."""
         return self.tensor.device
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> Indices:
@@ -157,6 +160,7 @@ class PageTable:
 
     @property
     def num_rows(self) -> int:
+        """Rows of the table (requests of the batch)."""
         return int(self.tensor.shape[0])
 
 

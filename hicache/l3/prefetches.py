@@ -69,10 +69,12 @@ class Prefetch:
 
     @property
     def num_tokens(self) -> int:
+        """Whole-page tokens this prefetch asked of the store."""
         return len(self.key) // TOKEN_BYTES
 
     @property
     def found_tokens(self) -> int | None:
+        """Tokens the store holds of them, in order from the first; ``None`` until known."""
         if self.job.phase is PrefetchPhase.QUERY or self.job.held_stage is PrefetchPhase.QUERY:
             return None
         return self.job.found * self.job.page_size

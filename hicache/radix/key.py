@@ -75,10 +75,12 @@ class TokenKey:
 
     @property
     def tokens(self) -> tuple[int, ...]:
+        """Every token id of the key, partial last page included (decoded: for tests)."""
         return key_tokens(self._packed)
 
     @property
     def pages(self) -> tuple[int, ...]:
+        """The token ids of the key's whole pages, the part the tree caches (decoded)."""
         return key_tokens(self.data)
 
     @property

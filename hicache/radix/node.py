@@ -104,6 +104,7 @@ class TreeNode:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of this node's key (whole pages)."""
         return len(self.key) // TOKEN_BYTES
 
     @property
@@ -113,6 +114,7 @@ class TreeNode:
 
     @property
     def on_device(self) -> bool:
+        """True while the node holds device slots."""
         return self.device is not None
 
     @property
@@ -122,13 +124,16 @@ class TreeNode:
 
     @property
     def is_host_only(self) -> bool:
+        """True when the node has a host copy and no device slots."""
         return self.device is None and self.host is not None
 
     @property
     def is_in_flight(self) -> bool:
+        """True while a backup or a load of the node is not acknowledged."""
         return self.write_op is not None or self.load_op is not None
 
     def has_device_child(self) -> bool:
+        """True when a child of the node holds device slots."""
         return any(child.device is not None for child in self.children.values())
 
     def depth(self) -> int:
@@ -162,6 +167,7 @@ class MatchResult(NamedTuple):
 
     @property
     def device_hit_tokens(self) -> int:
+        """Tokens of the match found on the device (the length of ``device_indices``)."""
         return len(self.device_indices)
 
 
