@@ -80,7 +80,7 @@ def test_a_store_that_fails_stops_the_run_naming_the_layout(
 def test_the_turns_beside_redis_leave_its_namespace_empty(redis_server: RedisServer) -> None:
     url = f"redis://127.0.0.1:{redis_server.port}"
     rows = measure_turns("redis", url, HostLayout.LAYER_FIRST, page_tokens=2, num_pages=2,
-                         turns=20)
+                         turns=50)
     assert [row.store for row in rows] == ["redis"] * 4
     assert rows[3].figure == "put+get GB/s, layer_first" and rows[3].value > 0
     pool = storage_turns._pool(HostLayout.LAYER_FIRST, 2, 2)
